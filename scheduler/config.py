@@ -1,0 +1,74 @@
+"""Scheduler and cache configuration: frozen, validated once at start-up.
+
+User mistakes (from CLI flags) raise `ValueError` with the flag's name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-step budgets and policies (names follow `vllm serve`).
+
+    max_num_seqs: most requests in one step's batch (and running at once).
+    max_num_batched_tokens: most tokens computed in one step, over all requests.
+    max_model_len: most tokens (prompt + output) in one sequence.
+    enable_chunked_prefill: split prompts longer than the remaining token budget across steps;
+        when off, a prompt is admitted only if it fits the budget whole.
+    policy: "fcfs" (arrival order) or "priority" (lower value first, FCFS within a level).
+    preemption_mode: "recompute" (free blocks, recompute later) or "swap" (to the CPU pool,
+        recompute when that pool is full).
+    max_waiting_requests: bound on the waiting queue; admission past it raises QueueFullError.
+    num_lookahead_tokens: extra slots reserved per running request (speculative decoding).
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"
+    preemption_mode: str = "recompute"
+    max_waiting_requests: int = 1024
+    num_lookahead_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                     "max_waiting_requests"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, "
+                                 f"got {getattr(self, name)}")
+        if self.num_lookahead_tokens < 0:
+            raise ValueError("num_lookahead_tokens must be non-negative")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"--scheduling-policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError("--preemption-mode must be 'recompute' or 'swap', "
+                             f"got {self.preemption_mode!r}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be at least "
+                f"--max-model-len ({self.max_model_len}) when chunked prefill is disabled")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """KV-cache geometry in blocks.
+
+    block_size: tokens per block. num_gpu_blocks: device blocks. num_cpu_blocks: swap-pool
+    blocks (0 = no swap pool). enable_prefix_caching: share full blocks across requests.
+    """
+
+    block_size: int = 16
+    num_gpu_blocks: int = 1024
+    num_cpu_blocks: int = 0
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"--block-size must be a positive power of two, got {self.block_size}")
+        if self.num_gpu_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {self.num_gpu_blocks}")
+        if self.num_cpu_blocks < 0:
+            raise ValueError(f"--swap-space must be non-negative, got {self.num_cpu_blocks} blocks")

@@ -1,0 +1,90 @@
+"""The step contract: `SchedulerOutput` goes to the model runner, `ModelRunnerOutput` comes back.
+
+Data changes hands once per engine step: the scheduler decides, on the CPU, which requests run
+and how many tokens each computes; the runner turns that into device tensors (flat token batch,
+slot mapping, block tables), runs the forward pass and the sampler, and returns sampled token ids.
+The scheduler then advances each `Request` and reports per-request `RequestStepOutput`s to the
+engine's output processor. The runner keeps its own per-request state (block table, sampling
+parameters) between steps, so after the first step only diffs travel.
+
+Kept small and explicit on purpose: speculative decoding, swap and other devices plug in here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from scheduler.request import RequestStatus, SamplingParams
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's work in one step.
+
+    Positions computed this step are `start_position .. start_position + len(token_ids) - 1`;
+    the K/V of position p goes to slot `block_table[p // block_size] * block_size +
+    p % block_size`, where the runner's table is updated as
+    `table[block_table_start:] = new_block_ids`.
+    """
+
+    request_id: str
+    token_ids: list[int]          # ids of the tokens computed this step (prefill chunk or 1)
+    start_position: int           # = num_computed_tokens before this step
+    block_table_start: int        # first table index that changed (0 for a new/resumed request)
+    new_block_ids: list[int]      # table[block_table_start:]; empty when the table is unchanged
+    is_new: bool                  # runner must (re)create its state: new, resumed, or forked
+    sample: bool                  # this step reaches the last known token: sample the next one
+    sampling_params: SamplingParams
+    output_index: int             # tokens generated so far (seeded sampling keys on it)
+    choice_index: int = 0         # which of n choices (seeded sampling keys on it too)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """Everything the model runner needs for one step. Copies run before the forward pass in
+    this order: swap out, swap in, copy-on-write."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_scheduled_tokens: int = 0                                   # sum over `scheduled`
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)   # (cpu, device)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)      # (src, dst) device
+    preempted_request_ids: list[str] = field(default_factory=list)  # runner drops their state
+    finished_request_ids: list[str] = field(default_factory=list)   # since last step; drop state
+    num_lookahead_tokens: int = 0                                   # spec-decode slots reserved
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """What one forward pass produced.
+
+    `sampled_token_ids[request_id]` lists the tokens to append, in order. Every token but the last
+    had its K/V computed in this step (accepted speculative tokens); without speculative
+    decoding it holds exactly one token. Requests that did not sample are absent.
+    `logprobs[request_id]` is opaque to the scheduler and passed through to the engine.
+    """
+
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, Any] | None = None
+
+
+@dataclass(slots=True)
+class RequestStepOutput:
+    """Per-request result of `Scheduler.update_from_output`, for the output processor."""
+
+    request_id: str
+    new_token_ids: list[int]
+    status: RequestStatus              # a FINISHED_* status when this step finished it
+    stop_reason: int | str | None = None
+    logprobs: Any = None
+    parent_id: str | None = None       # set for forked choices (n > 1)
+    index: int = 0                     # choice index
+
+    @property
+    def finished(self) -> bool:
+        return self.status.is_finished

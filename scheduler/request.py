@@ -1,0 +1,193 @@
+"""The request as the scheduler sees it, its sampling parameters, and admission errors.
+
+Owns: `Request` — the one object per sequence that holds its token ids, `num_computed_tokens`,
+status, priority and arrival time. Everything the scheduler, the KV-cache manager and the
+engine's output processor need is read from it; nothing is stored twice. Only the scheduler
+mutates it (in `schedule` and `update_from_output`).
+
+`SamplingParams` is defined here, beside the request, because the scheduler applies its stop
+conditions (`max_tokens`, `min_tokens`, `ignore_eos`, `stop_token_ids`); the model runner's
+sampler reads the rest. It is pure data, validated once in `__post_init__`: a user mistake raises
+`ValueError`, which the API maps to HTTP 400.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at `max_waiting_requests`; the request was not admitted (HTTP 503)."""
+
+
+class RequestTooLongError(ValueError):
+    """Prompt (plus `max_tokens`) does not fit in `max_model_len` (HTTP 400)."""
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle of a request. Every status from FINISHED_STOPPED on is final."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2          # recompute preemption: back in the waiting queue, blocks freed
+    SWAPPED = 3            # swap preemption: blocks in the CPU swap pool
+    FINISHED_STOPPED = 4   # EOS, a stop token id, or a stop string (engine side)
+    FINISHED_LENGTH_CAPPED = 5  # max_tokens or max_model_len reached
+    FINISHED_ABORTED = 6   # client went away, timeout, shutdown
+    FINISHED_ERROR = 7     # the request failed alone (e.g. runner error for it)
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI's `finish_reason` for a final status, else None."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample and when to stop, per request (OpenAI and vLLM parameter names).
+
+    Token counts are in tokens; probabilities in [0, 1]. `max_tokens=None` means "until
+    `max_model_len`". `seed=None` means non-reproducible sampling. `n` choices are produced by
+    forking the request after its prompt is computed (blocks shared, copy-on-write).
+
+    Raises: ValueError naming the parameter on any out-of-range value.
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                 # 0 (or -1) = disabled
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None    # number of top logprobs per token (0 = sampled token only)
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        def bad(name: str, value, why: str) -> None:
+            raise ValueError(f"{name} {why}, got {value!r}")
+
+        if self.n < 1:
+            bad("n", self.n, "must be at least 1")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            bad("max_tokens", self.max_tokens, "must be at least 1")
+        if self.min_tokens < 0:
+            bad("min_tokens", self.min_tokens, "must be non-negative")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", self.min_tokens, f"must not exceed max_tokens={self.max_tokens}")
+        if self.temperature < 0:
+            bad("temperature", self.temperature, "must be non-negative")
+        if not 0 < self.top_p <= 1:
+            bad("top_p", self.top_p, "must be in (0, 1]")
+        if self.top_k < -1:
+            bad("top_k", self.top_k, "must be -1, 0 (disabled) or positive")
+        if not 0 <= self.min_p <= 1:
+            bad("min_p", self.min_p, "must be in [0, 1]")
+        if not -2 <= self.presence_penalty <= 2:
+            bad("presence_penalty", self.presence_penalty, "must be in [-2, 2]")
+        if not -2 <= self.frequency_penalty <= 2:
+            bad("frequency_penalty", self.frequency_penalty, "must be in [-2, 2]")
+        if self.repetition_penalty <= 0:
+            bad("repetition_penalty", self.repetition_penalty, "must be positive")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            bad("logprobs", self.logprobs, "must be in [0, 20]")
+        if isinstance(self.stop, str) or isinstance(self.stop_token_ids, int):
+            raise ValueError("stop and stop_token_ids must be sequences")
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+_arrival_counter = iter(range(1 << 62))
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    """One sequence: prompt and output token ids, progress and scheduling attributes.
+
+    `all_token_ids` is prompt + output (a list, appended to); `num_computed_tokens` counts the
+    leading tokens whose K/V is in the cache (or scheduled to be, this step). A request with
+    `sampling_params.n > 1` is forked into `n` sequences once all but its last prompt token are
+    computed; its children have ids `f"{parent_id}#{index}"` and `parent_id` set.
+
+    Args (beyond the fields): `arrival_time` in seconds (`time.monotonic()`), `priority` lower =
+    sooner (used by the `priority` policy), `eos_token_id` None for none.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    eos_token_id: int | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0
+    extra_keys: object = None              # folded into prefix-cache hashes (adapter id, salt)
+    parent_id: str | None = None
+    index: int = 0                         # choice index among the n forks
+    all_token_ids: list[int] = field(init=False)
+    num_prompt_tokens: int = field(init=False)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None   # the stop token id (or stop string) that finished it
+    num_preemptions: int = 0
+    forked: bool = False                   # True once the n-way fork happened (or n == 1)
+    seq: int = field(init=False)           # tie-breaker: admission order among equal arrivals
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.forked = self.sampling_params.n == 1 or self.parent_id is not None
+        self.seq = next(_arrival_counter)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status >= RequestStatus.FINISHED_STOPPED
+
+    def fork(self, index: int) -> Request:
+        """A sibling sequence sharing this request's tokens and progress (no blocks; see
+        `KVCacheManager.fork`)."""
+        child = Request(f"{self.request_id}#{index}", self.prompt_token_ids, self.sampling_params,
+                        self.eos_token_id, self.arrival_time, self.priority, self.extra_keys,
+                        parent_id=self.request_id, index=index)
+        child.all_token_ids = list(self.all_token_ids)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.status = self.status
+        return child

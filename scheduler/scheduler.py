@@ -1,0 +1,379 @@
+"""Iteration-level (continuous-batching) scheduler for the LLM engine.
+
+Owns: the waiting queue, the running list, the swapped list, and the KV-cache manager. Its
+interface is four calls (vLLM v1's): `add_request`, `schedule`, `update_from_output`,
+`finish_requests`.
+
+One rule, no phases (vLLM v1 engine core): each scheduled request's `num_computed_tokens`
+catches up with its token count within the step's budgets (`max_num_seqs`,
+`max_num_batched_tokens`). A prompt longer than the remaining budget is split across steps
+(chunked prefill); prefix-cache hits start a request past its cached prefix; a decode is the
+case where one token is missing. Order within a step: running requests, then swapped ones being
+resumed, then waiting ones — and nothing is resumed or admitted in a step that preempted.
+
+Running, swapped and waiting requests are kept in policy order: `fcfs` by (arrival, admission
+sequence), `priority` by (priority, arrival, sequence). When the KV pool has no room for a
+running request, the *last* request of the running list (lowest priority, then latest arrival)
+is preempted: `swap` moves its blocks to the CPU pool (or falls back to recompute when that is
+full); `recompute` frees them and re-queues the request with its generated tokens kept, to be
+recomputed as prompt. Because victims come from the back and scheduling goes front to back, a
+victim was never scheduled in the same step.
+
+n > 1: the request is computed once up to its last prompt token, then forked into n sequences
+that share its blocks by reference count; each computes the last prompt token itself (so
+each samples from the same logits), copying the shared partial block first (copy-on-write).
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kvcache.manager import KVCacheManager
+from scheduler.config import CacheConfig, SchedulerConfig
+from scheduler.output import ModelRunnerOutput, RequestStepOutput, ScheduledRequest, SchedulerOutput
+from scheduler.request import QueueFullError, Request, RequestStatus, RequestTooLongError
+
+RUNNING = RequestStatus.RUNNING
+
+
+@dataclass
+class SchedulerCounters:
+    """Cumulative counters since start (for Prometheus counters). Tokens and blocks are counts."""
+
+    prefix_cache_queries: int = 0   # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0      # of those, tokens found cached
+    num_preemptions: int = 0
+    swap_out_blocks: int = 0
+    swap_in_blocks: int = 0
+
+
+class Scheduler:
+    """Decides, every engine step, which requests compute how many tokens.
+
+    Raises (at construction): ValueError if one sequence of `max_model_len` tokens could not fit
+    in the KV cache — it could then never finish.
+    """
+
+    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig) -> None:
+        capacity = cache_config.num_gpu_blocks * cache_config.block_size
+        if capacity < config.max_model_len + config.num_lookahead_tokens:
+            raise ValueError(
+                f"max_model_len ({config.max_model_len}) is larger than the KV cache can hold "
+                f"({capacity} tokens = {cache_config.num_gpu_blocks} blocks x "
+                f"{cache_config.block_size}); decrease --max-model-len or give the cache more memory")
+        self.config = config
+        self.cache_config = cache_config
+        self.kv = KVCacheManager(cache_config.num_gpu_blocks, cache_config.block_size,
+                                 cache_config.enable_prefix_caching, cache_config.num_cpu_blocks)
+        self.requests: dict[str, Request] = {}     # every unfinished request, by id
+        self.waiting: list[tuple] = []             # heap of (key, request)
+        self.running: list[Request] = []           # policy order
+        self.swapped: list[Request] = []           # policy order
+        self.counters = SchedulerCounters()
+        self._finished_ids: list[str] = []         # finished since the last schedule()
+        self._unsent: set[str] = set()             # running but unknown to the runner (forks)
+        if config.policy == "priority":
+            self._key = lambda r: (r.priority, r.arrival_time, r.seq)
+        else:
+            self._key = lambda r: (r.arrival_time, r.seq)
+
+    # ------------------------------------------------------------------ admission
+    def add_request(self, request: Request) -> None:
+        """Queue a new request.
+
+        Raises: RequestTooLongError if the prompt (plus `max_tokens`) exceeds `max_model_len`;
+        QueueFullError if `max_waiting_requests` are already waiting; ValueError for a duplicate
+        id or `n` above `max_num_seqs`.
+        """
+        cfg = self.config
+        num_prompt = request.num_prompt_tokens
+        max_tokens = request.sampling_params.max_tokens
+        if num_prompt >= cfg.max_model_len:
+            raise RequestTooLongError(
+                f"This model's maximum context length is {cfg.max_model_len} tokens. However, "
+                f"your prompt has {num_prompt} tokens, leaving no room for output.")
+        if max_tokens is not None and num_prompt + max_tokens > cfg.max_model_len:
+            raise RequestTooLongError(
+                f"This model's maximum context length is {cfg.max_model_len} tokens. However, you "
+                f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, "
+                f"{max_tokens} in the completion).")
+        if request.sampling_params.n > cfg.max_num_seqs:
+            raise ValueError(f"n ({request.sampling_params.n}) exceeds max_num_seqs "
+                             f"({cfg.max_num_seqs})")
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if len(self.waiting) >= cfg.max_waiting_requests:
+            raise QueueFullError(f"the waiting queue is full ({cfg.max_waiting_requests} "
+                                 "requests); retry later")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        heapq.heappush(self.waiting, (self._key(request), request))
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's batch; advances `num_computed_tokens` of every scheduled request."""
+        cfg = self.config
+        out = SchedulerOutput(finished_request_ids=self._finished_ids,
+                              num_lookahead_tokens=cfg.num_lookahead_tokens)
+        self._finished_ids = []
+        budget = cfg.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted_request_ids and (self.swapped or self.waiting):
+            seats = self._seats_taken()
+            budget, seats = self._resume_swapped(out, budget, seats)
+            if not self.swapped:
+                self._admit_waiting(out, budget, seats)
+        out.blocks_to_copy = self.kv.take_blocks_to_copy()
+        return out
+
+    @staticmethod
+    def _seats(req: Request) -> int:
+        """Sequences the request will occupy: n for a parent not yet forked, else 1."""
+        return 1 if req.forked else req.sampling_params.n
+
+    def _seats_taken(self) -> int:
+        return sum(map(self._seats, self.running))
+
+    def _target(self, req: Request) -> int:
+        """Tokens the request must have computed before it can sample (fork point if unforked)."""
+        return req.num_tokens if req.forked else req.num_prompt_tokens - 1
+
+    def _num_new(self, req: Request, budget: int) -> int:
+        """Tokens to compute this step within `budget`; -1 if it must wait (no chunking)."""
+        num_new = self._target(req) - req.num_computed_tokens
+        if num_new > budget:
+            return budget if self.config.enable_chunked_prefill else -1
+        return num_new
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        kv, running, lookahead = self.kv, self.running, self.config.num_lookahead_tokens
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            if not req.forked and req.num_computed_tokens == req.num_prompt_tokens - 1:
+                self._fork(req)
+            num_new = self._num_new(req, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while True:
+                start = kv.allocate_slots(req.request_id, req.all_token_ids,
+                                          req.num_computed_tokens, num_new, lookahead,
+                                          extra_keys=req.extra_keys)
+                if start is not None:
+                    break
+                victim = running.pop()
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            if start is None:
+                break
+            is_new = req.request_id in self._unsent
+            if is_new:
+                self._unsent.discard(req.request_id)
+                start = 0
+            self._emit(out, req, num_new, start, is_new)
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _resume_swapped(self, out: SchedulerOutput, budget: int, seats: int) -> tuple[int, int]:
+        lookahead = self.config.num_lookahead_tokens
+        while self.swapped and budget > 0:
+            req = self.swapped[0]
+            if seats + self._seats(req) > self.config.max_num_seqs:
+                break
+            num_new = self._num_new(req, budget)
+            if num_new < 0:
+                break
+            mapping = self.kv.swap_in(req.request_id, req.all_token_ids, req.num_computed_tokens,
+                                      num_new, lookahead, req.extra_keys)
+            if mapping is None:
+                break
+            del self.swapped[0]
+            out.blocks_to_swap_in.extend(mapping)
+            self.counters.swap_in_blocks += len(mapping)
+            seats += self._seats(req)
+            self._start_running(out, req, num_new)
+            budget -= num_new
+        return budget, seats
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, seats: int) -> None:
+        kv, cfg = self.kv, self.config
+        while self.waiting and budget > 0:
+            req = self.waiting[0][1]
+            if seats + self._seats(req) > cfg.max_num_seqs:
+                break
+            hit_blocks, num_hit = kv.get_computed_blocks(req.request_id, req.all_token_ids,
+                                                         req.extra_keys)
+            req.num_computed_tokens = num_hit
+            num_new = self._num_new(req, budget)
+            start = None
+            if num_new >= 0:
+                start = kv.allocate_slots(req.request_id, req.all_token_ids, 0, num_new,
+                                          cfg.num_lookahead_tokens, hit_blocks, req.extra_keys)
+            if start is None:
+                req.num_computed_tokens = 0
+                break
+            heapq.heappop(self.waiting)
+            self.counters.prefix_cache_queries += req.num_tokens
+            self.counters.prefix_cache_hits += num_hit
+            seats += self._seats(req)
+            self._start_running(out, req, num_new)
+            budget -= num_new
+
+    def _start_running(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
+        req.status = RUNNING
+        bisect.insort(self.running, req, key=self._key)
+        if num_new:
+            self._emit(out, req, num_new, 0, True)
+        else:                       # at its fork point: forked and scheduled next step
+            self._unsent.add(req.request_id)
+
+    def _emit(self, out: SchedulerOutput, req: Request, num_new: int, table_start: int,
+              is_new: bool) -> None:
+        start = req.num_computed_tokens
+        end = start + num_new
+        table = self.kv.block_tables[req.request_id]
+        new_ids = [b.block_id for b in table[table_start:]] if table_start < len(table) else []
+        out.scheduled.append(ScheduledRequest(
+            req.request_id, req.all_token_ids[start:end], start, table_start, new_ids, is_new,
+            end == req.num_tokens, req.sampling_params, req.num_output_tokens, req.index))
+        out.num_scheduled_tokens += num_new
+        req.num_computed_tokens = end
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        """Take a running request off the device (it was not scheduled in this step)."""
+        rid = req.request_id
+        req.num_preemptions += 1
+        self.counters.num_preemptions += 1
+        out.preempted_request_ids.append(rid)
+        self._unsent.discard(rid)
+        if self.config.preemption_mode == "swap":
+            mapping = self.kv.swap_out(rid)
+            if mapping is not None:
+                out.blocks_to_swap_out.extend(mapping)
+                self.counters.swap_out_blocks += len(mapping)
+                req.status = RequestStatus.SWAPPED
+                bisect.insort(self.swapped, req, key=self._key)
+                return
+        self.kv.free(rid, keep_hashes=True)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        heapq.heappush(self.waiting, (self._key(req), req))
+
+    def _fork(self, parent: Request) -> None:
+        """Split an n > 1 request into its n sequences (parent = choice 0)."""
+        parent.forked = True
+        for index in range(1, parent.sampling_params.n):
+            child = parent.fork(index)
+            self.kv.fork(parent.request_id, child.request_id, parent.num_computed_tokens)
+            self.requests[child.request_id] = child
+            self._unsent.add(child.request_id)
+            bisect.insort(self.running, child, key=self._key)
+
+    # ------------------------------------------------------------------ update
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[RequestStepOutput]:
+        """Append sampled tokens, apply stop conditions, free finished requests' blocks.
+
+        Tokens for requests that were aborted or preempted since `schedule` are dropped.
+        Returns one `RequestStepOutput` per request that received tokens.
+        """
+        outputs = []
+        logprobs = runner_output.logprobs or {}
+        requests = self.requests
+        for rid, tokens in runner_output.sampled_token_ids.items():
+            req = requests.get(rid)
+            if req is None or req.status != RUNNING:
+                continue
+            if len(tokens) > 1:     # accepted speculative tokens already have their K/V
+                req.num_computed_tokens += len(tokens) - 1
+            status = RUNNING
+            for n, token in enumerate(tokens, 1):
+                req.all_token_ids.append(token)
+                status = self._check_stop(req, token)
+                if status is not RUNNING:
+                    tokens = tokens[:n]
+                    self._finish(req, status)
+                    break
+            outputs.append(RequestStepOutput(rid, tokens, status, req.stop_reason,
+                                             logprobs.get(rid), req.parent_id, req.index))
+        return outputs
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus:
+        """The one place stop conditions live (stop strings are the detokenizer's, engine side).
+
+        EOS (unless `ignore_eos`) and `stop_token_ids` count only once `min_tokens` are out;
+        `max_tokens` and `max_model_len` cap the length.
+        """
+        params = req.sampling_params
+        num_out = len(req.all_token_ids) - req.num_prompt_tokens
+        if num_out >= params.min_tokens:
+            if token == req.eos_token_id and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if (params.max_tokens is not None and num_out >= params.max_tokens) \
+                or len(req.all_token_ids) >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return RUNNING
+
+    # ------------------------------------------------------------------ finish
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> list[str]:
+        """Finish requests in any state (waiting, mid-prefill, running, swapped) with a final
+        `status`, and free everything they hold in this call. Forked choices of a listed id are
+        finished too. Unknown or already finished ids are ignored.
+
+        Returns: the ids actually finished.
+        Raises: ValueError if `status` is not a finished status.
+        """
+        if not status.is_finished:
+            raise ValueError(f"{status!r} is not a finished status")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        ids = set(request_ids)
+        targets = [r for r in self.requests.values()
+                   if r.request_id in ids or r.parent_id in ids]
+        for req in targets:
+            self._finish(req, status)
+        return [r.request_id for r in targets]
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        prior = req.status
+        req.status = status
+        if prior == RUNNING:
+            self.running.remove(req)
+        elif prior == RequestStatus.SWAPPED:
+            self.swapped.remove(req)
+        else:
+            self.waiting = [e for e in self.waiting if e[1] is not req]
+            heapq.heapify(self.waiting)
+        rid = req.request_id
+        if self.kv.holds_blocks(rid):
+            self.kv.free(rid)
+        else:
+            self.kv.forget(rid)
+        self._unsent.discard(rid)
+        del self.requests[rid]
+        self._finished_ids.append(rid)
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)

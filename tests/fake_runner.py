@@ -1,0 +1,141 @@
+"""A model runner over an integer KV cache, for testing the scheduler without torch.
+
+Each slot of the fake cache holds `(position, token_id)` — what real K/V would encode. The fake
+runner executes a `SchedulerOutput` exactly as the real one must (swap out, swap in,
+copy-on-write, then write every scheduled token through its slot mapping, then "attend"), keeps
+its own per-request block tables from the diffs, and when a request samples it reads the whole
+context back through its block table. That context must equal the request's true tokens, and the
+next token is a deterministic function of the context read back — so a bookkeeping error either
+trips an assertion or changes the output.
+"""
+
+from __future__ import annotations
+
+from scheduler.output import ModelRunnerOutput, SchedulerOutput
+from scheduler.scheduler import Scheduler
+
+VOCAB = 97
+
+
+def next_token(context: list[int], choice_index: int) -> int:
+    """Deterministic 'model': depends on the last tokens, the length and the choice index."""
+    h = len(context) * 7919 + choice_index * 104729
+    for t in context[-6:]:
+        h = (h * 31 + t) % 1_000_003
+    return h % VOCAB
+
+
+class FakeRunner:
+    """Runs `SchedulerOutput`s against an integer cache; see the module docstring."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        cache = scheduler.cache_config
+        self.scheduler = scheduler
+        self.block_size = cache.block_size
+        self.gpu = [[None] * cache.block_size for _ in range(cache.num_gpu_blocks)]
+        self.cpu = [[None] * cache.block_size for _ in range(cache.num_cpu_blocks)]
+        self.tables: dict[str, list[int]] = {}
+        self.steps = 0
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self.steps += 1
+        for rid in out.finished_request_ids + out.preempted_request_ids:
+            self.tables.pop(rid, None)
+        for g, c in out.blocks_to_swap_out:
+            self.cpu[c] = list(self.gpu[g])
+        for c, g in out.blocks_to_swap_in:
+            self.gpu[g] = list(self.cpu[c])
+        for src, dst in out.blocks_to_copy:
+            self.gpu[dst] = list(self.gpu[src])
+        bs = self.block_size
+        # Write every scheduled token's K/V first (the runner contract), then read.
+        for s in out.scheduled:
+            if s.is_new:
+                assert s.block_table_start == 0, "a new request must carry its whole table"
+                self.tables[s.request_id] = list(s.new_block_ids)
+            else:
+                assert s.request_id in self.tables, f"{s.request_id} unknown to the runner"
+                table = self.tables[s.request_id]
+                del table[s.block_table_start:]
+                table.extend(s.new_block_ids)
+            table = self.tables[s.request_id]
+            for i, tok in enumerate(s.token_ids):
+                pos = s.start_position + i
+                self.gpu[table[pos // bs]][pos % bs] = (pos, tok)
+        sampled: dict[str, list[int]] = {}
+        for s in out.scheduled:
+            if not s.sample:
+                continue
+            table = self.tables[s.request_id]
+            end = s.start_position + len(s.token_ids)
+            context = []
+            for pos in range(end):
+                entry = self.gpu[table[pos // bs]][pos % bs]
+                assert entry is not None and entry[0] == pos, \
+                    f"{s.request_id}: slot for position {pos} holds {entry}"
+                context.append(entry[1])
+            truth = self.scheduler.requests[s.request_id].all_token_ids[:end]
+            assert context == truth, f"{s.request_id}: cache holds {context}, expected {truth}"
+            sampled[s.request_id] = [next_token(context, s.choice_index)]
+        return ModelRunnerOutput(sampled_token_ids=sampled)
+
+
+def run_steps(scheduler: Scheduler, runner: FakeRunner, max_steps: int = 10_000,
+              check=None) -> dict[str, list[int]]:
+    """Step until no request is unfinished; returns output token ids of every finished request.
+
+    `check(scheduler, out)` runs after every schedule and every update (invariants).
+    Raises AssertionError if requests remain after `max_steps`.
+    """
+    outputs: dict[str, list[int]] = {}
+    for _ in range(max_steps):
+        if not scheduler.has_unfinished_requests():
+            return outputs
+        out = scheduler.schedule()
+        if check:
+            check(scheduler, out)
+        result = runner.execute(out)
+        for o in scheduler.update_from_output(out, result):
+            outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+        if check:
+            check(scheduler, None)
+    raise AssertionError(f"requests still unfinished after {max_steps} steps: "
+                         f"{sorted(scheduler.requests)}")
+
+
+def check_invariants(scheduler: Scheduler, out: SchedulerOutput | None) -> None:
+    """Block accounting, sharing and budget invariants (see issue 2's property test)."""
+    kv = scheduler.kv
+    for pool, tables in ((kv.pool, kv.block_tables), (kv.cpu_pool, kv.cpu_tables)):
+        if pool is None:
+            assert not tables
+            continue
+        refs = [0] * pool.num_blocks
+        holders: dict[int, set[str]] = {}
+        for rid, table in tables.items():
+            for b in table:
+                refs[b.block_id] += 1
+                holders.setdefault(b.block_id, set()).add(rid)
+        free = [b.block_id for b in pool.blocks if b.ref_cnt == 0]
+        assert pool.num_free_blocks + pool.num_used_blocks == pool.num_blocks
+        assert sorted(free) == sorted(pool._free), "free queue != blocks with ref_cnt 0"
+        for b in pool.blocks:
+            assert b.ref_cnt == refs[b.block_id], \
+                f"block {b.block_id}: ref_cnt {b.ref_cnt} but {refs[b.block_id]} table refs"
+        for block_id, rids in holders.items():
+            if len(rids) > 1 and pool.blocks[block_id].block_hash is None:
+                families = {r.split("#")[0] for r in rids}
+                assert len(families) == 1, f"block {block_id} shared by {rids} outside fork/prefix"
+    for req in scheduler.running:
+        assert req.request_id in kv.block_tables
+    for req in scheduler.swapped:
+        assert req.request_id in kv.cpu_tables and req.request_id not in kv.block_tables
+    for _, req in scheduler.waiting:
+        assert not kv.holds_blocks(req.request_id)
+    cfg = scheduler.config
+    assert len(scheduler.running) <= cfg.max_num_seqs
+    if out is not None:
+        assert out.num_scheduled_tokens == sum(len(s.token_ids) for s in out.scheduled)
+        assert out.num_scheduled_tokens <= cfg.max_num_batched_tokens
+        assert len(out.scheduled) <= cfg.max_num_seqs
+        assert len({s.request_id for s in out.scheduled}) == len(out.scheduled)

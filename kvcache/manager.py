@@ -60,9 +60,10 @@ class KVCacheManager:
         """Device KV-cache usage in [0, 1] (blocks referenced / total)."""
         return self.pool.usage()
 
-    def block_ids(self, request_id: str) -> list[int]:
-        """The request's device block table as ids (empty if it holds none)."""
-        return [b.block_id for b in self.block_tables.get(request_id, ())]
+    def block_ids(self, request_id: str, start: int = 0) -> list[int]:
+        """The request's device block table as ids from index `start` (empty if none)."""
+        table = self.block_tables.get(request_id, ())
+        return [b.block_id for b in table[start:]] if start < len(table) else []
 
     def holds_blocks(self, request_id: str) -> bool:
         return request_id in self.block_tables or request_id in self.cpu_tables
@@ -139,6 +140,16 @@ class KVCacheManager:
         table = self.block_tables.get(request_id)
         if table is None:
             table = []
+        elif not new_computed_blocks:
+            # Fast path (most decodes): the slots exist, the written block is private, and no
+            # block becomes full, so nothing changes.
+            end = num_computed_tokens + num_new_tokens
+            write_idx = num_computed_tokens // bs
+            if (end + num_lookahead_tokens <= len(table) * bs and write_idx < len(table)
+                    and table[write_idx].ref_cnt == 1
+                    and (not self.enable_prefix_caching
+                         or end // bs <= self._num_cached.get(request_id, 0))):
+                return len(table)
         num_computed = num_computed_tokens + len(new_computed_blocks) * bs
         needed = cdiv(num_computed + num_new_tokens + num_lookahead_tokens, bs)
         num_existing = len(table) + len(new_computed_blocks)

@@ -150,12 +150,17 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         kv, running, lookahead = self.kv, self.running, self.config.num_lookahead_tokens
+        chunked = self.config.enable_chunked_prefill
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
             if not req.forked and req.num_computed_tokens == req.num_prompt_tokens - 1:
                 self._fork(req)
-            num_new = self._num_new(req, budget)
+            # = self._num_new(req, budget), inlined: this loop runs for every request, every step.
+            num_new = (len(req.all_token_ids) if req.forked else req.num_prompt_tokens - 1) \
+                - req.num_computed_tokens
+            if num_new > budget:
+                num_new = budget if chunked else -1
             if num_new <= 0:
                 i += 1
                 continue
@@ -237,11 +242,11 @@ class Scheduler:
               is_new: bool) -> None:
         start = req.num_computed_tokens
         end = start + num_new
-        table = self.kv.block_tables[req.request_id]
-        new_ids = [b.block_id for b in table[table_start:]] if table_start < len(table) else []
+        tokens = req.all_token_ids
         out.scheduled.append(ScheduledRequest(
-            req.request_id, req.all_token_ids[start:end], start, table_start, new_ids, is_new,
-            end == req.num_tokens, req.sampling_params, req.num_output_tokens, req.index))
+            req.request_id, tokens[start:end], start, table_start,
+            self.kv.block_ids(req.request_id, table_start), is_new, end == len(tokens),
+            req.sampling_params, len(tokens) - req.num_prompt_tokens, req.index))
         out.num_scheduled_tokens += num_new
         req.num_computed_tokens = end
 
@@ -290,16 +295,19 @@ class Scheduler:
             req = requests.get(rid)
             if req is None or req.status != RUNNING:
                 continue
-            if len(tokens) > 1:     # accepted speculative tokens already have their K/V
+            if len(tokens) == 1:
+                req.all_token_ids.append(tokens[0])
+                status = self._check_stop(req, tokens[0])
+            else:                   # accepted speculative tokens already have their K/V
                 req.num_computed_tokens += len(tokens) - 1
-            status = RUNNING
-            for n, token in enumerate(tokens, 1):
-                req.all_token_ids.append(token)
-                status = self._check_stop(req, token)
-                if status is not RUNNING:
-                    tokens = tokens[:n]
-                    self._finish(req, status)
-                    break
+                for n, token in enumerate(tokens, 1):
+                    req.all_token_ids.append(token)
+                    status = self._check_stop(req, token)
+                    if status is not RUNNING:
+                        tokens = tokens[:n]
+                        break
+            if status is not RUNNING:
+                self._finish(req, status)
             outputs.append(RequestStepOutput(rid, tokens, status, req.stop_reason,
                                              logprobs.get(rid), req.parent_id, req.index))
         return outputs

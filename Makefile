@@ -26,3 +26,7 @@ bench: install
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+
+serve: install
+	@if [ -d api ]; then $(VENV)/bin/continuum serve; else \
+	  echo "make serve: the OpenAI server (api/) is not built yet; see README 'Status'." >&2; exit 1; fi

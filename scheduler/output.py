@@ -38,6 +38,10 @@ class ScheduledRequest:
     sampling_params: SamplingParams
     output_index: int             # tokens generated so far (seeded sampling keys on it)
     choice_index: int = 0         # which of n choices (seeded sampling keys on it too)
+    # Only when is_new: the whole context so far (penalties need it; a prefix-cache hit or a
+    # resumed request starts mid-sequence, so token_ids alone do not carry it).
+    prompt_token_ids: list[int] | None = None
+    output_token_ids: list[int] | None = None
 
 
 @dataclass(slots=True)

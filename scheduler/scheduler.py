@@ -246,7 +246,9 @@ class Scheduler:
         out.scheduled.append(ScheduledRequest(
             req.request_id, tokens[start:end], start, table_start,
             self.kv.block_ids(req.request_id, table_start), is_new, end == len(tokens),
-            req.sampling_params, len(tokens) - req.num_prompt_tokens, req.index))
+            req.sampling_params, len(tokens) - req.num_prompt_tokens, req.index,
+            req.prompt_token_ids if is_new else None,
+            req.output_token_ids if is_new else None))
         out.num_scheduled_tokens += num_new
         req.num_computed_tokens = end
 
@@ -332,10 +334,12 @@ class Scheduler:
         return RUNNING
 
     # ------------------------------------------------------------------ finish
-    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> list[str]:
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus,
+                        include_forks: bool = True) -> list[str]:
         """Finish requests in any state (waiting, mid-prefill, running, swapped) with a final
-        `status`, and free everything they hold in this call. Forked choices of a listed id are
-        finished too. Unknown or already finished ids are ignored.
+        `status`, and free everything they hold in this call. With `include_forks`, the forked
+        choices of a listed id are finished too (an abort); without, only the listed sequences
+        (a stop string ending one choice). Unknown or already finished ids are ignored.
 
         Returns: the ids actually finished.
         Raises: ValueError if `status` is not a finished status.
@@ -346,7 +350,7 @@ class Scheduler:
             request_ids = (request_ids,)
         ids = set(request_ids)
         targets = [r for r in self.requests.values()
-                   if r.request_id in ids or r.parent_id in ids]
+                   if r.request_id in ids or (include_forks and r.parent_id in ids)]
         for req in targets:
             self._finish(req, status)
         return [r.request_id for r in targets]

@@ -1,0 +1,67 @@
+"""Engine configuration: one frozen dataclass built once from the CLI (`vllm serve` flag names).
+
+Validated in `__post_init__`; a bad value raises `ValueError` naming the flag, which the CLI
+prints as one line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything `LLMEngine` needs. Sizes: `kv_cache_memory` and `swap_space` in GiB;
+    `max_model_len`, `max_num_batched_tokens`, `block_size` in tokens.
+
+    model: HF checkpoint directory or .gguf file; None = the embedded SmolLM2-135M-Instruct.
+    max_model_len: None = the model's `max_position_embeddings`.
+    kv_cache_memory: device memory for the KV cache; None = 2 GiB on CPU, 90% of free device
+        memory after the weights on an accelerator. `num_gpu_blocks_override` wins over it.
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_memory: float | None = None
+    num_gpu_blocks_override: int | None = None
+    swap_space: float = 4.0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"
+    scheduling_policy: str = "fcfs"
+    max_waiting_requests: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"--block-size must be a positive power of two, got {self.block_size}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"--max-model-len must be at least 2, got {self.max_model_len}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"--kv-cache-memory must be positive (GiB), got {self.kv_cache_memory}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError("--num-gpu-blocks-override must be at least 1, "
+                             f"got {self.num_gpu_blocks_override}")
+        if self.swap_space < 0:
+            raise ValueError(f"--swap-space must be non-negative (GiB), got {self.swap_space}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"--max-num-seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError("--max-num-batched-tokens must be at least 1, "
+                             f"got {self.max_num_batched_tokens}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError("--preemption-mode must be 'recompute' or 'swap', "
+                             f"got {self.preemption_mode!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError("--scheduling-policy must be 'fcfs' or 'priority', "
+                             f"got {self.scheduling_policy!r}")
+        if self.max_waiting_requests < 1:
+            raise ValueError("--max-waiting-requests must be at least 1, "
+                             f"got {self.max_waiting_requests}")

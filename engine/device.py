@@ -1,0 +1,104 @@
+"""The one place that names a device: resolves `--device` and answers device questions.
+
+Owns: the choice among `cpu`, `cuda` and `npu` (Ascend, through `torch_npu`, imported lazily),
+dtype resolution (`--dtype auto` is float32 on CPU, bfloat16 where the accelerator supports it),
+memory figures used to size the KV cache, and synchronisation for timing. Every other module in
+the engine talks to the device through torch with the `torch.device` returned here.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class DeviceUnavailableError(RuntimeError):
+    """The requested device cannot be used here (missing package or hardware)."""
+
+
+@dataclass(frozen=True)
+class Device:
+    """A resolved device: `kind` is "cpu", "cuda" or "npu"; `torch_device` is what tensors use."""
+
+    kind: str
+    torch_device: torch.device
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (no-op on CPU); call before reading a timer."""
+        if self.kind == "cuda":
+            torch.cuda.synchronize(self.torch_device)
+        elif self.kind == "npu":
+            torch.npu.synchronize(self.torch_device)  # type: ignore[attr-defined]
+
+    def free_memory_bytes(self) -> int | None:
+        """Free device memory in bytes, or None on CPU (host memory is sized by flags)."""
+        if self.kind == "cuda":
+            return torch.cuda.mem_get_info(self.torch_device)[0]
+        if self.kind == "npu":
+            return torch.npu.mem_get_info(self.torch_device)[0]  # type: ignore[attr-defined]
+        return None
+
+    @property
+    def pin_memory(self) -> bool:
+        """Whether host buffers for swapping should be pinned (only with an accelerator)."""
+        return self.kind != "cpu"
+
+
+def _npu_available() -> bool:
+    try:
+        importlib.import_module("torch_npu")
+    except ImportError:
+        return False
+    return bool(torch.npu.is_available())  # type: ignore[attr-defined]
+
+
+def resolve_device(name: str = "auto") -> Device:
+    """Resolve `--device` ("auto", "cpu", "cuda", "cuda:N", "npu", "npu:N").
+
+    "auto" picks CUDA if available, then an Ascend NPU, then the CPU.
+
+    Raises: DeviceUnavailableError with a one-line reason (e.g. `torch_npu` not installed);
+    ValueError for an unknown name.
+    """
+    kind, _, index = name.partition(":")
+    if kind == "auto":
+        if torch.cuda.is_available():
+            return Device("cuda", torch.device("cuda", 0))
+        if _npu_available():
+            return Device("npu", torch.device("npu", 0))
+        return Device("cpu", torch.device("cpu"))
+    if kind == "cpu":
+        return Device("cpu", torch.device("cpu"))
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceUnavailableError("--device cuda: no CUDA device is visible to torch "
+                                         f"{torch.__version__}")
+        return Device("cuda", torch.device("cuda", int(index or 0)))
+    if kind == "npu":
+        try:
+            importlib.import_module("torch_npu")
+        except ImportError as e:
+            raise DeviceUnavailableError(
+                "--device npu needs the Ascend PyTorch adapter: pip install torch_npu "
+                f"(import failed: {e})") from None
+        if not torch.npu.is_available():  # type: ignore[attr-defined]
+            raise DeviceUnavailableError("--device npu: torch_npu is installed but sees no NPU")
+        return Device("npu", torch.device("npu", int(index or 0)))
+    raise ValueError(f"--device must be auto, cpu, cuda or npu, got {name!r}")
+
+
+def resolve_dtype(name: str, device: Device) -> torch.dtype:
+    """Resolve `--dtype` ("auto", "float32", "bfloat16", "float16") for `device`.
+
+    "auto" is float32 on CPU (exact, and what the correctness tests compare) and bfloat16 on an
+    accelerator. Raises: ValueError for an unknown name.
+    """
+    if name == "auto":
+        return torch.float32 if device.kind == "cpu" else torch.bfloat16
+    if name not in DTYPES:
+        raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {name!r}")
+    return DTYPES[name]

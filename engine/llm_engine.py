@@ -1,0 +1,202 @@
+"""`LLMEngine`: the synchronous core. One `step()` = schedule, execute, update, process outputs.
+
+Owns: the scheduler (and through it the KV-cache bookkeeping), the model runner (and the
+physical cache), the output processor, and start-up: resolve device and dtype, find or convert
+the model, size the KV cache in blocks, load weights and tokenizer.
+
+In: `add_request(request_id, prompt_token_ids, SamplingParams)`, `abort_request(ids)`.
+Out: `step() -> list[RequestOutput]` (deltas), and a `StepStats` per step to each stat logger.
+Not thread-safe: `AsyncLLM` drives it from one thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Iterable
+
+from engine.config import GIB, EngineConfig
+from engine.device import resolve_device, resolve_dtype
+from engine.loader import resolve_model
+from engine.model_runner import ModelRunner
+from engine.models.llama import ModelConfig, load_model
+from engine.output_processor import OutputProcessor
+from engine.outputs import RequestOutput, StepStats
+from scheduler.config import CacheConfig, SchedulerConfig
+from scheduler.request import Request, RequestStatus, SamplingParams
+from scheduler.scheduler import Scheduler
+
+logger = logging.getLogger("continuum.engine")
+
+
+class LLMEngine:
+    """See the module docstring. Construction raises ModelLoadError, DeviceUnavailableError or
+    ValueError (bad configuration) with a one-line message."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        t0 = time.perf_counter()
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model_dir = resolve_model(config.model)
+        self.model_config = mcfg = ModelConfig.from_dir(self.model_dir)
+        self.max_model_len = self._max_model_len(mcfg)
+
+        from transformers import AutoTokenizer
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        self.model = load_model(self.model_dir, self.device.torch_device, self.dtype,
+                                self.max_model_len)
+        eos = self.tokenizer.eos_token_id
+        self.eos_token_id = eos if eos is not None else (mcfg.eos_token_ids or (None,))[0]
+        self.extra_eos_ids = tuple(t for t in mcfg.eos_token_ids if t != self.eos_token_id)
+
+        block_bytes = mcfg.kv_bytes_per_token(self.dtype) * config.block_size
+        num_gpu_blocks = self._num_gpu_blocks(block_bytes)
+        num_cpu_blocks = (int(config.swap_space * GIB // block_bytes)
+                          if config.preemption_mode == "swap" else 0)
+        batched = config.max_num_batched_tokens or (
+            2048 if config.enable_chunked_prefill else max(2048, self.max_model_len))
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=batched,
+                            max_model_len=self.max_model_len,
+                            enable_chunked_prefill=config.enable_chunked_prefill,
+                            policy=config.scheduling_policy,
+                            preemption_mode=config.preemption_mode,
+                            max_waiting_requests=config.max_waiting_requests),
+            CacheConfig(config.block_size, num_gpu_blocks, num_cpu_blocks,
+                        config.enable_prefix_caching))
+        self.runner = ModelRunner(self.model, self.device, config.block_size, num_gpu_blocks,
+                                  num_cpu_blocks, (self.eos_token_id,) + self.extra_eos_ids,
+                                  config.seed)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.stat_loggers: list[Callable[[StepStats], None]] = []
+        self.load_time = time.perf_counter() - t0
+        logger.info("engine ready in %.1f s: %s on %s (%s), %d KV blocks of %d tokens "
+                    "(%.2f GiB), max_model_len %d", self.load_time, mcfg.architecture,
+                    self.device.kind, str(self.dtype).removeprefix("torch."), num_gpu_blocks,
+                    config.block_size, num_gpu_blocks * block_bytes / GIB, self.max_model_len)
+
+    def _max_model_len(self, mcfg: ModelConfig) -> int:
+        limit = mcfg.max_position_embeddings
+        if mcfg.sliding_window and mcfg.sliding_window < limit:
+            limit = mcfg.sliding_window      # exact without sliding-window attention
+        wanted = self.config.max_model_len or limit
+        if wanted > limit:
+            raise ValueError(f"--max-model-len {wanted} exceeds the model's limit of {limit} "
+                             "tokens")
+        return wanted
+
+    def _num_gpu_blocks(self, block_bytes: int) -> int:
+        cfg = self.config
+        if cfg.num_gpu_blocks_override:
+            return cfg.num_gpu_blocks_override
+        if cfg.kv_cache_memory is not None:
+            budget = cfg.kv_cache_memory * GIB
+        else:
+            free = self.device.free_memory_bytes()
+            budget = 2 * GIB if free is None else 0.9 * free
+        return max(1, int(budget // block_bytes))
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float | None = None, priority: int = 0) -> None:
+        """Queue a request.
+
+        Raises: ValueError (empty prompt, token id outside the vocabulary, duplicate id),
+        RequestTooLongError (→ HTTP 400), QueueFullError (→ HTTP 503).
+        """
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        if self.extra_eos_ids and not params.ignore_eos:
+            params = dataclasses.replace(
+                params, stop_token_ids=tuple(params.stop_token_ids) + self.extra_eos_ids)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        req = Request(request_id, list(prompt_token_ids), params, self.eos_token_id, arrival,
+                      priority)
+        self.scheduler.add_request(req)
+        self.output_processor.add_request(request_id, req.prompt_token_ids, params, arrival)
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Finish requests as aborted (any state); their blocks are free when this returns."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        for rid in ids:
+            self.output_processor.remove(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[RequestOutput]:
+        """One iteration: schedule, execute, update, process outputs."""
+        t0 = time.perf_counter()
+        sched_out = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        try:
+            runner_out = self.runner.execute(sched_out)
+        except Exception as e:       # the step's requests fail; the engine keeps serving
+            logger.exception("model runner failed")
+            return self._fail(sched_out, e)
+        t2 = time.perf_counter()
+        updates = self.scheduler.update_from_output(sched_out, runner_out)
+        t3 = time.perf_counter()
+        outputs, stopped = self.output_processor.process(updates)
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED,
+                                           include_forks=False)
+        self._record(sched_out, outputs, t0, t3 - t2 + t1 - t0)
+        return outputs
+
+    def _fail(self, sched_out, error: Exception) -> list[RequestOutput]:
+        ids = [s.request_id for s in sched_out.scheduled]
+        parents = [self.scheduler.requests[i].parent_id or i for i in ids
+                   if i in self.scheduler.requests]
+        self.scheduler.finish_requests(parents, RequestStatus.FINISHED_ERROR)
+        self.scheduler.kv.reset_prefix_cache()     # blocks cached this step were never written
+        return self.output_processor.fail(parents, f"{type(error).__name__}: {error}")
+
+    def _record(self, sched_out, outputs: list[RequestOutput], t0: float,
+                scheduler_time: float) -> None:
+        now = time.monotonic()
+        for s in sched_out.scheduled:
+            if s.is_new:
+                state = self.output_processor.requests.get(s.request_id)
+                if state is not None and state.metrics.first_scheduled_time is None:
+                    state.metrics.first_scheduled_time = now
+        if not self.stat_loggers:
+            return
+        sched = self.scheduler
+        stats = StepStats(
+            batch_size=len(sched_out.scheduled), num_tokens=sched_out.num_scheduled_tokens,
+            num_prefill_tokens=sum(len(s.token_ids) for s in sched_out.scheduled
+                                   if len(s.token_ids) > 1),
+            step_time=time.perf_counter() - t0, scheduler_time=scheduler_time,
+            num_running=sched.num_running, num_waiting=sched.num_waiting,
+            num_swapped=sched.num_swapped, kv_cache_usage=sched.kv.usage(),
+            num_preempted=len(sched_out.preempted_request_ids),
+            num_generation_tokens=sum(len(c.token_ids) for o in outputs for c in o.outputs),
+            finished=[(o.outputs[-1].finish_reason, o.metrics, o.num_prompt_tokens,
+                       sum(c.num_output_tokens for c in o.outputs))
+                      for o in outputs if o.finished])
+        for log in self.stat_loggers:
+            log(stats)
+
+    # ------------------------------------------------------------------ convenience
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 ) -> list[list[list[int]]]:
+        """Offline helper: run `prompts` (token ids) to completion; returns, per prompt, the
+        generated token ids of each choice. Used by tests and benchmarks."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"offline-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        results: dict[str, dict[int, list[int]]] = {rid: {} for rid in ids}
+        for rid, prompt, p in zip(ids, prompts, plist):
+            self.add_request(rid, prompt, p)
+        while self.has_unfinished_requests():
+            for out in self.step():
+                for c in out.outputs:
+                    results[out.request_id].setdefault(c.index, []).extend(c.token_ids)
+        return [[results[rid].get(i, []) for i in range(p.n)] for rid, p in zip(ids, plist)]
+

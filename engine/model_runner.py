@@ -1,0 +1,153 @@
+"""Model runner: executes one `SchedulerOutput` on the device and returns sampled tokens.
+
+Owns: the physical KV cache `[num_layers, 2, num_gpu_blocks, block_size, num_kv_heads, head_dim]`
+on the device, the CPU swap cache of the same layout with `num_cpu_blocks`, and per-request
+state that persists between steps (block table, sampling row). It never touches a `Request`:
+everything arrives in the `SchedulerOutput` (full data once, diffs after).
+
+Per step: drop finished / preempted requests' state → swap out, swap in, copy-on-write →
+apply block-table diffs → build the flat batch (decode-like requests first, then prefill
+chunks; no padding between requests for the dense layers), the slot mapping and the attention
+metadata → forward → logits only for the requests that sample → sampler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import AttentionMetadata, PrefillChunk, build_prefill_mask
+from engine.device import Device
+from engine.models.llama import LlamaForCausalLM
+from engine.sampler import Sampler, SamplingRow
+from scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+
+
+@dataclass
+class _RequestState:
+    block_table: list[int]
+    row: SamplingRow
+
+
+class ModelRunner:
+    """See the module docstring. `eos_token_ids` are masked while `min_tokens` is unmet."""
+
+    def __init__(self, model: LlamaForCausalLM, device: Device, block_size: int,
+                 num_gpu_blocks: int, num_cpu_blocks: int, eos_token_ids: tuple[int, ...],
+                 seed: int = 0) -> None:
+        cfg = model.cfg
+        self.model, self.device, self.block_size = model, device, block_size
+        shape = (cfg.num_layers, 2, num_gpu_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=model.dtype, device=device.torch_device)
+        self.cpu_cache = None
+        if num_cpu_blocks:
+            self.cpu_cache = torch.zeros(shape[:2] + (num_cpu_blocks,) + shape[3:],
+                                         dtype=model.dtype, pin_memory=device.pin_memory)
+        self.eos_token_ids = eos_token_ids
+        self.sampler = Sampler(device.torch_device, seed)
+        self.states: dict[str, _RequestState] = {}
+
+    # ------------------------------------------------------------------ block movement
+    def _move_blocks(self, out: SchedulerOutput) -> None:
+        dev = self.device.torch_device
+        if out.blocks_to_swap_out:
+            src, dst = zip(*out.blocks_to_swap_out)
+            self.cpu_cache[:, :, list(dst)] = self.kv_cache[:, :, list(src)].to("cpu")
+        if out.blocks_to_swap_in:
+            src, dst = zip(*out.blocks_to_swap_in)
+            self.kv_cache[:, :, list(dst)] = self.cpu_cache[:, :, list(src)].to(dev)
+        if out.blocks_to_copy:
+            src, dst = zip(*out.blocks_to_copy)
+            self.kv_cache[:, :, list(dst)] = self.kv_cache[:, :, list(src)]
+
+    def _update_state(self, s: ScheduledRequest) -> _RequestState:
+        if s.is_new:
+            stop_ids = tuple(self.eos_token_ids) + tuple(s.sampling_params.stop_token_ids)
+            state = _RequestState(list(s.new_block_ids), SamplingRow(
+                s.sampling_params, s.prompt_token_ids, list(s.output_token_ids),
+                s.choice_index, stop_ids))
+            self.states[s.request_id] = state
+            return state
+        state = self.states[s.request_id]
+        if s.new_block_ids or s.block_table_start < len(state.block_table):
+            del state.block_table[s.block_table_start:]
+            state.block_table.extend(s.new_block_ids)
+        return state
+
+    # ------------------------------------------------------------------ step
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step. Raises whatever the forward pass raises (the engine handles it)."""
+        for rid in out.finished_request_ids:
+            self.states.pop(rid, None)
+        for rid in out.preempted_request_ids:
+            self.states.pop(rid, None)
+        self._move_blocks(out)
+        if not out.scheduled:
+            return ModelRunnerOutput()
+        decodes = [s for s in out.scheduled if len(s.token_ids) == 1]
+        prefills = [s for s in out.scheduled if len(s.token_ids) > 1]
+        ordered = decodes + prefills
+        states = [self._update_state(s) for s in ordered]
+        input_ids, positions, meta, sample_idx = self._prepare(ordered, states, len(decodes))
+        hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
+        if not sample_idx:
+            return ModelRunnerOutput()
+        rows_at, idx = zip(*sample_idx)
+        logits = self.model.compute_logits(hidden[list(idx)])
+        rows = [states[i].row for i in rows_at]
+        result = self.sampler(logits, rows)
+        sampled, logprobs = {}, {}
+        for i, tok, lp in zip(rows_at, result.token_ids, result.logprobs):
+            rid = ordered[i].request_id
+            sampled[rid] = [tok]
+            states[i].row.output_token_ids.append(tok)
+            if lp is not None:
+                logprobs[rid] = [(tok,) + lp]
+        return ModelRunnerOutput(sampled, logprobs or None)
+
+    def _prepare(self, ordered: list[ScheduledRequest], states: list[_RequestState],
+                 num_decodes: int):
+        """Flat input ids, positions, slot mapping and attention metadata for the step."""
+        bs, dev = self.block_size, self.device.torch_device
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        sample_idx: list[tuple[int, int]] = []
+        for i, (s, st) in enumerate(zip(ordered[:num_decodes], states)):
+            p = s.start_position
+            ids.append(s.token_ids[0])
+            pos.append(p)
+            slots.append(st.block_table[p // bs] * bs + p % bs)
+            if s.sample:
+                sample_idx.append((i, i))
+        meta = AttentionMetadata(slot_mapping=None, num_decodes=num_decodes)
+        if num_decodes:
+            ctx_lens = [s.start_position + 1 for s in ordered[:num_decodes]]
+            max_blocks = -(-max(ctx_lens) // bs)
+            tables = [st.block_table[:max_blocks] + [0] * (max_blocks - len(st.block_table[:max_blocks]))
+                      for st in states[:num_decodes]]
+            meta.decode_block_tables = torch.tensor(tables, dtype=torch.long, device=dev)
+            lens = torch.tensor(ctx_lens, device=dev)
+            meta.decode_mask = (torch.arange(max_blocks * bs, device=dev)[None, :]
+                                < lens[:, None])[:, None, None, :]
+        offset = num_decodes
+        slot_parts = [torch.tensor(slots, dtype=torch.long)]
+        pos_parts = [torch.tensor(pos, dtype=torch.long)]
+        for i in range(num_decodes, len(ordered)):
+            s, st = ordered[i], states[i]
+            n, start = len(s.token_ids), s.start_position
+            ids.extend(s.token_ids)
+            p = torch.arange(start, start + n)
+            table = torch.tensor(st.block_table[:-(-(start + n) // bs)], dtype=torch.long)
+            slot_parts.append(table[p // bs] * bs + p % bs)
+            pos_parts.append(p)
+            meta.prefills.append(PrefillChunk(
+                offset, n, start, table.to(dev),
+                build_prefill_mask(start, n, dev) if start else None))
+            if s.sample:
+                sample_idx.append((i, offset + n - 1))
+            offset += n
+        meta.slot_mapping = torch.cat(slot_parts).to(dev)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        return input_ids, torch.cat(pos_parts).to(dev), meta, sample_idx

@@ -1,0 +1,203 @@
+"""Llama-family decoder (Llama 2/3, SmolLM/SmolLM2, Mistral, Qwen2) over a flat token batch.
+
+Owns: the weights (loaded from HF-format safetensors, names as in transformers' `modeling_llama`
+/ `modeling_qwen2`), RMSNorm, rotary embeddings (default, linear and llama3 scaling), the fused
+QKV and gate/up projections, and the LM head. Attention is `engine.attention.paged_attention`.
+
+In: `input_ids [T] int64`, `positions [T] int64`, the step's `AttentionMetadata`, the KV cache
+`[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`. Out: hidden states
+`[T, hidden]`; `compute_logits` turns selected rows into float32 logits `[N, vocab]`.
+
+The math follows transformers' implementation (RMSNorm in float32, rotate-half RoPE with cos/sin
+cast to the model dtype), so float32 greedy outputs match `transformers.generate`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from engine.attention import AttentionMetadata, paged_attention
+from engine.loader import ModelLoadError, check_architecture
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture numbers read from `config.json`."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    sliding_window: int | None
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> ModelConfig:
+        """Parse `model_dir/config.json`. Raises UnsupportedArchitectureError, ModelLoadError."""
+        try:
+            cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"{model_dir}/config.json: {e}") from e
+        arch = check_architecture(cfg, str(model_dir))
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "linear", "llama3"):
+            raise ModelLoadError(f"{model_dir}: rope type {rope_type!r} is not supported")
+        heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        return cls(
+            architecture=arch, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
+            num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads", heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=theta,
+            rope_scaling=rope if rope_type != "default" else None,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            qkv_bias=cfg.get("attention_bias", arch == "Qwen2ForCausalLM"),
+            sliding_window=window, eos_token_ids=eos_ids, bos_token_id=cfg.get("bos_token_id"))
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes of K and V per token over all layers."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies `[head_dim // 2]` float32 (RoFormer; llama3 scaling per Meta's
+    Llama 3.1 reference, as in transformers' `_compute_llama3_parameters`)."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        inv = inv / scaling["factor"]
+    elif kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        inv = torch.where(medium, smoothed, scaled)
+    return inv
+
+
+class LlamaForCausalLM:
+    """The decoder with its weights on `device` in `dtype`; see the module docstring."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
+                 dtype: torch.dtype, max_positions: int) -> None:
+        self.cfg, self.device, self.dtype = cfg, device, dtype
+
+        def w(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ModelLoadError(f"weight {name!r} is missing from the checkpoint")
+            return weights[name].to(device=device, dtype=dtype)
+
+        self.embed = w("model.embed_tokens.weight")
+        self.lm_head = self.embed if cfg.tie_word_embeddings else w("lm_head.weight")
+        self.norm = w("model.norm.weight")
+        self.layers = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            attn = p + "self_attn."
+            qkv_b = (torch.cat([w(attn + f"{x}_proj.bias") for x in "qkv"])
+                     if cfg.qkv_bias else None)
+            self.layers.append((
+                w(p + "input_layernorm.weight"),
+                torch.cat([w(attn + f"{x}_proj.weight") for x in "qkv"]), qkv_b,
+                w(attn + "o_proj.weight"),
+                w(p + "post_attention_layernorm.weight"),
+                torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
+                w(p + "mlp.down_proj.weight"),
+            ))
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(cfg))
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos = emb.cos().to(device=device, dtype=dtype)     # [max_positions, head_dim]
+        self.sin = emb.sin().to(device=device, dtype=dtype)
+        self.scale = cfg.head_dim ** -0.5
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
+        return weight * h.to(x.dtype)
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: torch.Tensor) -> torch.Tensor:
+        """Hidden states `[T, hidden]` after the final norm; writes the step's K/V."""
+        cfg = self.cfg
+        n = input_ids.shape[0]
+        cos = self.cos[positions].unsqueeze(1)          # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1)
+        x = self.embed[input_ids]
+        for i, (ln1, qkv_w, qkv_b, o_w, ln2, gate_up_w, down_w) in enumerate(self.layers):
+            h = self._rms_norm(x, ln1)
+            qkv = F.linear(h, qkv_w, qkv_b)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self._rotate(q.view(n, cfg.num_heads, cfg.head_dim), cos, sin)
+            k = self._rotate(k.view(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
+            attn = paged_attention(q, k, v, kv_cache[i, 0], kv_cache[i, 1], meta, self.scale)
+            x = x + F.linear(attn, o_w)
+            h = self._rms_norm(x, ln2)
+            gate, up = F.linear(h, gate_up_w).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, down_w)
+        return self._rms_norm(x, self.norm)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`[N, hidden]` → float32 logits `[N, vocab]`."""
+        return F.linear(hidden, self.lm_head).float()
+
+
+def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype,
+               max_positions: int) -> LlamaForCausalLM:
+    """Read `config.json` and every `*.safetensors` in `model_dir` and build the model.
+
+    Raises: ModelLoadError (missing or unreadable weights), UnsupportedArchitectureError.
+    """
+    cfg = ModelConfig.from_dir(model_dir)
+    weights: dict[str, torch.Tensor] = {}
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{model_dir}: no *.safetensors weights")
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():
+                    weights[name] = st.get_tensor(name)
+        except Exception as e:   # safetensors raises its own error types
+            raise ModelLoadError(f"{f}: cannot read weights: {e}") from e
+    return LlamaForCausalLM(cfg, weights, device, dtype, max_positions)

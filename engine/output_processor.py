@@ -1,0 +1,154 @@
+"""Output processor: token ids → text deltas, stop strings, `RequestOutput`s.
+
+Owns: per request and per choice, the incremental detokenizer (`tokenizers.decoders.DecodeStream`,
+primed with the prompt's tail; it returns nothing until a UTF-8 sequence is complete, so no broken
+character is ever emitted), the text held back while it could be the start of a stop string, and
+the request's timing metrics.
+
+In: the scheduler's `RequestStepOutput`s. Out: `RequestOutput` deltas, and the ids of sequences a
+stop string ended (the engine finishes them in the scheduler).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from tokenizers.decoders import DecodeStream
+
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from scheduler.output import RequestStepOutput
+from scheduler.request import SamplingParams
+
+PRIME_TOKENS = 6    # prompt tokens fed to the detokenizer first, for correct leading spaces
+
+
+@dataclass
+class _Choice:
+    stream: DecodeStream
+    held: str = ""                  # text not yet emitted (possible stop-string prefix)
+    num_tokens: int = 0
+    finished: bool = False
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    metrics: RequestMetrics
+    choices: dict[int, _Choice] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return (len(self.choices) == self.params.n
+                and all(c.finished for c in self.choices.values()))
+
+
+def _held_suffix(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
+    best = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:k]):
+                best = k
+                break
+    return best
+
+
+class OutputProcessor:
+    """Detokenizes and applies stop strings; see the module docstring."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._backend = tokenizer._tokenizer if hasattr(tokenizer, "_tokenizer") else tokenizer
+        self.requests: dict[str, _RequestState] = {}
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float) -> None:
+        self.requests[request_id] = _RequestState(request_id, params, prompt_token_ids,
+                                                  RequestMetrics(arrival_time))
+
+    def remove(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+    def _choice(self, state: _RequestState, index: int) -> _Choice:
+        choice = state.choices.get(index)
+        if choice is None:
+            choice = _Choice(DecodeStream(ids=state.prompt_token_ids[-PRIME_TOKENS:],
+                                          skip_special_tokens=True))
+            state.choices[index] = choice
+        return choice
+
+    def process(self, updates: list[RequestStepOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Returns (outputs, sequence ids ended by a stop string)."""
+        now = time.monotonic()
+        by_request: dict[str, list[CompletionOutput]] = {}
+        stopped: list[str] = []
+        for u in updates:
+            rid = u.parent_id or u.request_id
+            state = self.requests.get(rid)
+            if state is None:
+                continue
+            m = state.metrics
+            if m.first_token_time is None:
+                m.first_token_time = now
+            m.last_token_time = now
+            out = self._process_choice(state, u)
+            if out.finish_reason == "stop" and out.stop_reason is not None \
+                    and isinstance(out.stop_reason, str) and not u.finished:
+                stopped.append(u.request_id)
+            by_request.setdefault(rid, []).append(out)
+        results = []
+        for rid, outs in by_request.items():
+            state = self.requests[rid]
+            finished = state.finished
+            if finished:
+                state.metrics.finished_time = now
+                del self.requests[rid]
+            results.append(RequestOutput(rid, outs, len(state.prompt_token_ids), finished,
+                                         state.metrics))
+        return results, stopped
+
+    def _process_choice(self, state: _RequestState, u: RequestStepOutput) -> CompletionOutput:
+        choice = self._choice(state, u.index)
+        params = state.params
+        pieces = [choice.stream.step(self._backend, t) for t in u.new_token_ids]
+        text = choice.held + "".join(p for p in pieces if p)
+        choice.num_tokens += len(u.new_token_ids)
+        finish_reason = u.status.finish_reason
+        stop_reason = u.stop_reason
+        if params.stop:
+            hit = min(((text.find(s), s) for s in params.stop if s in text), default=None)
+            if hit is not None:
+                idx, stop = hit
+                text = text[:idx + len(stop)] if params.include_stop_str_in_output else text[:idx]
+                finish_reason, stop_reason = "stop", stop
+                choice.held = ""
+            elif finish_reason is None:
+                keep = _held_suffix(text, params.stop)
+                if keep:
+                    text, choice.held = text[:-keep], text[-keep:]
+                else:
+                    choice.held = ""
+        choice.finished = finish_reason is not None
+        logprobs = None
+        if params.logprobs is not None and u.logprobs:
+            logprobs = [TokenLogprob(t, lp, top) for t, lp, top in u.logprobs]
+        return CompletionOutput(u.index, text, list(u.new_token_ids), choice.num_tokens,
+                                finish_reason, stop_reason, logprobs)
+
+    def fail(self, request_ids: list[str], error: str) -> list[RequestOutput]:
+        """Final outputs with finish_reason "error" for requests that failed alone."""
+        now = time.monotonic()
+        outputs = []
+        for rid in dict.fromkeys(request_ids):
+            state = self.requests.pop(rid, None)
+            if state is None:
+                continue
+            state.metrics.finished_time = now
+            outs = [CompletionOutput(i, "", [], self._choice(state, i).num_tokens, "error")
+                    for i in range(state.params.n)]
+            outputs.append(RequestOutput(rid, outs, len(state.prompt_token_ids), True,
+                                         state.metrics, error=error))
+        return outputs

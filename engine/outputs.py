@@ -1,0 +1,74 @@
+"""What the engine hands back per step: `RequestOutput` deltas, and its per-step statistics.
+
+`RequestOutput` is a delta: the text and token ids that each choice gained in this step (a
+consumer joins them). `finished` is True on the last output of a request, when every choice
+has a `finish_reason` ("stop", "length", "abort", "error").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    """Logprob of one generated token and the top alternatives (raw model distribution)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class CompletionOutput:
+    """One choice's delta. `num_output_tokens` is the choice's total so far (for usage)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    num_output_tokens: int
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps in seconds (`time.monotonic()`), for TTFT / ITL / queue-time metrics."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    """A step's news for one request (all its choices)."""
+
+    request_id: str
+    outputs: list[CompletionOutput]
+    num_prompt_tokens: int
+    finished: bool
+    metrics: RequestMetrics
+    error: str | None = None           # set with finish_reason "error"
+
+
+@dataclass
+class StepStats:
+    """One engine step, for the metrics layer. Times in seconds."""
+
+    batch_size: int                    # requests scheduled
+    num_tokens: int                    # tokens computed (prefill + decode)
+    num_prefill_tokens: int
+    step_time: float                   # schedule + execute + update + output processing
+    scheduler_time: float              # schedule + update_from_output
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    kv_cache_usage: float              # [0, 1]
+    num_preempted: int
+    num_generation_tokens: int = 0
+    finished: list[tuple[str, RequestMetrics, int, int]] = field(default_factory=list)
+    # (finish_reason, metrics, prompt tokens, generation tokens) of requests finished this step

@@ -1,0 +1,163 @@
+"""Batched sampler: one call turns `[N, vocab]` float32 logits into N token ids (+ logprobs).
+
+Owns: the order of logits processing, which follows vLLM v1's sampler —
+logit_bias and min_tokens masking → repetition / frequency / presence penalties → greedy argmax,
+or temperature → min_p → top_k / top_p → sampling — and per-request randomness.
+
+Sampling uses the exponential-race trick (argmax of probs / Exp(1) noise, as vLLM does), which
+draws exactly from the softmax distribution. Each seeded request draws its noise from its own
+generator seeded by (seed, choice index, output index), so its tokens do not depend on what else
+is in the batch, nor on preemption. Unseeded requests share the engine's generator (`--seed`).
+
+Logprobs (OpenAI semantics as served by vLLM): log-softmax of the model's raw logits, for the
+sampled token and the top `k <= 20` tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from scheduler.request import SamplingParams
+
+_MASK = float("-inf")
+
+
+@dataclass
+class SamplingRow:
+    """One request's row: its parameters and the context the penalties look at."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    choice_index: int
+    stop_ids_for_min_tokens: tuple[int, ...]   # EOS + stop_token_ids, masked until min_tokens
+
+
+@dataclass
+class SampleResult:
+    """`token_ids [N] int64`; `logprobs[i]` is None or (sampled logprob, [(token, logprob)...])."""
+
+    token_ids: list[int]
+    logprobs: list[tuple[float, list[tuple[int, float]]] | None]
+
+
+def _seed_for(seed: int, choice_index: int, output_index: int) -> int:
+    return (seed * 1_000_003 + choice_index * 7_919 + output_index) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+class Sampler:
+    """Stateless apart from the shared generator for unseeded requests."""
+
+    def __init__(self, device: torch.device, seed: int = 0) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
+        """Sample one token per row of `logits` `[N, vocab]` float32 (modified in place)."""
+        n, vocab = logits.shape
+        want_logprobs = [r.params.logprobs for r in rows]
+        raw_logprobs = (torch.log_softmax(logits, dim=-1)
+                        if any(k is not None for k in want_logprobs) else None)
+        self._apply_bias_and_min_tokens(logits, rows)
+        self._apply_penalties(logits, rows)
+
+        greedy = [r.params.temperature == 0.0 for r in rows]
+        tokens = torch.empty(n, dtype=torch.long, device=logits.device)
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        else:
+            temps = torch.tensor([r.params.temperature or 1.0 for r in rows],
+                                 device=logits.device, dtype=logits.dtype)
+            probs = self._filtered_probs(logits / temps[:, None], rows)
+            noise = torch.empty_like(probs)
+            for i, r in enumerate(rows):
+                if r.params.seed is not None and not greedy[i]:
+                    g = torch.Generator(device=logits.device)
+                    g.manual_seed(_seed_for(r.params.seed, r.choice_index,
+                                            len(r.output_token_ids)))
+                    noise[i].exponential_(generator=g)
+                else:
+                    noise[i].exponential_(generator=self.generator)
+            tokens = (probs / noise).argmax(dim=-1)
+            if any(greedy):
+                mask = torch.tensor(greedy, device=logits.device)
+                tokens = torch.where(mask, logits.argmax(dim=-1), tokens)
+        token_list = tokens.tolist()
+        return SampleResult(token_list, self._logprobs(raw_logprobs, token_list, want_logprobs))
+
+    @staticmethod
+    def _apply_bias_and_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        vocab = logits.shape[1]
+        for i, r in enumerate(rows):
+            p = r.params
+            if p.logit_bias:
+                ids = [t for t in p.logit_bias if 0 <= t < vocab]
+                logits[i, ids] += torch.tensor([p.logit_bias[t] for t in ids],
+                                               dtype=logits.dtype, device=logits.device)
+            if p.min_tokens and len(r.output_token_ids) < p.min_tokens:
+                ids = [t for t in r.stop_ids_for_min_tokens if 0 <= t < vocab]
+                if ids:
+                    logits[i, ids] = _MASK
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        """Repetition penalty over prompt + output (CTRL, Keskar et al. 2019, as in HF);
+        frequency / presence penalties over the output (OpenAI's definition)."""
+        vocab = logits.shape[1]
+        for i, r in enumerate(rows):
+            p = r.params
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(r.prompt_token_ids) | set(r.output_token_ids)),
+                                    dtype=torch.long, device=logits.device)
+                vals = logits[i, seen]
+                logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty,
+                                              vals * p.repetition_penalty)
+            if (p.frequency_penalty or p.presence_penalty) and r.output_token_ids:
+                out = torch.tensor(r.output_token_ids, dtype=torch.long, device=logits.device)
+                counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
+                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+
+    @staticmethod
+    def _filtered_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """min_p, then top_k / top_p masking (vLLM's order), then softmax."""
+        min_ps = [r.params.min_p for r in rows]
+        if any(min_ps):
+            probs = logits.softmax(dim=-1)
+            min_p = torch.tensor(min_ps, device=logits.device, dtype=logits.dtype)
+            threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+            logits = logits.masked_fill(probs < threshold, _MASK)
+        top_ks = [r.params.top_k if r.params.top_k > 0 else logits.shape[1] for r in rows]
+        top_ps = [r.params.top_p for r in rows]
+        if any(k < logits.shape[1] for k in top_ks) or any(p < 1.0 for p in top_ps):
+            sorted_logits, order = logits.sort(dim=-1, descending=False)
+            vocab = logits.shape[1]
+            k = torch.tensor(top_ks, device=logits.device)
+            kth = sorted_logits.gather(1, (vocab - k).clamp(min=0)[:, None])
+            sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, _MASK)
+            top_p = torch.tensor(top_ps, device=logits.device, dtype=logits.dtype)
+            cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+            drop = cum <= (1 - top_p)[:, None]
+            drop[:, -1] = False                      # always keep the most likely token
+            sorted_logits = sorted_logits.masked_fill(drop, _MASK)
+            logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+        return logits.softmax(dim=-1)
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor | None, tokens: list[int],
+                  want: list[int | None]) -> list[tuple[float, list[tuple[int, float]]] | None]:
+        if raw is None:
+            return [None] * len(tokens)
+        out: list[tuple[float, list[tuple[int, float]]] | None] = []
+        for i, k in enumerate(want):
+            if k is None:
+                out.append(None)
+                continue
+            top: list[tuple[int, float]] = []
+            if k:
+                vals, ids = raw[i].topk(k)
+                top = list(zip(ids.tolist(), vals.tolist()))
+            out.append((raw[i, tokens[i]].item(), top))
+        return out

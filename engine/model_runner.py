@@ -76,6 +76,7 @@ class ModelRunner:
         return state
 
     # ------------------------------------------------------------------ step
+    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step. Raises whatever the forward pass raises (the engine handles it)."""
         for rid in out.finished_request_ids:

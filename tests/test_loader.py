@@ -1,0 +1,59 @@
+"""Model resolution, the conversion cache, and the device layer."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from engine.device import DeviceUnavailableError, resolve_device, resolve_dtype
+from engine.loader import (ModelLoadError, UnsupportedArchitectureError, cache_is_valid,
+                           convert_gguf, embedded_gguf_path, resolve_model)
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(UnsupportedArchitectureError, match="'GPT2LMHeadModel' is not supported"):
+        resolve_model(str(tmp_path))
+
+
+def test_unknown_model_name_is_not_downloaded():
+    with pytest.raises(ModelLoadError, match="never downloads"):
+        resolve_model("meta-llama/Llama-3-8B")
+
+
+def test_embedded_model_resolves_to_a_valid_cache(model_dir):
+    assert cache_is_valid(model_dir)
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in model_dir.iterdir()}
+    assert json.loads((model_dir / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_corrupt_or_partial_cache_is_detected_and_rebuilt(model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("CONTINUUM_CACHE", str(tmp_path))
+    target = tmp_path / "models" / model_dir.name
+    shutil.copytree(model_dir, target)
+    assert convert_gguf(embedded_gguf_path()) == target          # valid copy: reused
+    (target / "config.json").write_text("{not json")             # corrupt a small file
+    assert not cache_is_valid(target)
+    with open(target / "model.safetensors", "r+b") as f:         # and truncate the weights
+        f.truncate(1000)
+    rebuilt = convert_gguf(embedded_gguf_path())
+    assert rebuilt == target and cache_is_valid(target)
+    assert (target / "model.safetensors").stat().st_size == (model_dir / "model.safetensors").stat().st_size
+
+
+def test_npu_without_torch_npu_fails_clearly():
+    with pytest.raises(DeviceUnavailableError, match="torch_npu"):
+        resolve_device("npu")
+
+
+def test_device_and_dtype_resolution():
+    cpu = resolve_device("cpu")
+    assert cpu.kind == "cpu" and resolve_dtype("auto", cpu) == torch.float32
+    assert resolve_dtype("bfloat16", cpu) == torch.bfloat16
+    with pytest.raises(ValueError, match="--dtype"):
+        resolve_dtype("int3", cpu)
+    with pytest.raises(ValueError, match="--device"):
+        resolve_device("tpu")

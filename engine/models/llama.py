@@ -84,6 +84,32 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
 
+class Linear:
+    """`y = x @ weight.T (+ bias)` for `x [M, in]`.
+
+    On CPU in float32, a oneDNN-prepacked copy of the weight serves batches of at least
+    `min_rows` rows: measured here it runs 1.5-2x faster than `F.linear` at 64-2048 rows (and the
+    49k-row LM head also at one row), while `F.linear` stays faster for small single-row GEMVs.
+    Elsewhere (bfloat16, accelerators) it is plain `F.linear`.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 min_rows: int = 8) -> None:
+        self.weight, self.bias, self.min_rows = weight, bias, min_rows
+        self.packed = self.packed_bias = None
+        if (weight.device.type == "cpu" and weight.dtype == torch.float32
+                and torch.backends.mkldnn.is_available()):
+            self.packed = weight.to_mkldnn()
+            b = bias if bias is not None else torch.zeros(weight.shape[0])
+            self.packed_bias = b.to_mkldnn()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.shape[0] >= self.min_rows:
+            return torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), self.packed,
+                                              self.packed_bias).to_dense()
+        return F.linear(x, self.weight, self.bias)
+
+
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse frequencies `[head_dim // 2]` float32 (RoFormer; llama3 scaling per Meta's
     Llama 3.1 reference, as in transformers' `_compute_llama3_parameters`)."""
@@ -118,7 +144,8 @@ class LlamaForCausalLM:
             return weights[name].to(device=device, dtype=dtype)
 
         self.embed = w("model.embed_tokens.weight")
-        self.lm_head = self.embed if cfg.tie_word_embeddings else w("lm_head.weight")
+        self.lm_head = Linear(self.embed if cfg.tie_word_embeddings else w("lm_head.weight"),
+                              min_rows=1)
         self.norm = w("model.norm.weight")
         self.layers = []
         for i in range(cfg.num_layers):
@@ -128,11 +155,11 @@ class LlamaForCausalLM:
                      if cfg.qkv_bias else None)
             self.layers.append((
                 w(p + "input_layernorm.weight"),
-                torch.cat([w(attn + f"{x}_proj.weight") for x in "qkv"]), qkv_b,
-                w(attn + "o_proj.weight"),
+                Linear(torch.cat([w(attn + f"{x}_proj.weight") for x in "qkv"]), qkv_b),
+                Linear(w(attn + "o_proj.weight")),
                 w(p + "post_attention_layernorm.weight"),
-                torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
-                w(p + "mlp.down_proj.weight"),
+                Linear(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
+                Linear(w(p + "mlp.down_proj.weight")),
             ))
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(cfg))
         emb = torch.cat([freqs, freqs], dim=-1)
@@ -162,24 +189,24 @@ class LlamaForCausalLM:
         cos = self.cos[positions].unsqueeze(1)          # [T, 1, D]
         sin = self.sin[positions].unsqueeze(1)
         x = self.embed[input_ids]
-        for i, (ln1, qkv_w, qkv_b, o_w, ln2, gate_up_w, down_w) in enumerate(self.layers):
+        for i, (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj) in enumerate(self.layers):
             h = self._rms_norm(x, ln1)
-            qkv = F.linear(h, qkv_w, qkv_b)
+            qkv = qkv_proj(h)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = self._rotate(q.view(n, cfg.num_heads, cfg.head_dim), cos, sin)
             k = self._rotate(k.view(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)
             v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
             attn = paged_attention(q, k, v, kv_cache[i, 0], kv_cache[i, 1], meta, self.scale)
-            x = x + F.linear(attn, o_w)
+            x = x + o_proj(attn)
             h = self._rms_norm(x, ln2)
-            gate, up = F.linear(h, gate_up_w).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, down_w)
+            gate, up = gate_up_proj(h).chunk(2, dim=-1)
+            x = x + down_proj(F.silu(gate) * up)
         return self._rms_norm(x, self.norm)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[N, hidden]` → float32 logits `[N, vocab]`."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()
 
 
 def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype,

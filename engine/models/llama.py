@@ -87,26 +87,24 @@ class ModelConfig:
 class Linear:
     """`y = x @ weight.T (+ bias)` for `x [M, in]`.
 
-    On CPU in float32, a oneDNN-prepacked copy of the weight serves batches of at least
-    `min_rows` rows: measured here it runs 1.5-2x faster than `F.linear` at 64-2048 rows (and the
-    49k-row LM head also at one row), while `F.linear` stays faster for small single-row GEMVs.
-    Elsewhere (bfloat16, accelerators) it is plain `F.linear`.
+    On CPU the weight is prepacked once for oneDNN (`mkldnn._reorder_linear_weight`, the path
+    torch.compile's CPU backend uses) and applied with `mkldnn._linear_pointwise`. Measured here
+    over 30 layers' weights (cold cache): float32 12 ms vs 27 ms for `F.linear` at 1 row, 42 vs 96
+    ms at 64 rows, 1.1 vs 2.9 s at 2048 rows; bfloat16 7.3 vs 10 ms at 1 row and bit-identical
+    results. Elsewhere (CUDA, NPU, no oneDNN) it is plain `F.linear`.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 min_rows: int = 8) -> None:
-        self.weight, self.bias, self.min_rows = weight, bias, min_rows
-        self.packed = self.packed_bias = None
-        if (weight.device.type == "cpu" and weight.dtype == torch.float32
-                and torch.backends.mkldnn.is_available()):
-            self.packed = weight.to_mkldnn()
-            b = bias if bias is not None else torch.zeros(weight.shape[0])
-            self.packed_bias = b.to_mkldnn()
+    PACK_BATCH_HINT = 64
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight, self.bias, self.packed = weight, bias, None
+        if weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.PACK_BATCH_HINT)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] >= self.min_rows:
-            return torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), self.packed,
-                                              self.packed_bias).to_dense()
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias,
+                                                      "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 
@@ -144,8 +142,7 @@ class LlamaForCausalLM:
             return weights[name].to(device=device, dtype=dtype)
 
         self.embed = w("model.embed_tokens.weight")
-        self.lm_head = Linear(self.embed if cfg.tie_word_embeddings else w("lm_head.weight"),
-                              min_rows=1)
+        self.lm_head = Linear(self.embed if cfg.tie_word_embeddings else w("lm_head.weight"))
         self.norm = w("model.norm.weight")
         self.layers = []
         for i in range(cfg.num_layers):

@@ -1,0 +1,140 @@
+"""Offline engine throughput vs. transformers' static-batch `generate`, in one run.
+
+Workload (issue 3): N requests (default 64) of random prompts (`--input-len` tokens, seeded) and
+`--output-len` output tokens with EOS ignored, on the embedded model, per dtype:
+
+- `throughput_tok_s`: this engine, all requests submitted at once (continuous batching), output
+  tokens / wall time.
+- `hf_throughput_tok_s`: transformers `generate` on static batches of `--hf-batch-size`,
+  greedy, `min_new_tokens = max_new_tokens` (same work), output tokens / wall time.
+- `single_stream_tok_s` / `hf_single_stream_tok_s`: decode rate of one request,
+  (output tokens - 1) / (time after the first token). For transformers: the difference between a
+  full and a 1-token generate.
+
+Prints one JSON line. `--profile` adds a torch-profiler table of one decode step at batch 1 and
+at batch N to stderr.
+
+    python benchmarks/engine_bench.py [--dtypes float32,bfloat16] [--num-prompts 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.llm_engine import LLMEngine  # noqa: E402
+from scheduler.request import SamplingParams  # noqa: E402
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def engine_throughput(eng: LLMEngine, prompts, output_len: int) -> float:
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0)
+    eng.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))    # warm-up
+    t0 = time.perf_counter()
+    outs = eng.generate(prompts, params)
+    elapsed = time.perf_counter() - t0
+    assert all(len(o[0]) == output_len for o in outs)
+    return len(prompts) * output_len / elapsed
+
+
+def engine_single_stream(eng: LLMEngine, prompt, output_len: int) -> float:
+    eng.add_request("single", prompt, SamplingParams(max_tokens=output_len, ignore_eos=True,
+                                                     temperature=0))
+    first = None
+    n = 0
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            n += len(out.outputs[0].token_ids)
+            if first is None and n:
+                first = time.perf_counter()
+    return (n - 1) / (time.perf_counter() - first)
+
+
+def hf_generate(model, batch: list[list[int]], new_tokens: int) -> float:
+    ids = torch.tensor(batch)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             pad_token_id=model.config.eos_token_id)
+    assert out.shape[1] == ids.shape[1] + new_tokens
+    return time.perf_counter() - t0
+
+
+def profile_step(eng: LLMEngine, prompts, batch: int) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    for i, p in enumerate(prompts[:batch]):
+        eng.add_request(f"prof-{batch}-{i}", p, SamplingParams(max_tokens=64, ignore_eos=True))
+    for _ in range(8):
+        eng.step()                                  # past prefill, into steady decode
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        eng.step()
+    eng.abort_request([f"prof-{batch}-{i}" for i in range(batch)])
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--hf-batch-size", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip-hf", action="store_true", help="only this engine's figures")
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+
+    result: dict = {"benchmark": "engine_offline", "num_prompts": args.num_prompts,
+                    "input_len": args.input_len, "output_len": args.output_len,
+                    "hf_batch_size": args.hf_batch_size, "threads": torch.get_num_threads()}
+    for dtype in args.dtypes.split(","):
+        eng = LLMEngine(EngineConfig(dtype=dtype, device="cpu", kv_cache_memory=1.0,
+                                     max_model_len=args.input_len + args.output_len + 16))
+        prompts = random_prompts(args.num_prompts, args.input_len,
+                                 eng.model_config.vocab_size, args.seed)
+        r = {"throughput_tok_s": engine_throughput(eng, prompts, args.output_len),
+             "single_stream_tok_s": engine_single_stream(eng, prompts[0], args.output_len)}
+        if args.profile:
+            for b in (1, args.num_prompts):
+                print(f"--- {dtype}: one decode step at batch {b}\n{profile_step(eng, prompts, b)}",
+                      file=sys.stderr)
+        if not args.skip_hf:
+            from transformers import AutoModelForCausalLM
+
+            hf = AutoModelForCausalLM.from_pretrained(str(eng.model_dir),
+                                                      dtype=getattr(torch, dtype)).eval()
+            hf_generate(hf, prompts[:1], 2)                                  # warm-up
+            bs = args.hf_batch_size
+            total = sum(hf_generate(hf, prompts[i:i + bs], args.output_len)
+                        for i in range(0, len(prompts), bs))
+            r["hf_throughput_tok_s"] = len(prompts) * args.output_len / total
+            full = hf_generate(hf, prompts[:1], args.output_len)
+            one = hf_generate(hf, prompts[:1], 1)
+            r["hf_single_stream_tok_s"] = (args.output_len - 1) / (full - one)
+            r["throughput_ratio"] = r["throughput_tok_s"] / r["hf_throughput_tok_s"]
+            del hf
+        result[dtype] = {k: round(v, 2) for k, v in r.items()}
+        del eng
+    if "float32" in result and "bfloat16" in result:
+        result["bf16_over_fp32_throughput"] = round(
+            result["bfloat16"]["throughput_tok_s"] / result["float32"]["throughput_tok_s"], 2)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

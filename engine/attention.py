@@ -5,12 +5,15 @@ runner and shared by every layer — and `paged_attention`, which writes the ste
 cache through the slot mapping and then reads each request's context through its block table.
 
 Layout: the flat batch holds the decode-like requests (one query token) first, then each
-prefill chunk. Cache per layer: K and V `[num_blocks, block_size, num_kv_heads, head_dim]`;
-slot s is `(s // block_size, s % block_size)`.
+prefill chunk. Cache per layer, head-major: K and V `[num_kv_heads, num_blocks, block_size,
+head_dim]`; slot s is `(s // block_size, s % block_size)`. Head-major makes a gathered context
+contiguous per KV head.
 
-- Decodes are batched: their blocks are gathered into `[B, max_blocks * block_size]` contexts
-  and masked by context length. Query heads are grouped by KV head (GQA), so K/V are not
-  repeated.
+- Decodes are batched: their blocks are gathered (one `index_select` per K and V) into
+  `[num_kv_heads, B, max_blocks * block_size, head_dim]` and attended with two batched matmuls
+  and a float32 softmax, masked by context length. Query heads are grouped by KV head (GQA), so
+  K/V are not repeated. Measured here at 64 decodes: 1.75 ms per layer in bfloat16 against
+  4.0 ms for the same gather with CPU flash SDPA.
 - A prefill chunk attends to its cached prefix plus itself with a causal mask offset by its
   start position (so chunked prefill and prefix-cache hits are exact). A chunk that starts at
   position 0 uses its own fresh K/V with `is_causal` and reads nothing back.
@@ -45,8 +48,8 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor                      # [num_tokens] int64
     num_decodes: int = 0
-    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks] int64
-    decode_mask: torch.Tensor | None = None          # [num_decodes, 1, 1, max_blocks*bs] bool
+    decode_block_ids: torch.Tensor | None = None     # [num_decodes * max_blocks] int64
+    decode_bias: torch.Tensor | None = None          # [num_decodes, 1, max_blocks*bs] f32 0/-inf
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -63,7 +66,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
     Args:
         q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (post-RoPE).
-        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
+        k_cache, v_cache: [num_kv_heads, num_blocks, block_size, head_dim].
         meta: the step's `AttentionMetadata`. scale: softmax scale (1/sqrt(head_dim)).
 
     Returns: [T, num_heads * head_dim].
@@ -71,36 +74,40 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
-    block_size = k_cache.shape[1]
-    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-    k_flat.index_copy_(0, meta.slot_mapping, k)
-    v_flat.index_copy_(0, meta.slot_mapping, v)
-    out = torch.empty_like(q)
+    k_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+    v_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
 
     nd = meta.num_decodes
+    if nd == num_tokens:
+        return _decode(q, k_cache, v_cache, meta, scale, group).reshape(nd, -1)
+    out = torch.empty_like(q)
     if nd:
-        tables = meta.decode_block_tables
-        ctx = tables.shape[1] * block_size
-        kd = k_cache[tables].view(nd, ctx, num_kv_heads, head_dim).transpose(1, 2)
-        vd = v_cache[tables].view(nd, ctx, num_kv_heads, head_dim).transpose(1, 2)
-        qd = q[:nd].view(nd, num_kv_heads, group, head_dim)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
-        out[:nd] = od.reshape(nd, num_heads, head_dim)
-
+        out[:nd] = _decode(q[:nd], k_cache, v_cache, meta, scale, group)
     for p in meta.prefills:
         s, n = p.token_start, p.num_tokens
         qp = q[s:s + n].transpose(0, 1).unsqueeze(0)                 # [1, H, n, D]
         if p.start_position == 0:
-            kp, vp = k[s:s + n], v[s:s + n]
+            kp, vp = k[s:s + n].transpose(0, 1), v[s:s + n].transpose(0, 1)
             mask, causal = None, True
         else:
             ctx = p.start_position + n
-            kp = k_cache[p.block_table].view(-1, num_kv_heads, head_dim)[:ctx]
-            vp = v_cache[p.block_table].view(-1, num_kv_heads, head_dim)[:ctx]
+            kp = k_cache[:, p.block_table].view(num_kv_heads, -1, head_dim)[:, :ctx]
+            vp = v_cache[:, p.block_table].view(num_kv_heads, -1, head_dim)[:, :ctx]
             mask, causal = p.mask, False
-        op = F.scaled_dot_product_attention(
-            qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
-            attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=group > 1)
+        op = F.scaled_dot_product_attention(qp, kp.unsqueeze(0), vp.unsqueeze(0), attn_mask=mask,
+                                            is_causal=causal, scale=scale, enable_gqa=group > 1)
         out[s:s + n] = op[0].transpose(0, 1)
     return out.view(num_tokens, num_heads * head_dim)
+
+
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            meta: AttentionMetadata, scale: float, group: int) -> torch.Tensor:
+    """One query token per request: `q [B, H, D]` → `[B, H, D]`."""
+    nd, num_heads, head_dim = q.shape
+    num_kv_heads = num_heads // group
+    kd = k_cache.index_select(1, meta.decode_block_ids).view(num_kv_heads, nd, -1, head_dim)
+    vd = v_cache.index_select(1, meta.decode_block_ids).view(num_kv_heads, nd, -1, head_dim)
+    qh = q.view(nd, num_kv_heads, group, head_dim).transpose(0, 1)     # [KVH, B, G, D]
+    scores = torch.matmul(qh, kd.transpose(-1, -2)).float() * scale + meta.decode_bias
+    probs = scores.softmax(dim=-1).to(q.dtype)
+    return torch.matmul(probs, vd).transpose(0, 1).reshape(nd, num_heads, head_dim)

@@ -1,7 +1,7 @@
 """Model runner: executes one `SchedulerOutput` on the device and returns sampled tokens.
 
-Owns: the physical KV cache `[num_layers, 2, num_gpu_blocks, block_size, num_kv_heads, head_dim]`
-on the device, the CPU swap cache of the same layout with `num_cpu_blocks`, and per-request
+Owns: the physical KV cache `[num_layers, 2, num_kv_heads, num_gpu_blocks, block_size,
+head_dim]` on the device (head-major, see `engine.attention`), the CPU swap cache of the same layout with `num_cpu_blocks`, and per-request
 state that persists between steps (block table, sampling row). It never touches a `Request`:
 everything arrives in the `SchedulerOutput` (full data once, diffs after).
 
@@ -38,11 +38,11 @@ class ModelRunner:
                  seed: int = 0) -> None:
         cfg = model.cfg
         self.model, self.device, self.block_size = model, device, block_size
-        shape = (cfg.num_layers, 2, num_gpu_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (cfg.num_layers, 2, cfg.num_kv_heads, num_gpu_blocks, block_size, cfg.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=model.dtype, device=device.torch_device)
         self.cpu_cache = None
         if num_cpu_blocks:
-            self.cpu_cache = torch.zeros(shape[:2] + (num_cpu_blocks,) + shape[3:],
+            self.cpu_cache = torch.zeros(shape[:3] + (num_cpu_blocks,) + shape[4:],
                                          dtype=model.dtype, pin_memory=device.pin_memory)
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler(device.torch_device, seed)
@@ -51,15 +51,16 @@ class ModelRunner:
     # ------------------------------------------------------------------ block movement
     def _move_blocks(self, out: SchedulerOutput) -> None:
         dev = self.device.torch_device
+        # Block dimension is 3: [layer, k/v, kv_head, block, slot, dim].
         if out.blocks_to_swap_out:
             src, dst = zip(*out.blocks_to_swap_out)
-            self.cpu_cache[:, :, list(dst)] = self.kv_cache[:, :, list(src)].to("cpu")
+            self.cpu_cache[:, :, :, list(dst)] = self.kv_cache[:, :, :, list(src)].to("cpu")
         if out.blocks_to_swap_in:
             src, dst = zip(*out.blocks_to_swap_in)
-            self.kv_cache[:, :, list(dst)] = self.cpu_cache[:, :, list(src)].to(dev)
+            self.kv_cache[:, :, :, list(dst)] = self.cpu_cache[:, :, :, list(src)].to(dev)
         if out.blocks_to_copy:
             src, dst = zip(*out.blocks_to_copy)
-            self.kv_cache[:, :, list(dst)] = self.kv_cache[:, :, list(src)]
+            self.kv_cache[:, :, :, list(dst)] = self.kv_cache[:, :, :, list(src)]
 
     def _update_state(self, s: ScheduledRequest) -> _RequestState:
         if s.is_new:
@@ -126,12 +127,15 @@ class ModelRunner:
         if num_decodes:
             ctx_lens = [s.start_position + 1 for s in ordered[:num_decodes]]
             max_blocks = -(-max(ctx_lens) // bs)
-            tables = [st.block_table[:max_blocks] + [0] * (max_blocks - len(st.block_table[:max_blocks]))
-                      for st in states[:num_decodes]]
-            meta.decode_block_tables = torch.tensor(tables, dtype=torch.long, device=dev)
+            flat: list[int] = []
+            for st in states[:num_decodes]:
+                table = st.block_table[:max_blocks]
+                flat += table + [0] * (max_blocks - len(table))
+            meta.decode_block_ids = torch.tensor(flat, dtype=torch.long, device=dev)
             lens = torch.tensor(ctx_lens, device=dev)
-            meta.decode_mask = (torch.arange(max_blocks * bs, device=dev)[None, :]
-                                < lens[:, None])[:, None, None, :]
+            visible = torch.arange(max_blocks * bs, device=dev)[None, :] < lens[:, None]
+            meta.decode_bias = torch.zeros(visible.shape, device=dev).masked_fill_(
+                ~visible, float("-inf"))[:, None, :]
         offset = num_decodes
         slot_parts = [torch.tensor(slots, dtype=torch.long)]
         pos_parts = [torch.tensor(pos, dtype=torch.long)]

@@ -8,8 +8,8 @@ Workload (issue 3): N requests (default 64) of random prompts (`--input-len` tok
 - `hf_throughput_tok_s`: transformers `generate` on static batches of `--hf-batch-size`,
   greedy, `min_new_tokens = max_new_tokens` (same work), output tokens / wall time.
 - `single_stream_tok_s` / `hf_single_stream_tok_s`: decode rate of one request,
-  (output tokens - 1) / (time after the first token). For transformers: the difference between a
-  full and a 1-token generate.
+  (output tokens - 1) / (time after the first token), median of `--repeats` runs. For
+  transformers: the difference between a full and a 1-token generate.
 
 Prints one JSON line. `--profile` adds a torch-profiler table of one decode step at batch 1 and
 at batch N to stderr.
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -96,6 +97,8 @@ def main() -> None:
     ap.add_argument("--hf-batch-size", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-hf", action="store_true", help="only this engine's figures")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="single-stream runs; the median is reported (this machine is noisy)")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
 
@@ -108,7 +111,9 @@ def main() -> None:
         prompts = random_prompts(args.num_prompts, args.input_len,
                                  eng.model_config.vocab_size, args.seed)
         r = {"throughput_tok_s": engine_throughput(eng, prompts, args.output_len),
-             "single_stream_tok_s": engine_single_stream(eng, prompts[0], args.output_len)}
+             "single_stream_tok_s": statistics.median(
+                 engine_single_stream(eng, prompts[i % len(prompts)], args.output_len)
+                 for i in range(args.repeats))}
         if args.profile:
             for b in (1, args.num_prompts):
                 print(f"--- {dtype}: one decode step at batch {b}\n{profile_step(eng, prompts, b)}",
@@ -123,9 +128,10 @@ def main() -> None:
             total = sum(hf_generate(hf, prompts[i:i + bs], args.output_len)
                         for i in range(0, len(prompts), bs))
             r["hf_throughput_tok_s"] = len(prompts) * args.output_len / total
-            full = hf_generate(hf, prompts[:1], args.output_len)
             one = hf_generate(hf, prompts[:1], 1)
-            r["hf_single_stream_tok_s"] = (args.output_len - 1) / (full - one)
+            r["hf_single_stream_tok_s"] = statistics.median(
+                (args.output_len - 1) / (hf_generate(hf, prompts[:1], args.output_len) - one)
+                for _ in range(args.repeats))
             r["throughput_ratio"] = r["throughput_tok_s"] / r["hf_throughput_tok_s"]
             del hf
         result[dtype] = {k: round(v, 2) for k, v in r.items()}

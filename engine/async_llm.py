@@ -1,9 +1,13 @@
-"""`AsyncLLM`: the engine loop in a background thread, streams per request for asyncio callers.
+"""Asynchronous front of the engine: the engine loop in the background, streams for asyncio.
 
-Owns: the engine thread, the inbox of commands from the event loop (add, abort), and one
-asyncio queue per request. The engine thread drains the inbox, steps the engine while work is
-pending, and hands each step's `RequestOutput`s to the event loop in one call. Torch releases the
-GIL inside its kernels, so the event loop (HTTP, SSE) keeps running during the forward pass.
+Owns: one asyncio queue per request and the loop that steps the engine. Two interchangeable
+back-ends share the stream bookkeeping (`_StreamRouter`):
+
+- `AsyncLLM` (the default): the engine loop runs in a background thread of this process. Torch
+  releases the GIL inside its kernels, so the event loop (HTTP, SSE) runs during the forward
+  pass.
+- `ProcessAsyncLLM`: the engine runs in a child process (its own GIL); commands and
+  `RequestOutput`s cross a pipe, pickled. `benchmarks/async_bench.py` compares the two.
 
 Errors: `add_request` errors (too long, queue full, bad token id) are raised to the caller of
 `generate` before any output. A request that fails during a step ends its own stream with
@@ -16,11 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing
 import queue
 import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
 
+from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from scheduler.request import SamplingParams
@@ -36,54 +42,21 @@ class EngineDeadError(RuntimeError):
     """The engine loop has stopped; no request can be served."""
 
 
-class AsyncLLM:
-    """Thread-backed asynchronous front of an `LLMEngine` (see the module docstring)."""
+class _StreamRouter:
+    """Per-request asyncio queues fed from a background thread; `generate` and `abort`."""
 
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+    def __init__(self) -> None:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._stopped = threading.Event()
         self.dead_error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="continuum-engine", daemon=True)
-        self._thread.start()
 
-    # ------------------------------------------------------------------ engine thread
-    def _run(self) -> None:
-        try:
-            while not self._stopped.is_set():
-                block = not self.engine.has_unfinished_requests()
-                self._drain_inbox(block)
-                if self.engine.has_unfinished_requests():
-                    self._dispatch(self.engine.step())
-        except BaseException as e:      # a bug: report it to every waiting stream
-            logger.exception("engine loop died")
-            self.dead_error = e
-            for loop, q in list(self._streams.values()):
-                loop.call_soon_threadsafe(q.put_nowait, EngineDeadError(f"engine loop died: {e}"))
+    def _submit_add(self, args: tuple, fut: Future) -> None:
+        raise NotImplementedError
 
-    def _drain_inbox(self, block: bool) -> None:
-        while True:
-            try:
-                cmd = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            block = False
-            kind, payload = cmd
-            if kind == "add":
-                args, fut = payload
-                try:
-                    self.engine.add_request(*args)
-                    fut.set_result(None)
-                except Exception as e:
-                    self._streams.pop(args[0], None)
-                    fut.set_exception(e)
-            elif kind == "abort":
-                self.engine.abort_request(payload)
-            elif kind == "stop":
-                return
+    def _submit_abort(self, request_id: str) -> None:
+        raise NotImplementedError
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their streams (called from a background thread)."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
@@ -95,7 +68,11 @@ class AsyncLLM:
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_deliver, items)
 
-    # ------------------------------------------------------------------ event-loop side
+    def _fail_all(self, error: BaseException) -> None:
+        self.dead_error = error
+        for loop, q in list(self._streams.values()):
+            loop.call_soon_threadsafe(q.put_nowait, EngineDeadError(f"engine loop died: {error}"))
+
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Stream `RequestOutput` deltas until the request finishes.
@@ -103,14 +80,18 @@ class AsyncLLM:
         Raises (before the first output): whatever `LLMEngine.add_request` raises;
         EngineDeadError if the loop is gone. Later: RequestFailedError if the request fails.
         """
-        if self.dead_error is not None or self._stopped.is_set():
-            raise EngineDeadError("the engine is not running")
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine is not running: {self.dead_error}")
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, q)
         fut: Future = Future()
-        self._inbox.put(("add", ((request_id, prompt_token_ids, params, None, priority), fut)))
-        await asyncio.wrap_future(fut)
+        self._submit_add((request_id, list(prompt_token_ids), params, None, priority), fut)
+        try:
+            await asyncio.wrap_future(fut)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
         finished = False
         try:
             while True:
@@ -132,7 +113,55 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         """Abort a request (any state); safe to call from any thread, idempotent."""
         self._streams.pop(request_id, None)
-        self._inbox.put(("abort", [request_id]))
+        self._submit_abort(request_id)
+
+
+class AsyncLLM(_StreamRouter):
+    """The engine loop in a background thread of this process (see the module docstring)."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        super().__init__()
+        self.engine = engine
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="continuum-engine", daemon=True)
+        self._thread.start()
+
+    def _submit_add(self, args: tuple, fut: Future) -> None:
+        self._inbox.put(("add", (args, fut)))
+
+    def _submit_abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def _run(self) -> None:
+        try:
+            while not self._stopped.is_set():
+                self._drain_inbox(block=not self.engine.has_unfinished_requests())
+                if self.engine.has_unfinished_requests():
+                    self._dispatch(self.engine.step())
+        except BaseException as e:      # a bug: report it to every waiting stream
+            logger.exception("engine loop died")
+            self._fail_all(e)
+
+    def _drain_inbox(self, block: bool) -> None:
+        while True:
+            try:
+                kind, payload = (self._inbox.get(timeout=0.5) if block
+                                 else self._inbox.get_nowait())
+            except queue.Empty:
+                return
+            block = False
+            if kind == "add":
+                args, fut = payload
+                try:
+                    self.engine.add_request(*args)
+                    fut.set_result(None)
+                except Exception as e:
+                    fut.set_exception(e)
+            elif kind == "abort":
+                self.engine.abort_request(payload)
+            elif kind == "stop":
+                return
 
     @property
     def is_alive(self) -> bool:
@@ -143,6 +172,95 @@ class AsyncLLM:
         self._stopped.set()
         self._inbox.put(("stop", None))
         self._thread.join(timeout)
+
+
+def _engine_core_main(config: EngineConfig, conn) -> None:
+    """Child process of `ProcessAsyncLLM`: build the engine, then serve commands and step."""
+    try:
+        engine = LLMEngine(config)
+    except BaseException as e:
+        conn.send(("dead", repr(e)))
+        return
+    conn.send(("ready", None))
+    while True:
+        if not engine.has_unfinished_requests():
+            conn.poll(None)
+        while conn.poll(0):
+            kind, payload = conn.recv()
+            if kind == "add":
+                try:
+                    engine.add_request(*payload)
+                    conn.send(("added", payload[0]))
+                except Exception as e:
+                    conn.send(("add_error", (payload[0], e)))
+            elif kind == "abort":
+                engine.abort_request(payload)
+            elif kind == "stop":
+                return
+        if engine.has_unfinished_requests():
+            outputs = engine.step()
+            if outputs:
+                conn.send(("outputs", outputs))
+
+
+class ProcessAsyncLLM(_StreamRouter):
+    """The engine in a child process (spawned; it loads the model itself)."""
+
+    def __init__(self, config: EngineConfig, start_timeout: float = 600.0) -> None:
+        super().__init__()
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._send_lock = threading.Lock()
+        self._pending: dict[str, Future] = {}
+        self._proc = ctx.Process(target=_engine_core_main, args=(config, child),
+                                 name="continuum-engine-core", daemon=True)
+        self._proc.start()
+        if not self._conn.poll(start_timeout):
+            raise EngineDeadError("engine process did not start in time")
+        kind, detail = self._conn.recv()
+        if kind != "ready":
+            raise EngineDeadError(f"engine process failed to start: {detail}")
+        self._reader = threading.Thread(target=self._read, name="continuum-engine-reader",
+                                        daemon=True)
+        self._reader.start()
+
+    def _send(self, msg: tuple) -> None:
+        with self._send_lock:
+            self._conn.send(msg)
+
+    def _submit_add(self, args: tuple, fut: Future) -> None:
+        self._pending[args[0]] = fut
+        self._send(("add", args))
+
+    def _submit_abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    def _read(self) -> None:
+        try:
+            while True:
+                kind, payload = self._conn.recv()
+                if kind == "outputs":
+                    self._dispatch(payload)
+                elif kind == "added":
+                    self._pending.pop(payload).set_result(None)
+                elif kind == "add_error":
+                    rid, err = payload
+                    self._pending.pop(rid).set_exception(err)
+        except (EOFError, OSError) as e:
+            self._fail_all(e)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._proc.is_alive() and self.dead_error is None
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        try:
+            self._send(("stop", None))
+        except OSError:
+            pass
+        self._proc.join(timeout)
+        if self._proc.is_alive():
+            self._proc.terminate()
 
 
 def _deliver(items: list) -> None:

@@ -4,10 +4,12 @@ Owns: the order of logits processing, which follows vLLM v1's sampler —
 logit_bias and min_tokens masking → repetition / frequency / presence penalties → greedy argmax,
 or temperature → min_p → top_k / top_p → sampling — and per-request randomness.
 
-Sampling uses the exponential-race trick (argmax of probs / Exp(1) noise, as vLLM does), which
-draws exactly from the softmax distribution. Each seeded request draws its noise from its own
-generator seeded by (seed, choice index, output index), so its tokens do not depend on what else
-is in the batch, nor on preemption. Unseeded requests share the engine's generator (`--seed`).
+Sampling is inverse-CDF (`torch.multinomial`: one uniform draw per row), exact for the
+softmax distribution. (vLLM's exponential race needs a vocabulary-sized Exp(1) draw per row:
+measured here, 0.9 ms per row, 58 ms per step at batch 64.) Each seeded request draws from its
+own generator seeded by (seed, choice index, output index), so its tokens do not depend on what
+else is in the batch, nor on preemption. Unseeded requests share the engine's generator
+(`--seed`). Only the rows that sample go through temperature / filtering / softmax.
 
 Logprobs (OpenAI semantics as served by vLLM): log-softmax of the model's raw logits, for the
 sampled token and the top `k <= 20` tokens.
@@ -57,36 +59,36 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
         """Sample one token per row of `logits` `[N, vocab]` float32 (modified in place)."""
-        n, vocab = logits.shape
         want_logprobs = [r.params.logprobs for r in rows]
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
                         if any(k is not None for k in want_logprobs) else None)
         self._apply_bias_and_min_tokens(logits, rows)
         self._apply_penalties(logits, rows)
 
-        greedy = [r.params.temperature == 0.0 for r in rows]
-        tokens = torch.empty(n, dtype=torch.long, device=logits.device)
-        if all(greedy):
-            tokens = logits.argmax(dim=-1)
-        else:
-            temps = torch.tensor([r.params.temperature or 1.0 for r in rows],
-                                 device=logits.device, dtype=logits.dtype)
-            probs = self._filtered_probs(logits / temps[:, None], rows)
-            noise = torch.empty_like(probs)
-            for i, r in enumerate(rows):
-                if r.params.seed is not None and not greedy[i]:
-                    g = torch.Generator(device=logits.device)
-                    g.manual_seed(_seed_for(r.params.seed, r.choice_index,
-                                            len(r.output_token_ids)))
-                    noise[i].exponential_(generator=g)
-                else:
-                    noise[i].exponential_(generator=self.generator)
-            tokens = (probs / noise).argmax(dim=-1)
-            if any(greedy):
-                mask = torch.tensor(greedy, device=logits.device)
-                tokens = torch.where(mask, logits.argmax(dim=-1), tokens)
+        random_rows = [i for i, r in enumerate(rows) if r.params.temperature != 0.0]
+        tokens = logits.argmax(dim=-1)
+        if random_rows:
+            sub = [rows[i] for i in random_rows]
+            temps = torch.tensor([r.params.temperature for r in sub], device=logits.device,
+                                 dtype=logits.dtype)
+            probs = self._filtered_probs(logits[random_rows] / temps[:, None], sub)
+            tokens[random_rows] = self._draw(probs, sub)
         token_list = tokens.tolist()
         return SampleResult(token_list, self._logprobs(raw_logprobs, token_list, want_logprobs))
+
+    def _draw(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """One token per row of `probs [R, vocab]` (inverse-CDF sampling: one uniform draw per
+        row). Seeded rows draw from their own generator, the rest from the shared one."""
+        out = torch.empty(len(rows), dtype=torch.long, device=probs.device)
+        shared = [i for i, r in enumerate(rows) if r.params.seed is None]
+        if shared:
+            out[shared] = torch.multinomial(probs[shared], 1, generator=self.generator)[:, 0]
+        for i, r in enumerate(rows):
+            if r.params.seed is not None:
+                g = torch.Generator(device=probs.device)
+                g.manual_seed(_seed_for(r.params.seed, r.choice_index, len(r.output_token_ids)))
+                out[i] = torch.multinomial(probs[i], 1, generator=g)[0]
+        return out
 
     @staticmethod
     def _apply_bias_and_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:

@@ -19,6 +19,7 @@ boundary.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import multiprocessing
 import queue
@@ -174,17 +175,41 @@ class AsyncLLM(_StreamRouter):
         self._thread.join(timeout)
 
 
+def engine_snapshot(engine: LLMEngine) -> dict:
+    """Scheduler gauges and cumulative counters, for the metrics layer."""
+    s = engine.scheduler
+    return {"num_running": s.num_running, "num_waiting": s.num_waiting,
+            "num_swapped": s.num_swapped, "kv_cache_usage": s.kv.usage(),
+            "counters": dataclasses.asdict(s.counters)}
+
+
+def engine_info(engine: LLMEngine) -> dict:
+    """What the API layer needs to know about the loaded engine."""
+    return {"model_dir": str(engine.model_dir), "max_model_len": engine.max_model_len,
+            "vocab_size": engine.model_config.vocab_size, "load_time": engine.load_time,
+            "architecture": engine.model_config.architecture, "dtype": str(engine.dtype),
+            "device": engine.device.kind}
+
+
 def _engine_core_main(config: EngineConfig, conn) -> None:
-    """Child process of `ProcessAsyncLLM`: build the engine, then serve commands and step."""
+    """Child process of `ProcessAsyncLLM`: build the engine, then serve commands and step.
+
+    Messages to the parent: ("ready", info) once; ("added", id) / ("add_error", (id, exc));
+    ("outputs", (outputs, step_stats, snapshot)) per step; ("stats", ([], snapshot)) after
+    commands that changed state without a step (aborts).
+    """
     try:
         engine = LLMEngine(config)
     except BaseException as e:
-        conn.send(("dead", repr(e)))
+        conn.send(("dead", f"{type(e).__name__}: {e}"))
         return
-    conn.send(("ready", None))
+    step_stats: list = []
+    engine.stat_loggers.append(step_stats.append)
+    conn.send(("ready", engine_info(engine)))
     while True:
         if not engine.has_unfinished_requests():
             conn.poll(None)
+        aborted = False
         while conn.poll(0):
             kind, payload = conn.recv()
             if kind == "add":
@@ -195,19 +220,29 @@ def _engine_core_main(config: EngineConfig, conn) -> None:
                     conn.send(("add_error", (payload[0], e)))
             elif kind == "abort":
                 engine.abort_request(payload)
+                aborted = True
             elif kind == "stop":
                 return
         if engine.has_unfinished_requests():
             outputs = engine.step()
-            if outputs:
-                conn.send(("outputs", outputs))
+            conn.send(("outputs", (outputs, list(step_stats), engine_snapshot(engine))))
+            step_stats.clear()
+        elif aborted:
+            conn.send(("stats", ([], engine_snapshot(engine))))
 
 
 class ProcessAsyncLLM(_StreamRouter):
     """The engine in a child process (spawned; it loads the model itself)."""
 
-    def __init__(self, config: EngineConfig, start_timeout: float = 600.0) -> None:
+    def __init__(self, config: EngineConfig, start_timeout: float = 600.0,
+                 on_stats=None) -> None:
+        """Starts the child and waits until its engine is loaded.
+
+        `on_stats(step_stats, snapshot)` is called from the reader thread after every step and
+        after aborts. Raises EngineDeadError if the engine cannot start (message says why).
+        """
         super().__init__()
+        self.on_stats = on_stats
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._send_lock = threading.Lock()
@@ -219,7 +254,9 @@ class ProcessAsyncLLM(_StreamRouter):
             raise EngineDeadError("engine process did not start in time")
         kind, detail = self._conn.recv()
         if kind != "ready":
+            self._proc.join(5)
             raise EngineDeadError(f"engine process failed to start: {detail}")
+        self.info: dict = detail
         self._reader = threading.Thread(target=self._read, name="continuum-engine-reader",
                                         daemon=True)
         self._reader.start()
@@ -239,8 +276,11 @@ class ProcessAsyncLLM(_StreamRouter):
         try:
             while True:
                 kind, payload = self._conn.recv()
-                if kind == "outputs":
-                    self._dispatch(payload)
+                if kind in ("outputs", "stats"):
+                    outputs, step_stats, snapshot = payload
+                    self._dispatch(outputs)
+                    if self.on_stats is not None:
+                        self.on_stats(step_stats, snapshot)
                 elif kind == "added":
                     self._pending.pop(payload).set_result(None)
                 elif kind == "add_error":

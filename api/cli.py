@@ -1,0 +1,102 @@
+"""`continuum serve [MODEL] [flags]` — flag names follow `vllm serve`.
+
+Builds the frozen `EngineConfig` once; a bad value fails at start with one clear line (exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None,
+                   help="HF checkpoint directory or .gguf file (default: the embedded "
+                        "SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
+    p.add_argument("--served-model-name", default=None,
+                   help="model name clients use (default: the model's file or folder name)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="max tokens per sequence, prompt + output (default: the model's limit)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and KV-cache dtype; auto = float32 on CPU (default: auto)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or npu (default: auto)")
+    p.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling (default: 0)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
+    p.add_argument("--max-num-seqs", type=int, default=256,
+                   help="max sequences per engine step (default: 256)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="max tokens per engine step (default: 2048 with chunked prefill)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True, help="share KV blocks of equal prefixes (default: on)")
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=True, help="split long prompts across steps (default: on)")
+    p.add_argument("--swap-space", type=float, default=4.0,
+                   help="CPU swap pool in GiB, used with --preemption-mode swap (default: 4)")
+    p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
+                   help="what preemption does with a request's KV blocks (default: recompute)")
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                   help="KV-cache size in blocks; overrides --kv-cache-memory")
+    p.add_argument("--kv-cache-memory", type=float, default=None,
+                   help="KV-cache size in GiB (default: 2 on CPU, 90%% of free device memory)")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                   help="fcfs, or priority: lower value first (default: fcfs)")
+    p.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="waiting-queue bound; past it requests get HTTP 503 (default: 1024)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: none)")
+    p.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's log level (default: info)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="continuum", description="Continuum LLM server")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_engine_flags(sub.add_parser("serve", help="serve a model over the OpenAI API"))
+    return parser
+
+
+def engine_config(args: argparse.Namespace):
+    from engine.config import EngineConfig
+
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, seed=args.seed,
+        max_model_len=args.max_model_len, block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory, num_gpu_blocks_override=args.num_gpu_blocks_override,
+        swap_space=args.swap_space, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        enable_prefix_caching=args.enable_prefix_caching, preemption_mode=args.preemption_mode,
+        scheduling_policy=args.scheduling_policy, max_waiting_requests=args.max_waiting_requests)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        config = engine_config(args)
+        if not 0 < args.port < 65536:
+            raise ValueError(f"--port must be in 1..65535, got {args.port}")
+        if args.model is not None and not Path(args.model).exists():
+            raise ValueError(f"model {args.model!r} is not a local path "
+                             "(Continuum never downloads weights)")
+    except ValueError as e:
+        print(f"continuum: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    import uvicorn
+
+    from api.server import ServerState, build_app
+
+    name = args.served_model_name or (Path(args.model).stem if args.model
+                                      else "SmolLM2-135M-Instruct")
+    state = ServerState(config, name, args.api_key)
+    uvicorn.run(build_app(state), host=args.host, port=args.port,
+                log_level=args.uvicorn_log_level)
+
+
+if __name__ == "__main__":
+    main()

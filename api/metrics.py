@@ -1,0 +1,123 @@
+"""Prometheus metrics: vLLM's names with the prefix `continuum_` instead of `vllm:`.
+
+Owns: one `CollectorRegistry` per app. Fed from two places:
+- the engine side, per step (`on_engine_stats(step_stats, snapshot)`): batch size, step and
+  scheduler time, iteration tokens, token counters, finished requests (success by reason, E2E
+  latency, queue time, prompt / generation token histograms), and the scheduler's gauges and
+  cumulative counters (running / waiting / swapped, KV usage, prefix cache, preemptions, swaps);
+- the API side, per streamed delta: time to first token and inter-token latency, as the
+  client sees them.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                   5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+# Cumulative scheduler counters → Prometheus counter names.
+_SCHEDULER_COUNTERS = {
+    "prefix_cache_queries": "continuum_prefix_cache_queries",
+    "prefix_cache_hits": "continuum_prefix_cache_hits",
+    "num_preemptions": "continuum_num_preemptions",
+    "swap_in_blocks": "continuum_swap_in_blocks",
+    "swap_out_blocks": "continuum_swap_out_blocks",
+}
+
+
+class Metrics:
+    """All metrics of one server; `render()` gives the text exposition format."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = r = CollectorRegistry()
+        labels = ["model_name"]
+        self.model_name = model_name
+
+        def gauge(name, doc):
+            return Gauge(name, doc, labels, registry=r).labels(model_name)
+
+        def counter(name, doc):
+            return Counter(name, doc, labels, registry=r).labels(model_name)
+
+        def hist(name, doc, buckets):
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        self.running = gauge("continuum_num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("continuum_num_requests_waiting", "Requests waiting to be scheduled.")
+        self.swapped = gauge("continuum_num_requests_swapped", "Requests swapped to the CPU pool.")
+        self.kv_usage = gauge("continuum_kv_cache_usage_perc",
+                              "KV-cache usage: 1 means every block is in use.")
+        self.success = Counter("continuum_request_success", "Finished requests by reason.",
+                               labels + ["finished_reason"], registry=r)
+        self.ttft = hist("continuum_time_to_first_token_seconds", "Time to first token.",
+                         LATENCY_BUCKETS)
+        self.itl = hist("continuum_inter_token_latency_seconds", "Time between streamed tokens.",
+                        LATENCY_BUCKETS)
+        self.e2e = hist("continuum_e2e_request_latency_seconds", "Arrival to finish.",
+                        LATENCY_BUCKETS)
+        self.queue_time = hist("continuum_request_queue_time_seconds",
+                               "Arrival to first scheduled.", LATENCY_BUCKETS)
+        self.prompt_hist = hist("continuum_request_prompt_tokens", "Prompt tokens per request.",
+                                TOKEN_BUCKETS)
+        self.gen_hist = hist("continuum_request_generation_tokens",
+                             "Generated tokens per request.", TOKEN_BUCKETS)
+        self.iteration_tokens = hist("continuum_iteration_tokens_total",
+                                     "Tokens computed per engine step.", TOKEN_BUCKETS)
+        self.prompt_tokens = counter("continuum_prompt_tokens", "Prefill tokens computed.")
+        self.generation_tokens = counter("continuum_generation_tokens", "Tokens generated.")
+        self.batch_size = hist("continuum_batch_size", "Requests per engine step.", BATCH_BUCKETS)
+        self.step_time = hist("continuum_step_duration_seconds", "Engine step wall time.",
+                              LATENCY_BUCKETS)
+        self.scheduler_time = hist("continuum_scheduler_overhead_seconds",
+                                   "schedule() + update_from_output() time per step.",
+                                   LATENCY_BUCKETS)
+        self.scheduler_counters = {k: counter(v, f"Cumulative {k.replace('_', ' ')}.")
+                                   for k, v in _SCHEDULER_COUNTERS.items()}
+        self._last_counters: dict[str, int] = {k: 0 for k in _SCHEDULER_COUNTERS}
+
+    def on_engine_stats(self, step_stats: list, snapshot: dict) -> None:
+        """Record engine steps and the scheduler snapshot (any thread)."""
+        for s in step_stats:
+            self.batch_size.observe(s.batch_size)
+            self.step_time.observe(s.step_time)
+            self.scheduler_time.observe(s.scheduler_time)
+            self.iteration_tokens.observe(s.num_tokens)
+            self.prompt_tokens.inc(s.num_prefill_tokens)
+            self.generation_tokens.inc(s.num_generation_tokens)
+            for reason, m, n_prompt, n_gen in s.finished:
+                self.success.labels(self.model_name, reason or "abort").inc()
+                if m.finished_time is not None:
+                    self.e2e.observe(m.finished_time - m.arrival_time)
+                if m.first_scheduled_time is not None:
+                    self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
+                self.prompt_hist.observe(n_prompt)
+                self.gen_hist.observe(n_gen)
+        self.running.set(snapshot["num_running"])
+        self.waiting.set(snapshot["num_waiting"])
+        self.swapped.set(snapshot["num_swapped"])
+        self.kv_usage.set(snapshot["kv_cache_usage"])
+        for key, value in snapshot["counters"].items():
+            if key in self.scheduler_counters and value > self._last_counters[key]:
+                self.scheduler_counters[key].inc(value - self._last_counters[key])
+                self._last_counters[key] = value
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+METRIC_NAMES = (
+    "continuum_num_requests_running", "continuum_num_requests_waiting",
+    "continuum_num_requests_swapped", "continuum_request_success_total",
+    "continuum_time_to_first_token_seconds", "continuum_inter_token_latency_seconds",
+    "continuum_e2e_request_latency_seconds", "continuum_request_queue_time_seconds",
+    "continuum_request_prompt_tokens", "continuum_request_generation_tokens",
+    "continuum_iteration_tokens_total", "continuum_prompt_tokens_total",
+    "continuum_generation_tokens_total", "continuum_num_preemptions_total",
+    "continuum_swap_in_blocks_total", "continuum_swap_out_blocks_total",
+    "continuum_prefix_cache_queries_total", "continuum_prefix_cache_hits_total",
+    "continuum_kv_cache_usage_perc", "continuum_batch_size",
+    "continuum_step_duration_seconds", "continuum_scheduler_overhead_seconds",
+)

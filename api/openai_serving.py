@@ -1,0 +1,228 @@
+"""Turning engine outputs into OpenAI responses: one JSON body, or SSE chunks.
+
+Owns: the per-request accumulation (text, token counts, finish reasons per choice), the chunk
+shapes of `chat.completion.chunk` and `text_completion`, usage, logprobs in OpenAI's two
+formats, and the rules of the stream (the role rides on each choice's first chunk,
+`finish_reason` once per choice, `include_usage` adds a last chunk with `choices: []`, an error
+after the stream started becomes an error chunk, and `data: [DONE]` always ends it).
+
+In: an async iterator of `(group, RequestOutput)` — group is the prompt's index for multi-prompt
+completions. Out: dicts (JSON bodies) or SSE `data:` payload strings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from engine.outputs import RequestOutput, TokenLogprob
+
+
+@dataclass
+class _Choice:
+    text: str = ""
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    started: bool = False
+
+
+@dataclass
+class ResponseContext:
+    """What one HTTP request needs to build its responses."""
+
+    request_id: str
+    model: str
+    chat: bool
+    n: int
+    num_prompts: int
+    tokenizer: object
+    include_usage: bool = False
+    continuous_usage: bool = False
+    want_logprobs: bool = False
+    echo_texts: list[str] | None = None          # completions with echo: prompt text per group
+    created: int = field(default_factory=lambda: int(time.time()))
+    prompt_tokens: list[int] = field(default_factory=list)   # per group
+    choices: dict[int, _Choice] = field(default_factory=dict)
+
+    def choice(self, group: int, index: int) -> tuple[int, _Choice]:
+        i = group * self.n + index
+        return i, self.choices.setdefault(i, _Choice())
+
+    def usage(self) -> dict:
+        prompt = sum(self.prompt_tokens)
+        completion = sum(c.num_tokens for c in self.choices.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
+
+    # ------------------------------------------------------------------ logprobs
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def chat_logprobs(self, lps: list[TokenLogprob]) -> dict | None:
+        if not self.want_logprobs:
+            return None
+        content = []
+        for lp in lps:
+            tok = self._token(lp.token_id)
+            content.append({"token": tok, "logprob": lp.logprob,
+                            "bytes": list(tok.encode("utf-8")),
+                            "top_logprobs": [{"token": self._token(t), "logprob": v,
+                                              "bytes": list(self._token(t).encode("utf-8"))}
+                                             for t, v in lp.top]})
+        return {"content": content}
+
+    def completion_logprobs(self, lps: list[TokenLogprob], offset: int) -> dict | None:
+        if not self.want_logprobs:
+            return None
+        tokens = [self._token(lp.token_id) for lp in lps]
+        offsets, pos = [], offset
+        for t in tokens:
+            offsets.append(pos)
+            pos += len(t)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [{self._token(t): v for t, v in lp.top} for lp in lps],
+                "text_offset": offsets}
+
+    # ------------------------------------------------------------------ pieces
+    def _apply(self, group: int, out: RequestOutput):
+        """Fold one RequestOutput in; yields (choice index, choice, delta text, new logprobs)."""
+        if len(self.prompt_tokens) <= group:
+            self.prompt_tokens.extend([0] * (group + 1 - len(self.prompt_tokens)))
+        self.prompt_tokens[group] = out.num_prompt_tokens
+        for c in out.outputs:
+            i, ch = self.choice(group, c.index)
+            ch.text += c.text
+            ch.num_tokens = c.num_output_tokens
+            new_lps = c.logprobs or []
+            ch.logprobs += new_lps
+            if c.finish_reason is not None:
+                ch.finish_reason, ch.stop_reason = c.finish_reason, c.stop_reason
+            yield i, ch, c.text, new_lps, c.finish_reason
+
+    def _chunk(self, choices: list[dict]) -> dict:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        chunk = {"id": self.request_id, "object": obj, "created": self.created,
+                 "model": self.model, "choices": choices}
+        if self.include_usage:
+            chunk["usage"] = self.usage() if self.continuous_usage else None
+        return chunk
+
+    def stream_chunks(self, group: int, out: RequestOutput) -> list[dict]:
+        """SSE chunks for one RequestOutput."""
+        chunks = []
+        for i, ch, text, lps, finish in self._apply(group, out):
+            if self.chat:
+                delta: dict = {}
+                if not ch.started:
+                    delta["role"] = "assistant"
+                delta["content"] = text
+                body = {"index": i, "delta": delta, "logprobs": self.chat_logprobs(lps),
+                        "finish_reason": finish}
+            else:
+                prefix = ""
+                if not ch.started and self.echo_texts is not None:
+                    prefix = self.echo_texts[group]
+                offset = len(ch.text) - len(text) + len(prefix if ch.started else "")
+                body = {"index": i, "text": prefix + text,
+                        "logprobs": self.completion_logprobs(lps, offset),
+                        "finish_reason": finish}
+            if finish is not None:
+                body["stop_reason"] = ch.stop_reason
+            ch.started = True
+            if text or finish is not None or lps or "role" in body.get("delta", {}):
+                chunks.append(self._chunk([body]))
+        return chunks
+
+    def final_body(self) -> dict:
+        """The non-streamed response after every output was folded in with `absorb`."""
+        choices = []
+        for i in sorted(self.choices):
+            ch = self.choices[i]
+            if self.chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": ch.text},
+                                "logprobs": self.chat_logprobs(ch.logprobs),
+                                "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason})
+            else:
+                prefix = self.echo_texts[i // self.n] if self.echo_texts is not None else ""
+                choices.append({"index": i, "text": prefix + ch.text,
+                                "logprobs": self.completion_logprobs(ch.logprobs, len(prefix)),
+                                "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason})
+        return {"id": self.request_id, "object": "chat.completion" if self.chat else
+                "text_completion", "created": self.created, "model": self.model,
+                "choices": choices, "usage": self.usage()}
+
+    def absorb(self, group: int, out: RequestOutput) -> None:
+        for _ in self._apply(group, out):
+            pass
+
+
+async def merge(streams: list[AsyncIterator[RequestOutput]]
+                ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several request streams as they produce, tagged with their index."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i, s):
+        try:
+            async for out in s:
+                await queue.put((i, out))
+        except Exception as e:       # surfaced to the consumer below
+            await queue.put((i, e))
+        finally:
+            await queue.put((i, done))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            await s.aclose()
+
+
+async def sse_events(ctx: ResponseContext, first: tuple[int, RequestOutput] | None,
+                     rest: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+    """SSE `data:` payloads: the stream's chunks, usage, errors, then `[DONE]`."""
+    try:
+        if ctx.chat:
+            for g in range(ctx.num_prompts):
+                for k in range(ctx.n):
+                    i, ch = ctx.choice(g, k)
+                    ch.started = True
+                    yield json.dumps(ctx._chunk([{"index": i, "delta": {"role": "assistant",
+                                                                          "content": ""},
+                                                  "logprobs": None, "finish_reason": None}]))
+        if first is not None:
+            for chunk in ctx.stream_chunks(*first):
+                yield json.dumps(chunk)
+        async for group, out in rest:
+            for chunk in ctx.stream_chunks(group, out):
+                yield json.dumps(chunk)
+        if ctx.include_usage:
+            yield json.dumps({"id": ctx.request_id, "object": ctx._chunk([])["object"],
+                              "created": ctx.created, "model": ctx.model, "choices": [],
+                              "usage": ctx.usage()})
+    except Exception as e:           # after the stream started: an error chunk, then [DONE]
+        yield json.dumps({"error": {"message": f"{type(e).__name__}: {e}",
+                                    "type": "internal_error", "param": None, "code": None}})
+    finally:
+        await rest.aclose()
+    yield "[DONE]"

@@ -1,0 +1,275 @@
+"""The HTTP server: FastAPI app with the OpenAI routes, health, metrics and version.
+
+Owns: the app's state (the engine front `ProcessAsyncLLM`, the tokenizer, metrics, readiness),
+request parsing (pydantic; errors → OpenAI's 400 naming the parameter), auth (`--api-key`,
+Bearer token on `/v1/*`), the chat template, and client-disconnect handling (the request is
+aborted; its KV blocks are freed at the next engine step).
+
+Start-up: the server listens at once; the engine loads in the background (`/health` answers,
+`/health/ready` and `/v1/*` give 503 until the model is loaded and warmed up).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+from sse_starlette.sse import EventSourceResponse
+
+from api.errors import APIError, bad_request, engine_error, error_response
+from api.metrics import Metrics
+from api.openai_serving import ResponseContext, merge, sse_events
+from api.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedFieldError
+from engine.async_llm import ProcessAsyncLLM, RequestFailedError
+from engine.config import EngineConfig
+from scheduler.request import SamplingParams
+
+logger = logging.getLogger("continuum.api")
+VERSION = "0.1.0"
+
+
+@dataclass
+class ServerState:
+    """Everything the routes share. `llm` and `tokenizer` are set once the engine is ready."""
+
+    engine_config: EngineConfig
+    served_model_name: str
+    api_key: str | None = None
+    llm: ProcessAsyncLLM | None = None
+    tokenizer: object = None
+    info: dict = field(default_factory=dict)
+    ready: bool = False
+    load_error: str | None = None
+    started: float = field(default_factory=time.time)
+    metrics: Metrics = None
+
+    def __post_init__(self) -> None:
+        self.metrics = Metrics(self.served_model_name)
+
+    def load(self) -> None:
+        """Start the engine process, load the tokenizer, warm up (runs in a thread)."""
+        try:
+            t0 = time.perf_counter()
+            llm = ProcessAsyncLLM(self.engine_config, on_stats=self.metrics.on_engine_stats)
+            from transformers import AutoTokenizer
+            self.tokenizer = AutoTokenizer.from_pretrained(llm.info["model_dir"])
+            self.info, self.llm = llm.info, llm
+
+            async def warm_up():
+                async for _ in llm.generate("warmup", [1, 2, 3], SamplingParams(max_tokens=2)):
+                    pass
+
+            asyncio.run(warm_up())
+            self.ready = True
+            logger.info("ready in %.1f s: point the OpenAI SDK at base_url=http://HOST:PORT/v1, "
+                        "model=%r", time.perf_counter() - t0, self.served_model_name)
+        except Exception as e:
+            self.load_error = f"{type(e).__name__}: {e}"
+            logger.error("engine failed to start: %s", self.load_error)
+
+
+def _validation_error(e: ValidationError) -> APIError:
+    err = e.errors()[0]
+    cause = (err.get("ctx") or {}).get("error")
+    if isinstance(cause, UnsupportedFieldError):
+        return bad_request(str(cause), cause.field)
+    param = ".".join(str(x) for x in err.get("loc", ())) or None
+    msg = err.get("msg", "invalid request").removeprefix("Value error, ")
+    if param is None and "stream_options" in msg:
+        param = "stream_options"
+    return bad_request(f"{param}: {msg}" if param else msg, param)
+
+
+async def _parse(request: Request, model: type[BaseModel]):
+    try:
+        data = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise bad_request(f"request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise bad_request("request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise _validation_error(e) from None
+
+
+def build_app(state: ServerState, load_in_background: bool = True) -> FastAPI:
+    """The ASGI app. With `load_in_background`, the engine starts in a thread at start-up."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if load_in_background and state.llm is None:
+            threading.Thread(target=state.load, name="continuum-load", daemon=True).start()
+        yield
+        if state.llm is not None:
+            state.llm.shutdown()
+
+    app = FastAPI(title="Continuum", version=VERSION, lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError):
+        return error_response(exc)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if state.api_key and request.url.path.startswith("/v1"):
+            if request.headers.get("authorization", "") != f"Bearer {state.api_key}":
+                return error_response(APIError(401, "invalid or missing API key",
+                                               "authentication_error", None, "invalid_api_key"))
+        return await call_next(request)
+
+    def engine_or_503() -> ProcessAsyncLLM:
+        if state.load_error:
+            raise APIError(503, f"engine failed to start: {state.load_error}",
+                           "service_unavailable")
+        if not state.ready:
+            raise APIError(503, "the model is still loading", "service_unavailable",
+                           headers={"Retry-After": "5"})
+        return state.llm
+
+    def check_model(name: str) -> None:
+        if name != state.served_model_name:
+            raise APIError(404, f"The model `{name}` does not exist.", "NotFoundError",
+                           "model", "model_not_found")
+
+    @app.get("/health")
+    async def health():
+        alive = state.load_error is None and (state.llm is None or state.llm.is_alive)
+        return Response(status_code=200 if alive else 503)
+
+    @app.get("/health/ready")
+    async def ready():
+        ok = state.ready and state.llm is not None and state.llm.is_alive
+        return Response(status_code=200 if ok else 503)
+
+    @app.get("/version")
+    async def version():
+        return {"version": VERSION}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": state.served_model_name, "object": "model", "created": int(state.started),
+            "owned_by": "continuum", "root": state.info.get("model_dir"),
+            "max_model_len": state.info.get("max_model_len")}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await _parse(request, ChatCompletionRequest)
+        check_model(body.model)
+        llm = engine_or_503()
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            ids = state.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=body.add_generation_prompt)
+        except Exception as e:       # a template that rejects the conversation
+            raise bad_request(f"chat template failed: {e}", "messages") from None
+        prompt = list(ids if isinstance(ids, list) else ids["input_ids"])
+        ctx = ResponseContext(f"chatcmpl-{uuid.uuid4().hex}", state.served_model_name, True,
+                              body.n, 1, state.tokenizer, want_logprobs=body.logprobs)
+        params = _params(body, prompt, state)
+        return await _respond(request, llm, ctx, body, [prompt], params, "messages", state)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await _parse(request, CompletionRequest)
+        check_model(body.model)
+        llm = engine_or_503()
+        try:
+            raw = body.prompts()
+        except ValueError as e:
+            raise bad_request(str(e), "prompt") from None
+        prompts = [state.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in raw]
+        if any(not p for p in prompts):
+            raise bad_request("prompt must not be empty", "prompt")
+        echo = None
+        if body.echo:
+            echo = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in raw]
+        ctx = ResponseContext(f"cmpl-{uuid.uuid4().hex}", state.served_model_name, False,
+                              body.n, len(prompts), state.tokenizer,
+                              want_logprobs=body.logprobs is not None, echo_texts=echo)
+        params = _params(body, min(prompts, key=len), state)
+        return await _respond(request, llm, ctx, body, prompts, params, "prompt", state)
+
+    return app
+
+
+def _params(body, prompt: list[int], state: ServerState) -> SamplingParams:
+    default_max = max(1, state.info["max_model_len"] - len(prompt))
+    try:
+        return body.to_sampling_params(default_max)
+    except ValueError as e:
+        raise bad_request(str(e)) from None
+
+
+async def _respond(request: Request, llm: ProcessAsyncLLM, ctx: ResponseContext, body,
+                   prompts: list[list[int]], params: SamplingParams, param: str,
+                   state: ServerState):
+    """Submit, then stream SSE or wait for the whole body; errors before output → HTTP error."""
+    if body.stream_options is not None:
+        ctx.include_usage = body.stream_options.include_usage
+        ctx.continuous_usage = body.stream_options.continuous_usage_stats
+    streams = [_timed(llm.generate(f"{ctx.request_id}-{i}", p, params, body.priority), state)
+               for i, p in enumerate(prompts)]
+    merged = merge(streams)
+    try:
+        first = await merged.__anext__()
+    except StopAsyncIteration:
+        first = None
+    except Exception as e:
+        await merged.aclose()
+        raise engine_error(e, param) from None
+    if body.stream:
+        return EventSourceResponse(sse_events(ctx, first, merged), ping=15)
+
+    async def collect():
+        if first is not None:
+            ctx.absorb(*first)
+        async for group, out in merged:
+            ctx.absorb(group, out)
+
+    task = asyncio.create_task(collect())
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.25)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                return Response(status_code=499)
+        task.result()
+    except RequestFailedError as e:
+        raise APIError(500, str(e), "internal_error") from None
+    finally:
+        await merged.aclose()
+    return JSONResponse(ctx.final_body())
+
+
+async def _timed(stream, state: ServerState):
+    """Pass outputs through, observing TTFT and ITL as the client sees them."""
+    start = last = time.perf_counter()
+    first = True
+    try:
+        async for out in stream:
+            now = time.perf_counter()
+            if first:
+                state.metrics.ttft.observe(now - start)
+                first = False
+            else:
+                state.metrics.itl.observe(now - last)
+            last = now
+            yield out
+    finally:
+        await stream.aclose()       # closing us must abort the engine request now, not at GC

@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
                                       else "SmolLM2-135M-Instruct")
     state = ServerState(config, name, args.api_key)
     uvicorn.run(build_app(state), host=args.host, port=args.port,
-                log_level=args.uvicorn_log_level)
+                log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5)
 
 
 if __name__ == "__main__":

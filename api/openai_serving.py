@@ -165,8 +165,11 @@ async def merge(streams: list[AsyncIterator[RequestOutput]]
                 ) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave several request streams as they produce, tagged with their index."""
     if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            await streams[0].aclose()     # aborts the request if it is not finished
         return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()

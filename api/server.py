@@ -77,6 +77,28 @@ class ServerState:
             logger.error("engine failed to start: %s", self.load_error)
 
 
+class BearerAuth:
+    """Pure ASGI middleware: `Authorization: Bearer KEY` on `/v1/*` (401 otherwise).
+
+    Not Starlette's `BaseHTTPMiddleware`: that wraps `receive` and hides client disconnects
+    from the routes, which must abort the requests of clients that went away.
+    """
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            auth = dict(scope["headers"]).get(b"authorization", b"")
+            if auth != self.expected:
+                response = error_response(APIError(401, "invalid or missing API key",
+                                                   "authentication_error", None,
+                                                   "invalid_api_key"))
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def _validation_error(e: ValidationError) -> APIError:
     err = e.errors()[0]
     cause = (err.get("ctx") or {}).get("error")
@@ -119,13 +141,8 @@ def build_app(state: ServerState, load_in_background: bool = True) -> FastAPI:
     async def _api_error(_: Request, exc: APIError):
         return error_response(exc)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if state.api_key and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization", "") != f"Bearer {state.api_key}":
-                return error_response(APIError(401, "invalid or missing API key",
-                                               "authentication_error", None, "invalid_api_key"))
-        return await call_next(request)
+    if state.api_key:
+        app.add_middleware(BearerAuth, api_key=state.api_key)
 
     def engine_or_503() -> ProcessAsyncLLM:
         if state.load_error:

@@ -195,7 +195,7 @@ def _engine_core_main(config: EngineConfig, conn) -> None:
     """Child process of `ProcessAsyncLLM`: build the engine, then serve commands and step.
 
     Messages to the parent: ("ready", info) once; ("added", id) / ("add_error", (id, exc));
-    ("outputs", (outputs, step_stats, snapshot)) per step; ("stats", ([], snapshot)) after
+    ("outputs", (outputs, step_stats, snapshot)) per step; ("stats", ([], [], snapshot)) after
     commands that changed state without a step (aborts).
     """
     try:
@@ -228,7 +228,7 @@ def _engine_core_main(config: EngineConfig, conn) -> None:
             conn.send(("outputs", (outputs, list(step_stats), engine_snapshot(engine))))
             step_stats.clear()
         elif aborted:
-            conn.send(("stats", ([], engine_snapshot(engine))))
+            conn.send(("stats", ([], [], engine_snapshot(engine))))
 
 
 class ProcessAsyncLLM(_StreamRouter):
@@ -286,7 +286,8 @@ class ProcessAsyncLLM(_StreamRouter):
                 elif kind == "add_error":
                     rid, err = payload
                     self._pending.pop(rid).set_exception(err)
-        except (EOFError, OSError) as e:
+        except BaseException as e:      # EOF (child died) or a bug: never hang the streams
+            logger.exception("engine reader stopped")
             self._fail_all(e)
 
     @property

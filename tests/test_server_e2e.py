@@ -1,0 +1,279 @@
+"""End to end against a real server process on a loopback port, with the official `openai` client:
+streamed and non-streamed chat and completions, n = 2, stop strings, usage, every error, auth,
+and disconnect → blocks freed (read from /metrics). Each negative test ends with a liveness check."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+KEY = "test-key"
+MODEL = "SmolLM2-135M-Instruct"
+MAX_LEN = 1024
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "api", "serve", "--port", str(port), "--api-key", KEY,
+         "--max-model-len", str(MAX_LEN), "--kv-cache-memory", "0.25", "--max-num-seqs", "4",
+         "--max-waiting-requests", "2", "--uvicorn-log-level", "warning"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(os.environ))
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {proc.stderr.read().decode()[-2000:]}")
+        try:
+            if httpx.get(f"{base}/health/ready", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    else:
+        proc.kill()
+        raise RuntimeError("server did not become ready")
+    yield base
+    proc.terminate()
+    proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0)
+
+
+def alive(server):
+    assert httpx.get(f"{server}/health", timeout=5).status_code == 200
+    r = httpx.post(f"{server}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def metric(server, name: str) -> float:
+    text = httpx.get(f"{server}/metrics", timeout=5).text
+    m = re.search(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
+    assert m, f"{name} not in /metrics"
+    return float(m.group(1))
+
+
+CHAT = [{"role": "system", "content": "You are terse."},
+        {"role": "user", "content": [{"type": "text", "text": "Name three colours."}]}]
+
+
+# ----------------------------------------------------------------------------- happy paths
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list()] == [MODEL]
+
+
+def test_chat_streamed_equals_non_streamed_with_exact_usage(client, server):
+    full = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24,
+                                          temperature=0)
+    stream = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices
+                and c.choices[0].finish_reason]
+    assert finishes == [full.choices[0].finish_reason]               # exactly once
+    assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content and text
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(httpx.get(f"{server}/v1/models", headers={
+        "Authorization": f"Bearer {KEY}"}).json()["data"][0]["root"])
+    ids = tok.apply_chat_template([{"role": "system", "content": "You are terse."},
+                                   {"role": "user", "content": "Name three colours."}],
+                                  add_generation_prompt=True)
+    ids = ids if isinstance(ids, list) else ids["input_ids"]
+    assert full.usage.prompt_tokens == len(ids)
+    assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+
+
+def test_completions_streamed_and_not_with_n2_and_token_prompts(client):
+    prompts = ["The sky is", "Roses are"]
+    full = client.completions.create(model=MODEL, prompt=prompts, max_tokens=8, temperature=0,
+                                     n=2)
+    assert sorted(c.index for c in full.choices) == [0, 1, 2, 3]
+    by_index = {c.index: c.text for c in full.choices}
+    assert by_index[0] == by_index[1] and by_index[0]                  # greedy: equal choices
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(model=MODEL, prompt=prompts, max_tokens=8,
+                                           temperature=0, n=2, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert streamed == by_index
+    assert full.usage.completion_tokens == 32
+    ids = client.completions.create(model=MODEL, prompt=[[504, 3575, 282], [504, 3575]],
+                                    max_tokens=3, temperature=0)
+    assert len(ids.choices) == 2 and ids.usage.prompt_tokens == 5
+
+
+def test_sampled_n2_gives_two_choices(client):
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16, n=2,
+                                       temperature=1.0, seed=3)
+    assert len(r.choices) == 2 and r.choices[0].message.content != r.choices[1].message.content
+
+
+def test_echo_and_logprobs(client):
+    r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4,
+                                  temperature=0, echo=True, logprobs=3)
+    c = r.choices[0]
+    assert c.text.startswith("Once upon a time") and len(c.logprobs.tokens) == 4
+    assert all(len(t) == 3 for t in c.logprobs.top_logprobs)
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, temperature=0,
+                                          logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) >= 1 and all(len(t.top_logprobs) == 2 for t in content)
+
+
+def test_stop_strings_cut_the_output(client):
+    base = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=12,
+                                     temperature=0).choices[0].text
+    assert "6" in base, base
+    r = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=12,
+                                  temperature=0, stop=["6"])
+    assert r.choices[0].text == base[:base.index("6")]
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_vllm_extras_are_accepted(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=5, temperature=0.7,
+        extra_body={"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 5,
+                    "ignore_eos": True, "stop_token_ids": [9999], "priority": 1})
+    assert r.usage.completion_tokens == 5
+
+
+# ----------------------------------------------------------------------------- errors
+def post(server, path, body, key=KEY, raw=None):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if raw is not None:
+        headers["Content-Type"] = "application/json"
+        return httpx.post(f"{server}{path}", content=raw, headers=headers, timeout=60)
+    return httpx.post(f"{server}{path}", json=body, headers=headers, timeout=60)
+
+
+def test_malformed_json_is_400(server):
+    r = post(server, "/v1/chat/completions", None, raw=b'{"model": ')
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    alive(server)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"model": MODEL, "messages": CHAT, "temperature": 5}, "temperature"),
+    ({"model": MODEL, "messages": CHAT, "n": 0}, "n"),
+    ({"model": MODEL, "messages": []}, "messages"),
+    ({"model": MODEL, "messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
+    ({"model": MODEL, "messages": CHAT, "bogus_field": 1}, "bogus_field"),
+    ({"model": MODEL, "messages": CHAT, "stream_options": {"include_usage": True}},
+     "stream_options"),
+])
+def test_bad_parameters_are_400_naming_the_parameter(server, body, param):
+    r = post(server, "/v1/chat/completions", body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+    alive(server)
+
+
+def test_too_long_is_400_naming_both_numbers(client, server):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="hello " * 900, max_tokens=500)
+    msg = e.value.response.json()["error"]["message"]
+    assert str(MAX_LEN) in msg and "500" in msg
+    alive(server)
+
+
+def test_unknown_model_is_404(client, server):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-5", messages=CHAT)
+    alive(server)
+
+
+def test_auth(server):
+    assert post(server, "/v1/chat/completions", {"model": MODEL, "messages": CHAT},
+                key=None).status_code == 401
+    r = post(server, "/v1/models", {}, key="wrong")
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    for path in ("/health", "/metrics", "/version"):
+        assert httpx.get(f"{server}{path}", timeout=5).status_code == 200
+    alive(server)
+
+
+def test_queue_full_is_503_with_retry_after(server):
+    body = {"model": MODEL, "prompt": "Tell me a story", "max_tokens": 300, "ignore_eos": True}
+
+    def send(_):
+        return post(server, "/v1/completions", body)
+
+    with ThreadPoolExecutor(12) as pool:
+        results = list(pool.map(send, range(12)))
+    codes = [r.status_code for r in results]
+    assert 503 in codes and 200 in codes, codes
+    refused = next(r for r in results if r.status_code == 503)
+    assert refused.headers["Retry-After"] and "queue is full" in refused.json()["error"]["message"]
+    alive(server)
+
+
+# ----------------------------------------------------------------------------- disconnects
+def wait_idle(server, timeout=10.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if metric(server, "continuum_num_requests_running") == 0 \
+                and metric(server, "continuum_kv_cache_usage_perc") == 0:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_streaming_disconnect_aborts_and_frees_blocks(server):
+    body = {"model": MODEL, "prompt": "Write an essay", "max_tokens": 800, "ignore_eos": True,
+            "stream": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: {") for line in got)
+        assert metric(server, "continuum_num_requests_running") >= 1
+        assert metric(server, "continuum_kv_cache_usage_perc") > 0
+    t0 = time.time()
+    assert wait_idle(server), "blocks were not freed after the client went away"
+    assert time.time() - t0 < 5
+    alive(server)
+
+
+def test_non_streaming_disconnect_aborts_and_frees_blocks(server):
+    body = {"model": MODEL, "prompt": "Write an essay", "max_tokens": 800, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server}/v1/completions", json=body, timeout=1.5,
+                   headers={"Authorization": f"Bearer {KEY}"})
+    assert wait_idle(server), "blocks were not freed after the client went away"
+    alive(server)
+
+
+def test_metrics_use_vllm_names_with_continuum_prefix(server):
+    text = httpx.get(f"{server}/metrics", timeout=5).text
+    from api.metrics import METRIC_NAMES
+    missing = [n for n in METRIC_NAMES if n not in text]
+    assert not missing, missing
+    assert metric(server, "continuum_generation_tokens_total") > 0
+    assert json.loads(httpx.get(f"{server}/version", timeout=5).text)["version"]

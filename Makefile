@@ -28,5 +28,4 @@ clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
 
 serve: install
-	@if [ -d api ]; then $(VENV)/bin/continuum serve; else \
-	  echo "make serve: the OpenAI server (api/) is not built yet; see README 'Status'." >&2; exit 1; fi
+	$(VENV)/bin/continuum serve $(SERVE_ARGS)

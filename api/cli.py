@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
 
     name = args.served_model_name or (Path(args.model).stem if args.model
                                       else "SmolLM2-135M-Instruct")
-    state = ServerState(config, name, args.api_key)
+    state = ServerState(config, name, args.api_key, base_url=f"http://{args.host}:{args.port}/v1")
     uvicorn.run(build_app(state), host=args.host, port=args.port,
                 log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5)
 

@@ -44,6 +44,7 @@ class ServerState:
     engine_config: EngineConfig
     served_model_name: str
     api_key: str | None = None
+    base_url: str = "http://127.0.0.1:8000/v1"       # for the ready line
     llm: ProcessAsyncLLM | None = None
     tokenizer: object = None
     info: dict = field(default_factory=dict)
@@ -70,8 +71,10 @@ class ServerState:
 
             asyncio.run(warm_up())
             self.ready = True
-            logger.info("ready in %.1f s: point the OpenAI SDK at base_url=http://HOST:PORT/v1, "
-                        "model=%r", time.perf_counter() - t0, self.served_model_name)
+            logger.info("ready in %.1f s (%s, %s on %s). Point the OpenAI SDK at "
+                        "base_url=%r, model=%r", time.perf_counter() - t0,
+                        self.info["architecture"], self.info["dtype"], self.info["device"],
+                        self.base_url, self.served_model_name)
         except Exception as e:
             self.load_error = f"{type(e).__name__}: {e}"
             logger.error("engine failed to start: %s", self.load_error)

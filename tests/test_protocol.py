@@ -1,0 +1,61 @@
+"""OpenAI protocol models: validation and translation to SamplingParams (no server)."""
+
+import pytest
+from pydantic import ValidationError
+
+from api.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedFieldError
+from api.server import _validation_error
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+def test_chat_defaults_and_translation():
+    req = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": CHAT, "max_completion_tokens": 7, "stop": "END", "seed": 3,
+         "logit_bias": {"42": -5}, "logprobs": True, "top_logprobs": 4, "top_k": 5,
+         "repetition_penalty": 1.2, "min_tokens": 2, "ignore_eos": True,
+         "stop_token_ids": [9]})
+    p = req.to_sampling_params(default_max_tokens=100)
+    assert (p.max_tokens, p.stop, p.seed, p.logit_bias, p.logprobs) == (7, ("END",), 3,
+                                                                        {42: -5.0}, 4)
+    assert (p.top_k, p.repetition_penalty, p.min_tokens, p.ignore_eos, p.stop_token_ids) == \
+        (5, 1.2, 2, True, (9,))
+    assert ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": CHAT}).to_sampling_params(100).max_tokens == 100
+
+
+def test_text_parts_are_joined():
+    req = ChatCompletionRequest.model_validate({"model": "m", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})
+    assert req.messages[0].text() == "ab"
+
+
+@pytest.mark.parametrize("prompt,expected", [
+    ("x", ["x"]), (["a", "b"], ["a", "b"]), ([1, 2], [[1, 2]]), ([[1], [2, 3]], [[1], [2, 3]]),
+])
+def test_completion_prompt_forms(prompt, expected):
+    assert CompletionRequest.model_validate({"model": "m", "prompt": prompt}).prompts() == expected
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"tools": []}, "tools"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"top_p": 0}, "top_p"),
+    ({"frobnicate": 1}, "frobnicate"),
+    ({"logit_bias": {"abc": 1}}, None),
+])
+def test_rejections_name_the_parameter(body, param):
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest.model_validate({"model": "m", "messages": CHAT, **body})
+    err = _validation_error(e.value)
+    assert err.status == 400 and err.param == param
+
+
+def test_unsupported_field_error_message():
+    assert "'tools' is not supported" in str(UnsupportedFieldError("tools"))
+
+
+def test_top_logprobs_requires_logprobs():
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest.model_validate({"model": "m", "messages": CHAT, "top_logprobs": 2})

@@ -198,6 +198,8 @@ def _engine_core_main(config: EngineConfig, conn) -> None:
     ("outputs", (outputs, step_stats, snapshot)) per step; ("stats", ([], [], snapshot)) after
     commands that changed state without a step (aborts).
     """
+    if not logging.getLogger().handlers:     # a spawned child starts without logging config
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
         engine = LLMEngine(config)
     except BaseException as e:

@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="continuum", description="Continuum LLM server")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_engine_flags(sub.add_parser("serve", help="serve a model over the OpenAI API"))
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    from benchmarks.serve_bench import add_arguments
+    add_arguments(bench.add_parser("serve", help="load-test an OpenAI-compatible server"))
     return parser
 
 
@@ -76,6 +79,10 @@ def engine_config(args: argparse.Namespace):
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        from benchmarks.serve_bench import main as bench_main
+        bench_main(sys.argv[3:] if argv is None else argv[2:])
+        return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
         config = engine_config(args)

@@ -6,7 +6,17 @@ so a machine converts the GGUF once.
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+import time
+
 import pytest
+
+KEY = "test-key"
+MODEL = "SmolLM2-135M-Instruct"
+MAX_LEN = 1024
 
 
 @pytest.fixture(scope="session")
@@ -21,3 +31,41 @@ def tokenizer(model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def server():
+    """A real `python -m api serve` process on a free loopback port (one per session)."""
+    import httpx
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "api", "serve", "--port", str(port), "--api-key", KEY,
+         "--max-model-len", str(MAX_LEN), "--kv-cache-memory", "0.25", "--max-num-seqs", "4",
+         "--max-waiting-requests", "2", "--uvicorn-log-level", "warning"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(os.environ))
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {proc.stderr.read().decode()[-2000:]}")
+        try:
+            if httpx.get(f"{base}/health/ready", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    else:
+        proc.kill()
+        raise RuntimeError("server did not become ready")
+    yield base
+    proc.terminate()
+    proc.wait(30)
+
+

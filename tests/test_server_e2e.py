@@ -5,11 +5,7 @@ and disconnect → blocks freed (read from /metrics). Each negative test ends wi
 from __future__ import annotations
 
 import json
-import os
 import re
-import socket
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,42 +13,7 @@ import httpx
 import openai
 import pytest
 
-KEY = "test-key"
-MODEL = "SmolLM2-135M-Instruct"
-MAX_LEN = 1024
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def server():
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "api", "serve", "--port", str(port), "--api-key", KEY,
-         "--max-model-len", str(MAX_LEN), "--kv-cache-memory", "0.25", "--max-num-seqs", "4",
-         "--max-waiting-requests", "2", "--uvicorn-log-level", "warning"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(os.environ))
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stderr.read().decode()[-2000:]}")
-        try:
-            if httpx.get(f"{base}/health/ready", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    else:
-        proc.kill()
-        raise RuntimeError("server did not become ready")
-    yield base
-    proc.terminate()
-    proc.wait(30)
+from tests.conftest import KEY, MAX_LEN, MODEL
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,93 @@
+"""`continuum bench serve`: metric computations on hand-made timings, the ShareGPT reader on a
+truncated file, and a 10-request run against a live Continuum server checking the saved JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks.bench_datasets import iter_sharegpt_records, random_dataset
+from benchmarks.bench_metrics import RequestResult, calculate_metrics, parse_goodput, tpot_of
+from tests.conftest import KEY
+
+
+def r(ttft, latency, out, itl=(), ok=True, prompt=10):
+    return RequestResult(ok, prompt, out, ttft, latency, list(itl))
+
+
+def test_tpot_is_decode_time_per_token_after_the_first():
+    assert tpot_of(r(0.1, 1.1, 11)) == pytest.approx(0.1)
+    assert tpot_of(r(0.1, 0.1, 1)) is None
+
+
+def test_aggregates_match_hand_computation():
+    results = [r(0.1, 1.1, 11, itl=[0.1] * 10), r(0.3, 2.3, 21, itl=[0.05, 0.15] * 10),
+               r(0, 0, 0, ok=False)]
+    m = calculate_metrics(results, duration=4.0, percentiles=(50, 99))
+    assert (m["completed"], m["failed"]) == (2, 1)
+    assert m["request_throughput"] == pytest.approx(0.5)
+    assert m["output_throughput"] == pytest.approx(32 / 4)
+    assert m["total_token_throughput"] == pytest.approx((32 + 20) / 4)
+    assert m["mean_ttft_ms"] == pytest.approx(200)
+    assert m["median_ttft_ms"] == pytest.approx(200)
+    assert m["mean_tpot_ms"] == pytest.approx(100)            # both requests: 100 ms/token
+    assert m["mean_itl_ms"] == pytest.approx(100)
+    assert m["p99_itl_ms"] == pytest.approx(150)
+    assert m["p50_e2el_ms"] == pytest.approx(1700)
+    assert m["p99_e2el_ms"] == pytest.approx(1100 + 0.99 * 1200)  # numpy linear interpolation
+
+
+def test_goodput_counts_requests_meeting_every_slo():
+    results = [r(0.1, 1.1, 11), r(0.6, 1.6, 11), r(0.1, 3.1, 11)]
+    m = calculate_metrics(results, 2.0, goodput_slos=parse_goodput(["ttft:500", "tpot:150"]))
+    assert m["request_goodput"] == pytest.approx(1 / 2.0)     # the 2nd misses TTFT, 3rd TPOT
+    with pytest.raises(ValueError, match="unknown metric"):
+        parse_goodput(["latency:3"])
+    with pytest.raises(ValueError):
+        parse_goodput(["ttft:fast"])
+
+
+def test_sharegpt_reader_keeps_complete_records_of_a_truncated_file(tmp_path):
+    records = [{"id": str(i), "conversations": [{"from": "human", "value": f"q{i}"},
+                                                {"from": "gpt", "value": f"a{i}"}]}
+               for i in range(3)]
+    text = json.dumps(records, indent=2)
+    cut = text[:text.index('"id": "2"') + 12]                  # mid-record
+    f = tmp_path / "sg.json"
+    f.write_text(cut)
+    assert [x["id"] for x in iter_sharegpt_records(f)] == ["0", "1"]
+
+
+def test_random_dataset_is_seeded_and_sized(tokenizer):
+    a = random_dataset(tokenizer, 4, 32, 8, range_ratio=0.25, seed=1)
+    b = random_dataset(tokenizer, 4, 32, 8, range_ratio=0.25, seed=1)
+    assert [x.prompt for x in a] == [x.prompt for x in b]
+    assert all(24 <= x.prompt_len <= 48 for x in a)    # decoded text re-encodes near 24..40
+    assert all(6 <= x.expected_output_len <= 10 for x in a)
+
+
+def test_bench_serve_against_a_live_server(server, tmp_path):
+    out, png = tmp_path / "result.json", tmp_path / "plot.png"
+    proc = subprocess.run(
+        [sys.executable, "-m", "api", "bench", "serve", "--base-url", server, "--api-key", KEY,
+         "--dataset-name", "random", "--random-input-len", "32", "--random-output-len", "8",
+         "--ignore-eos", "--num-prompts", "10", "--max-concurrency", "1,2", "--no-progress",
+         "--goodput", "ttft:60000", "--save-result", str(out), "--plot", str(png),
+         "--max-duration", "300"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    points = json.loads(out.read_text())
+    assert [p["max_concurrency"] for p in points] == [1, 2], [p["errors"] for p in points]
+    for p in points:
+        # (The shared test server allows 2 waiting requests: concurrency 2 stays within it.)
+        assert (p["completed"], p["failed"]) == (10, 0), p["errors"]
+        assert p["total_output_tokens"] == 80                  # server usage, ignore_eos
+        for key in ("duration", "request_throughput", "output_throughput",
+                    "total_token_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
+                    "mean_tpot_ms", "p90_tpot_ms", "mean_itl_ms", "p99_e2el_ms",
+                    "request_goodput"):
+            assert p[key] > 0, key
+        assert p["request_goodput"] == pytest.approx(p["request_throughput"])
+    assert png.stat().st_size > 10_000

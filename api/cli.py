@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     from benchmarks.serve_bench import add_arguments
     add_arguments(bench.add_parser("serve", help="load-test an OpenAI-compatible server"))
+    bench.add_parser("compare", add_help=False,
+                     help="Continuum vs the transformers baseline (see --help)")
     return parser
 
 
@@ -78,10 +80,15 @@ def engine_config(args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["bench", "compare"]:
+        from benchmarks.compare import main as compare_main
+        compare_main(argv[2:])
+        return
     args = build_parser().parse_args(argv)
     if args.command == "bench":
         from benchmarks.serve_bench import main as bench_main
-        bench_main(sys.argv[3:] if argv is None else argv[2:])
+        bench_main(argv[2:])
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:

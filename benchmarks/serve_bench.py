@@ -140,8 +140,10 @@ async def run_point(base_url: str, model: str, endpoint: str, requests: list[Sam
 
 
 # ----------------------------------------------------------------------------- CLI
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
+def add_arguments(p: argparse.ArgumentParser, with_base_url: bool = True) -> None:
+    if with_base_url:
+        p.add_argument("--base-url", required=True,
+                       help="server root, e.g. http://127.0.0.1:8000")
     p.add_argument("--endpoint", choices=["chat", "completions"], default="completions")
     p.add_argument("--model", default=None, help="default: the first model of /v1/models")
     p.add_argument("--tokenizer", default=None,

@@ -104,9 +104,12 @@ class ResponseContext:
                 ch.finish_reason, ch.stop_reason = c.finish_reason, c.stop_reason
             yield i, ch, c.text, new_lps, c.finish_reason
 
+    @property
+    def chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
     def _chunk(self, choices: list[dict]) -> dict:
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        chunk = {"id": self.request_id, "object": obj, "created": self.created,
+        chunk = {"id": self.request_id, "object": self.chunk_object, "created": self.created,
                  "model": self.model, "choices": choices}
         if self.include_usage:
             chunk["usage"] = self.usage() if self.continuous_usage else None
@@ -220,7 +223,7 @@ async def sse_events(ctx: ResponseContext, first: tuple[int, RequestOutput] | No
             for chunk in ctx.stream_chunks(group, out):
                 yield json.dumps(chunk)
         if ctx.include_usage:
-            yield json.dumps({"id": ctx.request_id, "object": ctx._chunk([])["object"],
+            yield json.dumps({"id": ctx.request_id, "object": ctx.chunk_object,
                               "created": ctx.created, "model": ctx.model, "choices": [],
                               "usage": ctx.usage()})
     except Exception as e:           # after the stream started: an error chunk, then [DONE]

@@ -85,29 +85,17 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     priority: int = 0
-    # Present in OpenAI's schema, rejected with a clear message (see UNSUPPORTED_FIELDS).
-    tools: object = None
-    tool_choice: object = None
-    functions: object = None
-    function_call: object = None
-    parallel_tool_calls: object = None
-    response_format: object = None
-    audio: object = None
-    modalities: object = None
-    prediction: object = None
-    web_search_options: object = None
-    reasoning_effort: object = None
-    service_tier: object = None
-    store: object = None
-    metadata: object = None
-    suffix: object = None
-    best_of: object = None
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unsupported(cls, data):
+        if isinstance(data, dict):
+            for name in UNSUPPORTED_FIELDS:
+                if data.get(name) is not None:
+                    raise UnsupportedFieldError(name)
+        return data
 
     @model_validator(mode="after")
     def _check(self):
-        for name in UNSUPPORTED_FIELDS:
-            if getattr(self, name, None) is not None:
-                raise UnsupportedFieldError(name)
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         if self.logit_bias:

@@ -168,15 +168,11 @@ class LLMEngine:
                     state.metrics.first_scheduled_time = now
         if not self.stat_loggers:
             return
-        sched = self.scheduler
         stats = StepStats(
             batch_size=len(sched_out.scheduled), num_tokens=sched_out.num_scheduled_tokens,
             num_prefill_tokens=sum(len(s.token_ids) for s in sched_out.scheduled
                                    if len(s.token_ids) > 1),
             step_time=time.perf_counter() - t0, scheduler_time=scheduler_time,
-            num_running=sched.num_running, num_waiting=sched.num_waiting,
-            num_swapped=sched.num_swapped, kv_cache_usage=sched.kv.usage(),
-            num_preempted=len(sched_out.preempted_request_ids),
             num_generation_tokens=sum(len(c.token_ids) for o in outputs for c in o.outputs),
             finished=[(o.outputs[-1].finish_reason, o.metrics, o.num_prompt_tokens,
                        sum(c.num_output_tokens for c in o.outputs))

@@ -95,8 +95,7 @@ class OutputProcessor:
                 m.first_token_time = now
             m.last_token_time = now
             out = self._process_choice(state, u)
-            if out.finish_reason == "stop" and out.stop_reason is not None \
-                    and isinstance(out.stop_reason, str) and not u.finished:
+            if isinstance(out.stop_reason, str) and not u.finished:   # a stop string hit
                 stopped.append(u.request_id)
             by_request.setdefault(rid, []).append(out)
         results = []

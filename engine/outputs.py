@@ -57,18 +57,15 @@ class RequestOutput:
 
 @dataclass
 class StepStats:
-    """One engine step, for the metrics layer. Times in seconds."""
+    """One engine step, for the metrics layer. Times in seconds. Scheduler gauges (running,
+    waiting, swapped, KV usage) and cumulative counters are read from the scheduler itself
+    (`engine.async_llm.engine_snapshot`), also between steps."""
 
     batch_size: int                    # requests scheduled
     num_tokens: int                    # tokens computed (prefill + decode)
     num_prefill_tokens: int
     step_time: float                   # schedule + execute + update + output processing
     scheduler_time: float              # schedule + update_from_output
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    kv_cache_usage: float              # [0, 1]
-    num_preempted: int
     num_generation_tokens: int = 0
     finished: list[tuple[str, RequestMetrics, int, int]] = field(default_factory=list)
     # (finish_reason, metrics, prompt tokens, generation tokens) of requests finished this step

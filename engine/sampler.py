@@ -53,7 +53,6 @@ class Sampler:
     """Stateless apart from the shared generator for unseeded requests."""
 
     def __init__(self, device: torch.device, seed: int = 0) -> None:
-        self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 

@@ -127,10 +127,9 @@ class ResponseContext:
                 body = {"index": i, "delta": delta, "logprobs": self.chat_logprobs(lps),
                         "finish_reason": finish}
             else:
-                prefix = ""
-                if not ch.started and self.echo_texts is not None:
-                    prefix = self.echo_texts[group]
-                offset = len(ch.text) - len(text) + len(prefix if ch.started else "")
+                echo = self.echo_texts[group] if self.echo_texts is not None else ""
+                prefix = "" if ch.started else echo        # the prompt rides on the first chunk
+                offset = len(echo) + len(ch.text) - len(text)
                 body = {"index": i, "text": prefix + text,
                         "logprobs": self.completion_logprobs(lps, offset),
                         "finish_reason": finish}

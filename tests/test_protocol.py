@@ -59,3 +59,33 @@ def test_unsupported_field_error_message():
 def test_top_logprobs_requires_logprobs():
     with pytest.raises(ValidationError):
         ChatCompletionRequest.model_validate({"model": "m", "messages": CHAT, "top_logprobs": 2})
+
+
+class _CharTokenizer:
+    """One character per token id (ord), enough to check offsets."""
+
+    def decode(self, ids):
+        return "".join(map(chr, ids))
+
+
+def test_streamed_echo_logprob_offsets_count_the_echoed_prompt():
+    from api.openai_serving import ResponseContext
+    from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+
+    def output(text, finish=None):
+        lps = [TokenLogprob(ord(c), -0.5, []) for c in text]
+        return RequestOutput("r", [CompletionOutput(0, text, [ord(c) for c in text], 0, finish,
+                                                    logprobs=lps)], 3, finish is not None,
+                             RequestMetrics(0.0))
+
+    ctx = ResponseContext("cmpl-1", "m", False, 1, 1, _CharTokenizer(), want_logprobs=True,
+                          echo_texts=["abc"])
+    first = ctx.stream_chunks(0, output("de"))[0]["choices"][0]
+    second = ctx.stream_chunks(0, output("f", "length"))[0]["choices"][0]
+    assert first["text"] == "abcde" and first["logprobs"]["text_offset"] == [3, 4]
+    assert second["logprobs"]["text_offset"] == [5]
+    final = ResponseContext("cmpl-2", "m", False, 1, 1, _CharTokenizer(), want_logprobs=True,
+                            echo_texts=["abc"])
+    final.absorb(0, output("de"))
+    final.absorb(0, output("f", "length"))
+    assert final.final_body()["choices"][0]["logprobs"]["text_offset"] == [3, 4, 5]

@@ -54,6 +54,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `continuum` argument parser: `serve` and `bench serve|compare`."""
     parser = argparse.ArgumentParser(prog="continuum", description="Continuum LLM server")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_engine_flags(sub.add_parser("serve", help="serve a model over the OpenAI API"))
@@ -66,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def engine_config(args: argparse.Namespace):
+    """The frozen `EngineConfig` from parsed `serve` flags. Raises ValueError naming a bad flag."""
     from engine.config import EngineConfig
 
     return EngineConfig(
@@ -80,6 +82,7 @@ def engine_config(args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Entry point of the `continuum` console script; exits 2 with one line on a bad flag."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:2] == ["bench", "compare"]:
         from benchmarks.compare import main as compare_main

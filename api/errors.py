@@ -20,15 +20,18 @@ class APIError(Exception):
         self.code, self.headers = code, headers
 
     def body(self) -> dict:
+        """The JSON body: `{"error": {"message", "type", "param", "code"}}`."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
 
 def error_response(err: APIError) -> JSONResponse:
+    """`err` as a JSON response with its status code and headers."""
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
+    """HTTP 400 `invalid_request_error`, naming `param` when known."""
     return APIError(400, message, "invalid_request_error", param)
 
 

@@ -105,6 +105,7 @@ class Metrics:
                 self._last_counters[key] = value
 
     def render(self) -> bytes:
+        """All metrics in Prometheus' text exposition format."""
         return generate_latest(self.registry)
 
 

@@ -50,10 +50,12 @@ class ResponseContext:
     choices: dict[int, _Choice] = field(default_factory=dict)
 
     def choice(self, group: int, index: int) -> tuple[int, _Choice]:
+        """The response-wide choice index (`group * n + index`) and its accumulator."""
         i = group * self.n + index
         return i, self.choices.setdefault(i, _Choice())
 
     def usage(self) -> dict:
+        """OpenAI usage in tokens: prompt (all prompts), completion (all choices), total."""
         prompt = sum(self.prompt_tokens)
         completion = sum(c.num_tokens for c in self.choices.values())
         return {"prompt_tokens": prompt, "completion_tokens": completion,
@@ -64,6 +66,7 @@ class ResponseContext:
         return self.tokenizer.decode([token_id])
 
     def chat_logprobs(self, lps: list[TokenLogprob]) -> dict | None:
+        """Chat format: `{"content": [{token, logprob, bytes, top_logprobs}]}`, or None if not asked."""
         if not self.want_logprobs:
             return None
         content = []
@@ -77,6 +80,7 @@ class ResponseContext:
         return {"content": content}
 
     def completion_logprobs(self, lps: list[TokenLogprob], offset: int) -> dict | None:
+        """Completions format (tokens, token_logprobs, top_logprobs, text_offset in characters from `offset`), or None."""
         if not self.want_logprobs:
             return None
         tokens = [self._token(lp.token_id) for lp in lps]
@@ -106,6 +110,7 @@ class ResponseContext:
 
     @property
     def chunk_object(self) -> str:
+        """The `object` of this response's stream chunks."""
         return "chat.completion.chunk" if self.chat else "text_completion"
 
     def _chunk(self, choices: list[dict]) -> dict:
@@ -159,6 +164,7 @@ class ResponseContext:
                 "choices": choices, "usage": self.usage()}
 
     def absorb(self, group: int, out: RequestOutput) -> None:
+        """Fold an output into the totals without building chunks (non-streamed responses)."""
         for _ in self._apply(group, out):
             pass
 

@@ -35,24 +35,28 @@ class UnsupportedFieldError(ValueError):
 
 
 class StreamOptions(BaseModel):
+    """OpenAI `stream_options` (vLLM adds `continuous_usage_stats`: usage in every chunk)."""
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
 class TextPart(BaseModel):
+    """A text content part of a chat message (the only part type served)."""
     model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
+    """One chat message; `content` is a string or a list of text parts."""
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
     name: str | None = None
 
     def text(self) -> str:
+        """The message's text (parts joined, None as empty)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
@@ -136,6 +140,7 @@ class ChatCompletionRequest(_SamplingFields):
         return self
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """Engine parameters; `default_max_tokens` (tokens) applies when the request gives none."""
         max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self.sampling_params(max_tokens, logprobs)
@@ -161,4 +166,5 @@ class CompletionRequest(_SamplingFields):
         return list(p)
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """Engine parameters; `default_max_tokens` (tokens) applies when the request gives none."""
         return self.sampling_params(self.max_tokens or default_max_tokens, self.logprobs)

@@ -37,6 +37,7 @@ def pct(values: list[float], q: float) -> float:
 
 
 async def run_load(llm, concurrency: int, input_len: int, output_len: int, seed: int) -> dict:
+    """`concurrency` streamed requests at once through `llm`; returns throughput (tok/s), TTFT, ITL and event-loop lag (ms)."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(100, 49000) for _ in range(input_len)] for _ in range(concurrency)]
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0)

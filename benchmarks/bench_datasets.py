@@ -25,6 +25,7 @@ from pathlib import Path
 
 @dataclass
 class SampleRequest:
+    """One benchmark request: prompt text, its length and the output length to ask for (tokens)."""
     prompt: str
     prompt_len: int
     expected_output_len: int

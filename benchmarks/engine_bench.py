@@ -37,11 +37,13 @@ from scheduler.request import SamplingParams  # noqa: E402
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """`n` seeded prompts of `length` random token ids in [100, vocab)."""
     rng = random.Random(seed)
     return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
 
 
 def engine_throughput(eng: LLMEngine, prompts, output_len: int) -> float:
+    """Output tokens per second for all `prompts` submitted at once (after a warm-up)."""
     params = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0)
     eng.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))    # warm-up
     t0 = time.perf_counter()
@@ -52,6 +54,7 @@ def engine_throughput(eng: LLMEngine, prompts, output_len: int) -> float:
 
 
 def engine_single_stream(eng: LLMEngine, prompt, output_len: int) -> float:
+    """Decode tokens per second of one request, counted after its first token."""
     eng.add_request("single", prompt, SamplingParams(max_tokens=output_len, ignore_eos=True,
                                                      temperature=0))
     first = None
@@ -65,6 +68,7 @@ def engine_single_stream(eng: LLMEngine, prompt, output_len: int) -> float:
 
 
 def hf_generate(model, batch: list[list[int]], new_tokens: int) -> float:
+    """Seconds for one static-batch transformers `generate` of exactly `new_tokens` tokens."""
     ids = torch.tensor(batch)
     t0 = time.perf_counter()
     with torch.inference_mode():
@@ -76,6 +80,7 @@ def hf_generate(model, batch: list[list[int]], new_tokens: int) -> float:
 
 
 def profile_step(eng: LLMEngine, prompts, batch: int) -> str:
+    """torch-profiler table of one steady decode step at `batch` requests."""
     from torch.profiler import ProfilerActivity, profile
 
     for i, p in enumerate(prompts[:batch]):

@@ -115,6 +115,7 @@ class StaticBatcher:
 
 def build_app(model_dir: str, dtype: str, batch_size: int, wait_ms: float,
               name: str) -> FastAPI:
+    """The baseline ASGI app: loads the model (`dtype` "float32" or "bfloat16") and starts its batcher; batches wait at most `wait_ms` milliseconds to fill."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     batcher = StaticBatcher(model, tokenizer, batch_size, wait_ms / 1000)

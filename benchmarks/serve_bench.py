@@ -141,6 +141,7 @@ async def run_point(base_url: str, model: str, endpoint: str, requests: list[Sam
 
 # ----------------------------------------------------------------------------- CLI
 def add_arguments(p: argparse.ArgumentParser, with_base_url: bool = True) -> None:
+    """The workload flags (vLLM names), shared by `bench serve` and `bench compare`."""
     if with_base_url:
         p.add_argument("--base-url", required=True,
                        help="server root, e.g. http://127.0.0.1:8000")
@@ -187,6 +188,7 @@ def _resolve_model(args) -> tuple[str, str | None]:
 
 
 def build_requests(args, tokenizer) -> list[SampleRequest]:
+    """The dataset's requests for parsed `args` (seeded)."""
     if args.dataset_name == "random":
         return random_dataset(tokenizer, args.num_prompts, args.random_input_len,
                               args.random_output_len, args.random_range_ratio, args.seed)
@@ -237,6 +239,7 @@ def run(args) -> list[dict]:
 
 
 def print_summary(m: dict) -> None:
+    """One point's results as a table on stdout (times in ms)."""
     rows = [("Max concurrency", m["max_concurrency"]), ("Successful requests", m["completed"]),
             ("Failed requests", m["failed"]), ("Duration (s)", f"{m['duration']:.2f}"),
             ("Request throughput (req/s)", f"{m['request_throughput']:.2f}"),

@@ -297,6 +297,7 @@ class ProcessAsyncLLM(_StreamRouter):
         return self._proc.is_alive() and self.dead_error is None
 
     def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop the engine process (terminated if it does not exit within `timeout` seconds)."""
         try:
             self._send(("stop", None))
         except OSError:

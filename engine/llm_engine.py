@@ -127,6 +127,7 @@ class LLMEngine:
             self.output_processor.remove(rid)
 
     def has_unfinished_requests(self) -> bool:
+        """Whether any request is waiting, running or swapped."""
         return self.scheduler.has_unfinished_requests()
 
     # ------------------------------------------------------------------ step

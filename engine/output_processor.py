@@ -66,10 +66,12 @@ class OutputProcessor:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float) -> None:
+        """Track a new request; `arrival_time` in seconds (`time.monotonic()`)."""
         self.requests[request_id] = _RequestState(request_id, params, prompt_token_ids,
                                                   RequestMetrics(arrival_time))
 
     def remove(self, request_id: str) -> None:
+        """Forget a request (aborted); unknown ids are ignored."""
         self.requests.pop(request_id, None)
 
     def _choice(self, state: _RequestState, index: int) -> _Choice:

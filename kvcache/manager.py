@@ -54,6 +54,7 @@ class KVCacheManager:
     # ----------------------------------------------------------------- queries
     @property
     def num_free_blocks(self) -> int:
+        """Device blocks with no reference (cached or not)."""
         return self.pool.num_free_blocks
 
     def usage(self) -> float:
@@ -66,6 +67,7 @@ class KVCacheManager:
         return [b.block_id for b in table[start:]] if start < len(table) else []
 
     def holds_blocks(self, request_id: str) -> bool:
+        """Whether the request has a block table on the device or in the swap pool."""
         return request_id in self.block_tables or request_id in self.cpu_tables
 
     # ----------------------------------------------------------------- prefix cache
@@ -230,6 +232,7 @@ class KVCacheManager:
         self._num_cached.pop(request_id, None)
 
     def can_swap_out(self, request_id: str) -> bool:
+        """Whether the CPU pool has room for all of the request's device blocks."""
         table = self.block_tables.get(request_id, ())
         return self.cpu_pool is not None and self.cpu_pool.num_free_blocks >= len(table)
 

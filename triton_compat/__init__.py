@@ -1,0 +1,1 @@
+"""Triton / KServe v2 compatibility: protocol routes, model repository, backends, batching."""

@@ -1,0 +1,44 @@
+"""The backend interface and the request type a backend receives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class BackendRequest:
+    """One request as a backend sees it: validated inputs (numpy, batch dimension first when
+    the model batches), the output names to return, and the client's id and parameters."""
+
+    inputs: dict[str, np.ndarray]
+    outputs: list[str]
+    id: str = ""
+    parameters: dict = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        """Rows along the batch dimension (the first input's first dimension)."""
+        first = next(iter(self.inputs.values()), None)
+        return int(first.shape[0]) if first is not None and first.ndim else 1
+
+
+@dataclass
+class ExecTimes:
+    """Nanoseconds spent preparing inputs, running the model, and splitting outputs."""
+
+    input_ns: int = 0
+    infer_ns: int = 0
+    output_ns: int = 0
+
+
+class Backend:
+    """One model instance. Subclasses implement `execute`; `close` releases resources."""
+
+    def execute(self, requests: list[BackendRequest]) -> tuple[list, ExecTimes]:
+        """Run a batch: one dict of outputs or one InferError per request, and the timings."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release the instance (the python backend's `finalize`)."""

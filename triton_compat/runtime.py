@@ -1,0 +1,219 @@
+"""One loaded model version: request validation, its queue and batcher thread, its instances.
+
+Data flow: the HTTP route hands a decoded request to `ModelRuntime.submit`, which validates it
+against the config (Triton's error texts), queues it and returns a `concurrent.futures.Future`.
+One batcher thread per model holds the lock, asks `scheduler.dynamic_batcher.decide` for a
+batch whenever an instance is idle (or a timeout or the queue delay expires), and hands the
+batch to that instance's worker thread; the worker executes it on the backend, records the
+statistics, and resolves each request's future with its outputs or its own error.
+`instance_group` count N = N instances = N batches in flight. With `preserve_ordering`, the
+futures of a batch are resolved only after those of every earlier batch.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from scheduler.dynamic_batcher import Pending, QueueFullError, RequestQueue, decide
+from triton_compat.backends import BackendRequest, create_instance
+from triton_compat.config import batcher_config, wire_datatype
+from triton_compat.errors import InferError
+from triton_compat.stats import ModelStats
+
+
+def _now_us() -> int:
+    return time.monotonic_ns() // 1000
+
+
+def check_inputs(config, inputs: dict[str, np.ndarray], datatypes: dict[str, str]) -> int:
+    """Validate inputs against the config with Triton's messages. Returns the batch size.
+
+    Raises InferError(400) for a missing, extra, mistyped or misshapen input."""
+    name = config.name
+    expected = {t.name: t for t in config.input}
+    extra = [n for n in inputs if n not in expected]
+    if extra:
+        raise InferError(f"unexpected inference input '{extra[0]}' for model '{name}'")
+    required = [n for n, t in expected.items() if not t.optional]
+    missing = [n for n in required if n not in inputs]
+    if missing:
+        raise InferError(
+            f"expected {len(required)} inputs but got {len(inputs)} inputs for model "
+            f"'{name}'. Got input(s) {list(inputs)}, but missing required input(s) "
+            f"{missing}. Please provide all required input(s).")
+    batch = None
+    for n, array in inputs.items():
+        t = expected[n]
+        want = wire_datatype(t.data_type)
+        if datatypes.get(n, want) != want:
+            raise InferError(f"inference input '{n}' data-type is '{datatypes[n]}', but "
+                             f"model '{name}' expects '{want}'")
+        dims = list(t.dims)
+        shape = list(array.shape)
+        if config.max_batch_size > 0:
+            dims = [-1] + dims
+            if not shape:
+                raise InferError(f"unexpected shape for input '{n}' for model '{name}'. "
+                                 f"Expected {dims}, got {shape}")
+            if batch is not None and shape[0] != batch:
+                raise InferError(f"input '{n}' batch size does not match other inputs "
+                                 f"for '{name}'")
+            batch = shape[0]
+        if len(shape) != len(dims) or any(d != -1 and d != s for d, s in zip(dims, shape)):
+            raise InferError(f"unexpected shape for input '{n}' for model '{name}'. "
+                             f"Expected {dims}, got {shape}")
+    if config.max_batch_size > 0:
+        if batch is None or batch < 1 or batch > config.max_batch_size:
+            raise InferError(f"inference request batch-size must be <= "
+                             f"{config.max_batch_size} for '{name}'")
+        return batch
+    return 1
+
+
+def check_outputs(config, names: list[str] | None) -> list[str]:
+    """The requested output names (all when None). Raises InferError(400) for an unknown one."""
+    known = [t.name for t in config.output]
+    if names is None:
+        return known
+    for n in names:
+        if n not in known:
+            raise InferError(f"unexpected inference output '{n}' for model '{config.name}'")
+    return list(names)
+
+
+class ModelRuntime:
+    """A loaded, servable model version with its batcher and instances.
+
+    Raises InferError(500) from the constructor when an instance fails to load."""
+
+    def __init__(self, config, model_dir: Path, version: int) -> None:
+        self.config, self.version = config, version
+        self.batcher = batcher_config(config)
+        self.queue = RequestQueue(self.batcher)
+        self.stats = ModelStats()
+        self.cond = threading.Condition()
+        self.instances = []
+        try:
+            for group in config.instance_group:
+                for i in range(group.count):
+                    self.instances.append(create_instance(config, model_dir, version,
+                                                          f"{group.name}_{i}"))
+        except Exception:
+            for inst in self.instances:
+                inst.close()
+            raise
+        self.idle = list(self.instances)
+        self.executing = 0
+        self.pool = ThreadPoolExecutor(len(self.instances),
+                                       thread_name_prefix=f"triton-{config.name}")
+        self.preserve = config.dynamic_batching.preserve_ordering
+        self._batch_seq = self._release_seq = 0
+        self._done: dict[int, list] = {}
+        self.stopping = False
+        self.thread = threading.Thread(target=self._loop, name=f"batcher-{config.name}",
+                                       daemon=True)
+        self.thread.start()
+
+    @property
+    def pending_count(self) -> int:
+        """Requests queued or executing (Triton's nv_inference_pending_request_count)."""
+        return len(self.queue) + self.executing
+
+    def submit(self, request: BackendRequest, datatypes: dict[str, str] | None = None,
+               priority: int = 0, timeout_us: int | None = None) -> Future:
+        """Validate and queue `request`; the future resolves to {output name: array}.
+
+        Raises InferError: 400 for a bad request or priority, 503 when the queue is full or
+        the model is being unloaded."""
+        batch_size = check_inputs(self.config, request.inputs, datatypes or {})
+        request.outputs = check_outputs(self.config, request.outputs or None)
+        try:
+            level = self.batcher.level_of(priority)
+        except ValueError as e:
+            raise InferError(str(e)) from None
+        ragged = {t.name for t in self.config.input if t.allow_ragged_batch}
+        shape_key = tuple((n, a.shape[1:]) for n, a in sorted(request.inputs.items())
+                          if n not in ragged) if self.config.max_batch_size > 0 else ()
+        now = _now_us()
+        future: Future = Future()
+        timeout = self.queue.timeout_us(level, timeout_us) if self.batcher.dynamic else 0
+        item = Pending((request, future, time.perf_counter_ns()), now, batch_size, shape_key,
+                       level, now + timeout if timeout else None)
+        with self.cond:
+            if self.stopping:
+                raise InferError(f"model '{self.config.name}' is being unloaded", 503)
+            try:
+                self.queue.push(item)
+            except QueueFullError as e:
+                self.stats.record_failure(0)
+                raise InferError(str(e), 503) from None
+            self.cond.notify()
+        return future
+
+    def _loop(self) -> None:
+        with self.cond:
+            while not (self.stopping and not self.queue.items):
+                decision = decide(self.queue.items, _now_us(), self.batcher)
+                self.queue.remove(decision.rejected)
+                for p in decision.rejected:
+                    self._fail(p, InferError("Request timeout expired", 503))
+                wait = decision.wait_us
+                if decision.batch and self.idle:
+                    self.queue.remove(decision.batch)
+                    self._dispatch(decision.batch)
+                    continue
+                if decision.batch:           # a batch is ready but every instance is busy
+                    deadlines = [p.deadline_us for p in self.queue.items if p.deadline_us]
+                    wait = min(deadlines) - _now_us() if deadlines else None
+                self.cond.wait(None if wait is None else max(wait, 0) / 1e6)
+
+    def _dispatch(self, batch: list[Pending]) -> None:
+        instance = self.idle.pop()
+        seq, self._batch_seq = self._batch_seq, self._batch_seq + 1
+        self.executing += len(batch)
+        self.pool.submit(self._execute, instance, batch, seq)
+
+    def _execute(self, instance, batch: list[Pending], seq: int) -> None:
+        start = time.perf_counter_ns()
+        requests = [p.key[0] for p in batch]
+        try:
+            results, times = instance.execute(requests)
+        except Exception as e:       # a backend bug: fail this batch only
+            results, times = [InferError(f"{type(e).__name__}: {e}", 500)] * len(batch), None
+        done = time.perf_counter_ns()
+        self.stats.record_execution(batch, results, start, done, times)
+        with self.cond:
+            self.idle.append(instance)
+            self.executing -= len(batch)
+            self._done[seq] = list(zip(batch, results))
+            ready = []
+            while (self._release_seq in self._done) if self.preserve else self._done:
+                key = self._release_seq if self.preserve else next(iter(self._done))
+                ready += self._done.pop(key)
+                self._release_seq += self.preserve
+            self.cond.notify_all()
+        for p, result in ready:
+            future = p.key[1]
+            if isinstance(result, Exception):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+
+    def _fail(self, p: Pending, error: InferError) -> None:
+        self.stats.record_failure(time.perf_counter_ns() - p.key[2])
+        p.key[1].set_exception(error)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop accepting, let queued and running requests finish, then finalize instances."""
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+        self.thread.join(timeout_s)
+        self.pool.shutdown(wait=True)
+        for inst in self.instances:
+            inst.close()

@@ -1,0 +1,215 @@
+"""KServe v2 tensors on the wire: JSON data and Triton's binary tensor data extension.
+
+Owns: turning an infer request body (JSON header, optionally followed by binary tensor data,
+split by the `Inference-Header-Content-Length` header) into numpy arrays, and numpy outputs
+back into a response body (JSON `data`, or binary when asked with `binary_data` /
+`binary_data_output`). BYTES tensors are numpy object arrays of `bytes`, serialized with
+tritonclient's own helpers (4-byte little-endian length before each element); BF16 tensors use
+`ml_dtypes.bfloat16`, as tritonclient does.
+
+References: KServe v2 protocol (kserve/docs/predict-api/v2/required_api.md, "Inference");
+Triton's binary data extension (server/docs/protocol/extension_binary_data.md).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor, triton_to_np_dtype
+
+MAX_ELEMENTS = 1 << 31          # larger tensors are refused before any allocation
+
+
+class TensorError(ValueError):
+    """A malformed request or tensor; the message is sent to the client with HTTP 400."""
+
+
+@dataclass
+class RequestedOutput:
+    """An output the client asked for and how it wants it."""
+
+    name: str
+    binary: bool
+
+
+@dataclass
+class ParsedRequest:
+    """An infer request body, decoded. `inputs` keeps the client's order."""
+
+    id: str
+    inputs: dict[str, np.ndarray]
+    datatypes: dict[str, str]
+    outputs: list[RequestedOutput] | None     # None: every output of the model
+    binary_default: bool                      # `binary_data_output` request parameter
+    parameters: dict
+
+
+def parse_request(body: bytes, header_length: int | None) -> ParsedRequest:
+    """Decode an infer request. Raises TensorError with a message fit for the client."""
+    if header_length is not None:
+        if not 0 <= header_length <= len(body):
+            raise TensorError(f"Inference-Header-Content-Length {header_length} is outside the "
+                              f"request body ({len(body)} bytes)")
+        header, binary = body[:header_length], memoryview(body)[header_length:]
+    else:
+        header, binary = body, memoryview(b"")
+    try:
+        req = json.loads(header)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise TensorError(f"failed to parse the request JSON buffer: {e}") from None
+    except RecursionError:
+        raise TensorError("failed to parse the request JSON buffer: nested too deeply") from None
+    if not isinstance(req, dict) or not isinstance(req.get("inputs"), list):
+        raise TensorError("the request must be a JSON object with an 'inputs' array")
+    params = req.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise TensorError("'parameters' must be a JSON object")
+    inputs, datatypes, offset = {}, {}, 0
+    for spec in req["inputs"]:
+        name, array, used = _parse_input(spec, binary[offset:])
+        if name in inputs:
+            raise TensorError(f"input '{name}' is given more than once")
+        inputs[name], datatypes[name] = array, spec["datatype"]
+        offset += used
+    if offset != len(binary):
+        raise TensorError(f"{len(binary) - offset} bytes of binary tensor data are not "
+                          "claimed by any input's binary_data_size")
+    outputs = None
+    if req.get("outputs") is not None:
+        outputs = [_parse_output(o, bool(params.get("binary_data_output", False)))
+                   for o in req["outputs"]]
+    return ParsedRequest(str(req.get("id", "")), inputs, datatypes, outputs,
+                         bool(params.get("binary_data_output", False)), params)
+
+
+def _parse_input(spec, binary: memoryview) -> tuple[str, np.ndarray, int]:
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise TensorError("each input must be an object with a 'name'")
+    name, datatype, shape = spec["name"], spec.get("datatype"), spec.get("shape")
+    dtype = triton_to_np_dtype(datatype) if isinstance(datatype, str) else None
+    if dtype is None:
+        raise TensorError(f"input '{name}' has an invalid datatype {datatype!r}")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool)
+                                              and d >= 0 for d in shape):
+        raise TensorError(f"input '{name}' must have a 'shape' of non-negative integers")
+    count = math.prod(shape)
+    if count > MAX_ELEMENTS:
+        raise TensorError(f"input '{name}' has {count} elements (shape {shape}), more than "
+                          f"the {MAX_ELEMENTS} allowed")
+    size = (spec.get("parameters") or {}).get("binary_data_size")
+    if size is not None:
+        if not isinstance(size, int) or size < 0 or size > len(binary):
+            raise TensorError(f"input '{name}': binary_data_size {size} is larger than the "
+                              f"{len(binary)} bytes of binary data left")
+        return name, _from_binary(name, datatype, dtype, shape, bytes(binary[:size])), size
+    if "data" not in spec:
+        raise TensorError(f"input '{name}' has neither 'data' nor binary_data_size")
+    return name, _from_json(name, datatype, dtype, shape, spec["data"]), 0
+
+
+def _from_binary(name, datatype, dtype, shape, raw: bytes) -> np.ndarray:
+    count = math.prod(shape)
+    if datatype == "BYTES":
+        try:
+            flat = deserialize_bytes_tensor(raw) if raw else np.empty(0, dtype=np.object_)
+        except Exception:
+            raise TensorError(f"input '{name}': malformed BYTES binary data") from None
+        if flat.size != count:
+            raise TensorError(f"input '{name}': {flat.size} BYTES elements for shape {shape}")
+        return flat.reshape(shape)
+    itemsize = np.dtype(dtype).itemsize
+    if len(raw) != count * itemsize:
+        raise TensorError(f"input '{name}': unexpected total byte size {len(raw)} for "
+                          f"{datatype} shape {shape}, expecting {count * itemsize}")
+    return np.frombuffer(raw, dtype=dtype).reshape(shape)
+
+
+def _flatten(data) -> list:
+    """Row-major flattening of nested JSON lists, without recursion (depth-safe)."""
+    if not isinstance(data, list):
+        return [data]
+    out, stack = [], [iter(data)]
+    while stack:
+        for item in stack[-1]:
+            if isinstance(item, list):
+                stack.append(iter(item))
+                break
+            out.append(item)
+        else:
+            stack.pop()
+    return out
+
+
+def _from_json(name, datatype, dtype, shape, data) -> np.ndarray:
+    flat = _flatten(data)
+    if len(flat) != math.prod(shape):
+        raise TensorError(f"input '{name}': {len(flat)} elements in 'data' for shape {shape}, "
+                          f"expecting {math.prod(shape)}")
+    if datatype == "BYTES":
+        if not all(isinstance(x, str) for x in flat):
+            raise TensorError(f"input '{name}': BYTES data must be strings")
+        return np.array([x.encode() for x in flat] or [], dtype=np.object_).reshape(shape)
+    if datatype == "BOOL":
+        ok = all(isinstance(x, bool) for x in flat)
+    elif datatype.startswith(("INT", "UINT")):
+        ok = all(isinstance(x, int) and not isinstance(x, bool) for x in flat)
+    else:
+        ok = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in flat)
+    if not ok:
+        raise TensorError(f"input '{name}': 'data' holds values that are not {datatype}")
+    try:
+        return np.array(flat, dtype=dtype).reshape(shape)
+    except (OverflowError, ValueError) as e:
+        raise TensorError(f"input '{name}': {e}") from None
+
+
+def _parse_output(spec, binary_default: bool) -> RequestedOutput:
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise TensorError("each requested output must be an object with a 'name'")
+    binary = (spec.get("parameters") or {}).get("binary_data", binary_default)
+    return RequestedOutput(spec["name"], bool(binary))
+
+
+def encode_response(model: str, version: str, request_id: str,
+                    outputs: list[tuple[str, str, np.ndarray, bool]]) -> tuple[bytes, int | None]:
+    """Response body and its JSON header length (None when the body is only JSON).
+
+    `outputs`: (name, wire datatype, array, binary?) in the order to send."""
+    entries, chunks = [], []
+    for name, datatype, array, binary in outputs:
+        entry = {"name": name, "datatype": datatype, "shape": list(array.shape)}
+        if binary:
+            raw = _to_binary(datatype, array)
+            entry["parameters"] = {"binary_data_size": len(raw)}
+            chunks.append(raw)
+        else:
+            entry["data"] = _to_json(datatype, array)
+        entries.append(entry)
+    body = {"model_name": model, "model_version": version, "outputs": entries}
+    if request_id:
+        body["id"] = request_id
+    header = json.dumps(body, separators=(",", ":")).encode()
+    if not chunks:
+        return header, None
+    return header + b"".join(chunks), len(header)
+
+
+def _to_binary(datatype: str, array: np.ndarray) -> bytes:
+    if datatype == "BYTES":
+        flat = array.reshape(-1)
+        if flat.size == 0:
+            return b""
+        return serialize_byte_tensor(flat).tobytes()
+    return np.ascontiguousarray(array, dtype=triton_to_np_dtype(datatype)).tobytes()
+
+
+def _to_json(datatype: str, array: np.ndarray) -> list:
+    flat = array.reshape(-1)
+    if datatype == "BYTES":
+        return [x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x) for x in flat]
+    if datatype in ("FP16", "BF16"):
+        return flat.astype(np.float32).tolist()
+    return flat.tolist()

@@ -12,9 +12,10 @@ Behaviour follows Triton's documentation of `dynamic_batching` (model_configurat
   queue timeout passed under `DELAY` goes behind the level's requests that have not timed out);
 - a batch grows along that order while the total batch size stays ≤ `max_batch_size` and the
   requests' shapes match (inputs with `allow_ragged_batch` are left out of the shape key);
-- it is sent at once when it is full or cannot grow (next request too big or differently shaped);
-- else, with `preferred_batch_size`, the largest preferred size that the queue's prefix forms
-  is sent at once;
+- with `preferred_batch_size`, the largest preferred size that a prefix of that order forms
+  is sent at once (so a long queue goes out in preferred sizes, never larger);
+- else the batch is sent at once when it is full or cannot grow (next request too big or
+  differently shaped);
 - else it waits until the oldest request in it has waited `max_queue_delay_microseconds`,
   then the batch goes as it is.
 """
@@ -155,11 +156,11 @@ def decide(items: list[Pending], now_us: int, config: BatcherConfig) -> Decision
         batch.append(p)
         size += p.batch_size
         prefix_len[size] = len(batch)
-    if blocked or size >= config.max_batch_size:
-        return Decision(batch, rejected, None)
     preferred = [s for s in config.preferred_batch_sizes if s in prefix_len]
     if preferred:
         return Decision(batch[:prefix_len[max(preferred)]], rejected, None)
+    if blocked or size >= config.max_batch_size:
+        return Decision(batch, rejected, None)
     waited = now_us - min(p.arrival_us for p in batch)
     if waited >= config.max_queue_delay_us:
         return Decision(batch, rejected, None)

@@ -41,12 +41,17 @@ def free_port() -> int:
 
 @pytest.fixture(scope="session")
 def server():
-    """A real `python -m api serve` process on a free loopback port (one per session)."""
+    """A real `python -m api serve` process on a free loopback port (one per session), serving
+    the embedded LLM and the example Triton model repository on the same port."""
     import httpx
 
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run([sys.executable, os.path.join(root, "examples/prepare_model_repository.py")],
+                   check=True, capture_output=True)
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "api", "serve", "--port", str(port), "--api-key", KEY,
+         "--model-repository", os.path.join(root, "examples/model_repository"),
          "--max-model-len", str(MAX_LEN), "--kv-cache-memory", "0.25", "--max-num-seqs", "4",
          "--max-waiting-requests", "2", "--uvicorn-log-level", "warning"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(os.environ))

@@ -238,3 +238,26 @@ def test_metrics_use_vllm_names_with_continuum_prefix(server):
     assert not missing, missing
     assert metric(server, "continuum_generation_tokens_total") > 0
     assert json.loads(httpx.get(f"{server}/version", timeout=5).text)["version"]
+
+
+def test_llm_and_triton_models_share_one_port(client, server):
+    """OpenAI chat and a KServe v2 infer on the same server, at the same time."""
+    import numpy as np
+    import tritonclient.http as httpclient
+
+    triton = httpclient.InferenceServerClient(server.removeprefix("http://"))
+    assert triton.is_server_ready() and triton.is_model_ready("simple")
+    in0 = np.arange(16, dtype=np.int32).reshape(1, 16)
+    inputs = [httpclient.InferInput("INPUT0", [1, 16], "INT32"),
+              httpclient.InferInput("INPUT1", [1, 16], "INT32")]
+    inputs[0].set_data_from_numpy(in0)
+    inputs[1].set_data_from_numpy(in0)
+    with ThreadPoolExecutor(1) as pool:
+        chat = pool.submit(client.chat.completions.create, model=MODEL, messages=CHAT,
+                           max_tokens=8)
+        result = triton.infer("simple", inputs)
+        assert np.array_equal(result.as_numpy("OUTPUT0"), 2 * in0)
+        assert chat.result().choices[0].message.content
+    # the v2 routes need no API key; /v1 still does
+    assert httpx.get(f"{server}/v1/models").status_code == 401
+    triton.close()

@@ -70,6 +70,16 @@ def _router(get_repository: Callable, server_ready: Callable[[], bool],
     async def ready():
         return Response(status_code=200 if server_ready() else 503)
 
+    @router.get("/v2/models/stats")
+    @router.get("/v2/models/{model}/stats")
+    @router.get("/v2/models/{model}/versions/{version}/stats")
+    async def model_stats(model: str = "", version: str = ""):
+        r = repo()
+        if model:
+            rt = r.runtime(model, version)
+            return {"model_stats": [rt.stats.json(model, str(rt.version))]}
+        return {"model_stats": [rt.stats.json(n, str(v)) for n, v, rt in r.all_runtimes()]}
+
     @router.get("/v2/models/{model}")
     @router.get("/v2/models/{model}/versions/{version}")
     async def model_metadata(model: str, version: str = ""):
@@ -99,16 +109,6 @@ def _router(get_repository: Callable, server_ready: Callable[[], bool],
     @router.get("/v2/models/{model}/versions/{version}/config")
     async def model_config(model: str, version: str = ""):
         return config_to_json(repo().runtime(model, version).config)
-
-    @router.get("/v2/models/stats")
-    @router.get("/v2/models/{model}/stats")
-    @router.get("/v2/models/{model}/versions/{version}/stats")
-    async def model_stats(model: str = "", version: str = ""):
-        r = repo()
-        if model:
-            rt = r.runtime(model, version)
-            return {"model_stats": [rt.stats.json(model, str(rt.version))]}
-        return {"model_stats": [rt.stats.json(n, str(v)) for n, v, rt in r.all_runtimes()]}
 
     @router.post("/v2/models/{model}/infer")
     @router.post("/v2/models/{model}/versions/{version}/infer")

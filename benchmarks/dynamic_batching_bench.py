@@ -1,0 +1,156 @@
+"""Dynamic batching on vs off: 20 concurrent clients of batch-1 requests, over KServe v2 HTTP.
+
+Builds a temporary model repository from the shipped examples with each model twice — as
+shipped (dynamic batching on) and a copy whose configs drop `dynamic_batching` (Triton's
+default scheduler: one request per execution) — starts one `continuum serve --no-llm` on it,
+and drives every variant in turn with the same closed loop: `--concurrency` clients
+(tritonclient's asyncio HTTP client), each sending its next request when the previous one is
+answered, for `--duration` seconds after a warm-up. Models: `content_type` (ONNX) and
+`text_embedding` (ensemble: tokenizer → encoder → pooling; off = no batching in any step).
+
+Prints one JSON line: per model, requests/s and p50 / p99 latency (ms) for on and off, the
+throughput ratio, and whether p99 is no worse. Usage:
+    python benchmarks/dynamic_batching_bench.py [--duration 15] [--concurrency 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.compare import _free_port, _start, _stop  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples" / "model_repository"
+STEPS = ["text_tokenizer", "minilm_encoder", "mean_pool_l2"]
+SENTENCES = ["The quick brown fox jumps over the lazy dog.",
+             "Continuous batching keeps the accelerator busy between requests.",
+             "Paris is the capital of France and its largest city.",
+             "A short one.",
+             "Dynamic batching trades a little queueing delay for much higher throughput, "
+             "because one execution of a batch costs far less than one per request."]
+
+
+def _copy_model(name: str, new: str, repo: Path, batching: bool) -> None:
+    """Link `name`'s version folder under `new`, with its config minus dynamic_batching."""
+    (repo / new).mkdir()
+    (repo / new / "1").symlink_to(EXAMPLES / name / "1", target_is_directory=True)
+    text = (EXAMPLES / name / "config.pbtxt").read_text()
+    text = re.sub(r'^name: "[^"]*"', f'name: "{new}"', text, flags=re.M)
+    if not batching:
+        text = re.sub(r"dynamic_batching \{[^}]*\}", "", text, flags=re.S)
+    for step in STEPS:          # an ensemble's steps point at the copies of the same variant
+        text = text.replace(f'model_name: "{step}"',
+                            f'model_name: "{step}{"" if batching else "_nobatch"}"')
+    (repo / new / "config.pbtxt").write_text(text)
+
+
+def build_repository(repo: Path) -> None:
+    """Both variants of content_type and text_embedding (with its steps)."""
+    for name in ["content_type", "text_embedding", *STEPS]:
+        _copy_model(name, name, repo, True)
+        _copy_model(name, f"{name}_nobatch", repo, False)
+
+
+def _request(model: str, i: int, rng: np.random.Generator):
+    import tritonclient.http.aio as aioclient
+
+    if model.startswith("content_type"):
+        x = aioclient.InferInput("bytes", [1, 2048], "INT32")
+        x.set_data_from_numpy(rng.integers(0, 257, (1, 2048)).astype(np.int32))
+    else:
+        x = aioclient.InferInput("TEXT", [1, 1], "BYTES")
+        x.set_data_from_numpy(np.array([[SENTENCES[i % len(SENTENCES)].encode()]],
+                                       dtype=object))
+    return [x]
+
+
+async def drive(url: str, model: str, concurrency: int, duration: float,
+                warmup: float) -> dict:
+    """Closed loop of `concurrency` clients; latencies of requests sent after the warm-up."""
+    import tritonclient.http.aio as aioclient
+
+    client = aioclient.InferenceServerClient(url, conn_limit=concurrency)
+    latencies, failures = [], 0
+    start = time.perf_counter()
+    measure_from, stop_at = start + warmup, start + warmup + duration
+
+    async def worker(w: int) -> None:
+        nonlocal failures
+        rng = np.random.default_rng(w)
+        i = w
+        while time.perf_counter() < stop_at:
+            inputs = _request(model, i, rng)
+            t0 = time.perf_counter()
+            try:
+                await client.infer(model, inputs)
+            except Exception:
+                failures += 1
+                continue
+            if t0 >= measure_from:
+                latencies.append(time.perf_counter() - t0)
+            i += concurrency
+
+    await asyncio.gather(*(worker(w) for w in range(concurrency)))
+    await client.close()
+    lat = np.array(latencies) * 1000
+    return {"requests_per_s": round(len(lat) / duration, 1),
+            "p50_ms": round(float(np.percentile(lat, 50)), 1) if len(lat) else None,
+            "p99_ms": round(float(np.percentile(lat, 99)), 1) if len(lat) else None,
+            "completed": len(lat), "failed": failures}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the benchmark; print and return the JSON result."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--duration", type=float, default=15.0, help="seconds measured per variant")
+    p.add_argument("--warmup", type=float, default=3.0, help="seconds not measured first")
+    p.add_argument("--concurrency", type=int, default=20, help="concurrent clients")
+    p.add_argument("--models", default="content_type,text_embedding")
+    args = p.parse_args(argv)
+    subprocess_prepare()
+    result = {"concurrency": args.concurrency, "duration_s": args.duration}
+    with tempfile.TemporaryDirectory() as tmp:
+        repo = Path(tmp)
+        build_repository(repo)
+        port = _free_port()
+        proc = _start([sys.executable, "-m", "api", "serve", "--no-llm", "--port", str(port),
+                       "--model-repository", str(repo), "--uvicorn-log-level", "warning"],
+                      f"http://127.0.0.1:{port}", "/v2/health/ready", timeout=180)
+        try:
+            for model in args.models.split(","):
+                on = asyncio.run(drive(f"127.0.0.1:{port}", model, args.concurrency,
+                                       args.duration, args.warmup))
+                off = asyncio.run(drive(f"127.0.0.1:{port}", f"{model}_nobatch",
+                                        args.concurrency, args.duration, args.warmup))
+                result[model] = {
+                    "batching_on": on, "batching_off": off,
+                    "throughput_ratio": round(on["requests_per_s"] / off["requests_per_s"], 2),
+                    "p99_no_worse": on["p99_ms"] <= off["p99_ms"]}
+                print(f"{model}: {json.dumps(result[model])}", file=sys.stderr, flush=True)
+        finally:
+            _stop(proc)
+    print(json.dumps(result))
+    return result
+
+
+def subprocess_prepare() -> None:
+    """Make sure the example model files exist (idempotent)."""
+    import subprocess
+
+    subprocess.run([sys.executable, str(ROOT / "examples/prepare_model_repository.py")],
+                   check=True, capture_output=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -143,6 +143,8 @@ def test_server_and_model_metadata_and_config(triton):
     assert client.get_model_config("text_embedding")["platform"] == "ensemble"
     index = {m["name"]: m for m in client.get_model_repository_index()}
     assert index["simple"]["state"] == "READY" and "state" not in index["broken"]
+    every = {m["name"] for m in client.get_inference_statistics()["model_stats"]}
+    assert {"simple", "content_type", "text_embedding", "batch4"} <= every
 
 
 # --- inference on every example model -------------------------------------------------------

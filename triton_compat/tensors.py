@@ -202,7 +202,7 @@ def _to_binary(datatype: str, array: np.ndarray) -> bytes:
         flat = array.reshape(-1)
         if flat.size == 0:
             return b""
-        return serialize_byte_tensor(flat).tobytes()
+        return serialize_byte_tensor(flat).item()     # a 0-d object array holding bytes
     return np.ascontiguousarray(array, dtype=triton_to_np_dtype(datatype)).tobytes()
 
 

@@ -2,7 +2,8 @@
 
 IN (INT32 [batch, 1]) -> OUT = IN, EXEC (INT64: this instance's execution number, from 1) and
 BATCH (INT32: the number of requests in the execution). Sleeps the config parameter `delay_ms`
-per execution. IN == -1 fails that request alone; IN == -2 raises, failing the whole batch.
+per execution, plus (IN - 1000) ms for an IN of 1000 or more. IN == -1 fails that request
+alone; IN == -2 raises, failing the whole batch.
 """
 
 import json
@@ -25,8 +26,9 @@ class TritonPythonModel:
         with _lock:
             _counter[0] += 1
             execution = _counter[0]
-        time.sleep(self.delay)
         inputs = [pb_utils.get_input_tensor_by_name(r, "IN").as_numpy() for r in requests]
+        extra = max([int(x.max()) - 1000 for x in inputs if x.max() >= 1000] or [0])
+        time.sleep(self.delay + extra / 1000)
         if any((x == -2).any() for x in inputs):
             raise RuntimeError("execution failed on purpose")
         responses = []

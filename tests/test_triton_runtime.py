@@ -1,0 +1,123 @@
+"""Model runtimes in-process (no HTTP): ordering across instances, ensemble concurrency,
+ragged batching, and the python backend's error contract."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.test_triton_e2e import SEQ_IO
+from triton_compat.backends import BackendRequest
+from triton_compat.backends.tensor import BatchedTensorBackend
+from triton_compat.errors import InferError
+from triton_compat.repository import ModelRepository
+
+SEQ_MODEL = Path(__file__).resolve().parent / "triton_models" / "seq_model.py"
+
+
+def seq_model(repo: Path, name: str, config: str) -> None:
+    (repo / name / "1").mkdir(parents=True)
+    (repo / name / "1" / "model.py").symlink_to(SEQ_MODEL)
+    (repo / name / "config.pbtxt").write_text(f'backend: "python" {config} {SEQ_IO}')
+
+
+def request(value: int) -> BackendRequest:
+    return BackendRequest({"IN": np.array([[value]], dtype=np.int32)}, [])
+
+
+@pytest.mark.parametrize("preserve", [False, True])
+def test_preserve_ordering_across_instances(tmp_path, preserve):
+    seq_model(tmp_path, "m", "max_batch_size: 1 instance_group [ { count: 2 } ] "
+              f"dynamic_batching {{ preserve_ordering: {str(preserve).lower()} }}")
+    repo = ModelRepository(tmp_path)
+    try:
+        rt = repo.runtime("m")
+        finished = {}
+        slow = rt.submit(request(1400), {"IN": "INT32"})      # 400 ms on one instance
+        slow.add_done_callback(lambda f: finished.setdefault("slow", time.perf_counter()))
+        time.sleep(0.05)
+        fast = rt.submit(request(1), {"IN": "INT32"})         # immediate on the other instance
+        fast.add_done_callback(lambda f: finished.setdefault("fast", time.perf_counter()))
+        assert slow.result(5)["OUT"][0, 0] == 1400 and fast.result(5)["OUT"][0, 0] == 1
+        # with preserve_ordering the fast response waits for the earlier one
+        assert (finished["fast"] >= finished["slow"]) is preserve
+        assert rt.stats.json("m", "1")["execution_count"] == 2
+    finally:
+        repo.close()
+
+
+def test_independent_ensemble_steps_run_concurrently(tmp_path):
+    for name in ("left", "right"):
+        seq_model(tmp_path, name, 'max_batch_size: 4 parameters { key: "delay_ms" value '
+                  '{ string_value: "400" } }')
+    (tmp_path / "both" / "1").mkdir(parents=True)
+    (tmp_path / "both" / "config.pbtxt").write_text('''platform: "ensemble" max_batch_size: 4
+        input [ { name: "X" data_type: TYPE_INT32 dims: [ 1 ] } ]
+        output [ { name: "L" data_type: TYPE_INT32 dims: [ 1 ] },
+                 { name: "R" data_type: TYPE_INT32 dims: [ 1 ] } ]
+        ensemble_scheduling { step [
+          { model_name: "left" model_version: -1 input_map { key: "IN" value: "X" }
+            output_map { key: "OUT" value: "L" } },
+          { model_name: "right" model_version: -1 input_map { key: "IN" value: "X" }
+            output_map { key: "OUT" value: "R" } } ] }''')
+    repo = ModelRepository(tmp_path)
+    try:
+        rt = repo.runtime("both")
+        t0 = time.perf_counter()
+        out = rt.submit(BackendRequest({"X": np.array([[5]], np.int32)}, []),
+                        {"X": "INT32"}).result(10)
+        elapsed = time.perf_counter() - t0
+        assert out["L"][0, 0] == 5 and out["R"][0, 0] == 5
+        assert elapsed < 0.75            # two 400 ms steps side by side, not one after another
+        assert rt.stats.json("both", "1")["inference_count"] == 1
+    finally:
+        repo.close()
+
+
+class _Echo(BatchedTensorBackend):
+    """Records the batched input and returns it (plus its row sums) as outputs."""
+
+    def run(self, inputs):
+        self.seen = inputs["ids"]
+        return {"out": inputs["ids"] * 10, "rows": inputs["ids"].sum(axis=1, keepdims=True)}
+
+
+def test_ragged_inputs_are_zero_padded_and_outputs_split_per_request():
+    from tritonclient.grpc import model_config_pb2 as mc
+
+    config = mc.ModelConfig(name="r", max_batch_size=8)
+    config.input.add(name="ids", data_type=mc.TYPE_INT64, dims=[-1], allow_ragged_batch=True)
+    config.output.add(name="out", data_type=mc.TYPE_INT64, dims=[-1])
+    config.output.add(name="rows", data_type=mc.TYPE_INT64, dims=[1])
+    backend = _Echo(config)
+    a = BackendRequest({"ids": np.array([[1, 2, 3]])}, ["out", "rows"])
+    b = BackendRequest({"ids": np.array([[4], [5]])}, ["rows"])
+    results, _ = backend.execute([a, b])
+    assert backend.seen.tolist() == [[1, 2, 3], [4, 0, 0], [5, 0, 0]]
+    assert results[0]["out"].tolist() == [[10, 20, 30]] and results[0]["rows"].tolist() == [[6]]
+    assert set(results[1]) == {"rows"} and results[1]["rows"].tolist() == [[4], [5]]
+
+
+def test_python_model_errors_fail_only_their_requests(tmp_path):
+    seq_model(tmp_path, "m", "max_batch_size: 4")
+    (tmp_path / "bad" / "1").mkdir(parents=True)
+    (tmp_path / "bad" / "1" / "model.py").write_text("raise ImportError('no such thing')\n")
+    (tmp_path / "bad" / "config.pbtxt").write_text(f'backend: "python" max_batch_size: 4 '
+                                                   f'{SEQ_IO}')
+    repo = ModelRepository(tmp_path)
+    try:
+        index = {m["name"]: m for m in repo.index()}
+        assert index["bad"]["state"] == "UNAVAILABLE"
+        assert "ImportError: no such thing" in index["bad"]["reason"]
+        with pytest.raises(InferError, match="is not ready") as e:
+            repo.runtime("bad")
+        assert e.value.status == 503
+        rt = repo.runtime("m")
+        with pytest.raises(InferError, match="request failed on purpose"):
+            rt.submit(request(-1), {"IN": "INT32"}).result(5)
+        assert rt.submit(request(2), {"IN": "INT32"}).result(5)["OUT"][0, 0] == 2
+    finally:
+        repo.close()

@@ -165,7 +165,11 @@ def test_simple_json_and_binary(triton, binary):
     inputs, in0, in1 = simple_inputs(binary)
     outputs = [httpclient.InferRequestedOutput("OUTPUT0", binary_data=binary),
                httpclient.InferRequestedOutput("OUTPUT1", binary_data=not binary)]
-    result = client.infer("simple", inputs, outputs=outputs, request_id="42")
+    # as Triton's simple_http_infer_client.py calls it: query parameters, compressed bodies
+    result = client.infer("simple", inputs, outputs=outputs, request_id="42",
+                          query_params={"test_1": 1, "test_2": 2},
+                          request_compression_algorithm="gzip" if binary else "deflate",
+                          response_compression_algorithm="gzip")
     assert np.array_equal(result.as_numpy("OUTPUT0"), in0 + in1)
     assert np.array_equal(result.as_numpy("OUTPUT1"), in0 - in1)
     assert result.get_response()["id"] == "42"

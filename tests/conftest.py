@@ -39,38 +39,47 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def server():
-    """A real `python -m api serve` process on a free loopback port (one per session), serving
-    the embedded LLM and the example Triton model repository on the same port."""
+def start_server(args: list[str], ready_path: str, log_path, timeout: float = 300):
+    """Start `python -m api serve ARGS --port P` (output to `log_path`) and wait until
+    `ready_path` answers 200. Returns (process, base URL); raises RuntimeError with the log's
+    tail if it exits or is not ready in `timeout` seconds."""
     import httpx
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    subprocess.run([sys.executable, os.path.join(root, "examples/prepare_model_repository.py")],
-                   check=True, capture_output=True)
     port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "api", "serve", "--port", str(port), "--api-key", KEY,
-         "--model-repository", os.path.join(root, "examples/model_repository"),
-         "--max-model-len", str(MAX_LEN), "--kv-cache-memory", "0.25", "--max-num-seqs", "4",
-         "--max-waiting-requests", "2", "--uvicorn-log-level", "warning"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(os.environ))
+    log = open(log_path, "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "api", "serve", "--port", str(port), *args],
+                            stdout=log, stderr=log, env=dict(os.environ))
     base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stderr.read().decode()[-2000:]}")
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
         try:
-            if httpx.get(f"{base}/health/ready", timeout=1).status_code == 200:
-                break
+            if httpx.get(f"{base}{ready_path}", timeout=1).status_code == 200:
+                return proc, base
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
-    else:
-        proc.kill()
-        raise RuntimeError("server did not become ready")
-    yield base
+        time.sleep(0.3)
+    proc.kill()
+    with open(log_path, "rb") as f:
+        raise RuntimeError(f"server not ready: {f.read().decode(errors='replace')[-3000:]}")
+
+
+def stop_server(proc) -> None:
+    """Terminate a server started by `start_server` and wait for it."""
     proc.terminate()
     proc.wait(30)
 
 
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    """A real `python -m api serve` process on a free loopback port (one per session), serving
+    the embedded LLM and the example Triton model repository on the same port."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run([sys.executable, os.path.join(root, "examples/prepare_model_repository.py")],
+                   check=True, capture_output=True)
+    proc, base = start_server(
+        ["--api-key", KEY, "--model-repository", os.path.join(root, "examples/model_repository"),
+         "--max-model-len", str(MAX_LEN), "--kv-cache-memory", "0.25", "--max-num-seqs", "4",
+         "--max-waiting-requests", "2", "--uvicorn-log-level", "warning"], "/health/ready",
+        tmp_path_factory.mktemp("server") / "server.log")
+    yield base
+    stop_server(proc)

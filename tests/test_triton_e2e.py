@@ -10,7 +10,6 @@ with a liveness check.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -24,7 +23,7 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from tests.conftest import free_port
+from tests.conftest import start_server, stop_server
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,32 +69,17 @@ def triton(tmp_path_factory):
                    check=True, capture_output=True)
     repo = tmp_path_factory.mktemp("repository")
     build_repository(repo)
-    port = free_port()
     loads = [a for n in [*[d.name for d in EXAMPLES.iterdir() if d.is_dir()], *TEST_MODELS]
              for a in ("--load-model", n)]
-    log = open(repo.parent / "server.log", "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "api", "serve", "--port", str(port), "--no-llm",
-         "--model-repository", str(repo), "--model-control-mode", "explicit", *loads,
-         "--uvicorn-log-level", "warning"], stdout=log, stderr=log, env=dict(os.environ))
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(f"{base}/v2/health/ready", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    else:
-        proc.kill()
-        raise RuntimeError(f"server not ready: {(repo.parent / 'server.log').read_text()[-3000:]}")
-    client = httpclient.InferenceServerClient(f"127.0.0.1:{port}", concurrency=24,
+    proc, base = start_server(["--no-llm", "--model-repository", str(repo),
+                               "--model-control-mode", "explicit", *loads,
+                               "--uvicorn-log-level", "warning"], "/v2/health/ready",
+                              repo.parent / "server.log", timeout=120)
+    client = httpclient.InferenceServerClient(base.removeprefix("http://"), concurrency=24,
                                               network_timeout=120)
     yield base, client
     client.close()
-    proc.terminate()
-    proc.wait(30)
+    stop_server(proc)
 
 
 def seq_input(value: int, rows: int = 1) -> list:

@@ -3,7 +3,6 @@ and OUTPUT1 = INPUT0 - INPUT1 (INT32, shape [batch, 16])."""
 
 import json
 
-import numpy as np
 import triton_python_backend_utils as pb_utils
 
 

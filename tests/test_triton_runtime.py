@@ -121,3 +121,20 @@ def test_python_model_errors_fail_only_their_requests(tmp_path):
         assert rt.submit(request(2), {"IN": "INT32"}).result(5)["OUT"][0, 0] == 2
     finally:
         repo.close()
+
+
+def test_a_missing_output_fails_the_request_not_the_server(tmp_path):
+    (tmp_path / "m" / "1").mkdir(parents=True)
+    (tmp_path / "m" / "1" / "model.py").write_text(
+        "import triton_python_backend_utils as pb_utils\n"
+        "class TritonPythonModel:\n"
+        "    def execute(self, requests):\n"
+        "        return [pb_utils.InferenceResponse([]) for _ in requests]\n")
+    (tmp_path / "m" / "config.pbtxt").write_text(f'backend: "python" max_batch_size: 4 {SEQ_IO}')
+    repo = ModelRepository(tmp_path)
+    try:
+        with pytest.raises(InferError, match="model 'm' did not return output 'OUT'") as e:
+            repo.runtime("m").submit(request(1), {"IN": "INT32"}).result(5)
+        assert e.value.status == 500
+    finally:
+        repo.close()

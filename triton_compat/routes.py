@@ -130,14 +130,18 @@ def _router(get_repository: Callable, server_ready: Callable[[], bool],
             outputs = await asyncio.wrap_future(future)
         except InferError:
             raise
-        except Exception as e:              # never let a model bug become a 500 page
+        except Exception as e:              # a model bug still answers in the v2 error shape
             raise InferError(f"{type(e).__name__}: {e}", 500) from None
         binary = {o.name: o.binary for o in parsed.outputs or []}
         types = {t.name: wire_datatype(t.data_type) for t in rt.config.output}
         order = names if names is not None else [t.name for t in rt.config.output]
-        payload, header_len = encode_response(
-            model, str(rt.version), parsed.id,
-            [(n, types[n], outputs[n], binary.get(n, parsed.binary_default)) for n in order])
+        try:
+            payload, header_len = encode_response(
+                model, str(rt.version), parsed.id,
+                [(n, types[n], outputs[n], binary.get(n, parsed.binary_default)) for n in order])
+        except Exception as e:           # an output the model filled with the wrong kind of data
+            raise InferError(f"model '{model}' returned an output that cannot be sent: "
+                             f"{type(e).__name__}: {e}", 500) from None
         if header_len is None:
             return Response(payload, media_type="application/json")
         return Response(payload, media_type="application/octet-stream",

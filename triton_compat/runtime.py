@@ -86,6 +86,16 @@ def check_outputs(config, names: list[str] | None) -> list[str]:
     return list(names)
 
 
+def _checked(model: str, request: BackendRequest, result):
+    """The result, or an InferError(500) when a requested output is missing from it."""
+    if isinstance(result, Exception):
+        return result
+    missing = [n for n in request.outputs if n not in result]
+    if missing:
+        return InferError(f"model '{model}' did not return output '{missing[0]}'", 500)
+    return result
+
+
 class ModelRuntime:
     """A loaded, servable model version with its batcher and instances.
 
@@ -185,6 +195,7 @@ class ModelRuntime:
             results, times = instance.execute(requests)
         except Exception as e:       # a backend bug: fail this batch only
             results, times = [InferError(f"{type(e).__name__}: {e}", 500)] * len(batch), None
+        results = [_checked(self.config.name, p.key[0], r) for p, r in zip(batch, results)]
         done = time.perf_counter_ns()
         self.stats.record_execution(batch, results, start, done, times)
         with self.cond:

@@ -200,6 +200,8 @@ def encode_response(model: str, version: str, request_id: str,
 def _to_binary(datatype: str, array: np.ndarray) -> bytes:
     if datatype == "BYTES":
         flat = array.reshape(-1)
+        if flat.dtype.kind == "U":          # numpy str arrays: encode each element as UTF-8
+            flat = np.array([x.encode() for x in flat], dtype=np.object_)
         if flat.size == 0:
             return b""
         return serialize_byte_tensor(flat).item()     # a 0-d object array holding bytes

@@ -138,3 +138,28 @@ def test_a_missing_output_fails_the_request_not_the_server(tmp_path):
         assert e.value.status == 500
     finally:
         repo.close()
+
+
+def test_control_mode_none_loads_everything_and_refuses_load_unload(tmp_path):
+    seq_model(tmp_path, "a", "max_batch_size: 4")
+    seq_model(tmp_path, "b", "max_batch_size: 4")
+    repo = ModelRepository(tmp_path, "none")
+    try:
+        assert [m["state"] for m in repo.index()] == ["READY", "READY"]
+        for call in (repo.load, repo.unload):
+            with pytest.raises(InferError, match="not allowed if model control mode is NONE"):
+                call("a")
+    finally:
+        repo.close()
+    explicit = ModelRepository(tmp_path, "explicit", ["b"])
+    try:
+        assert explicit.index() == [{"name": "a"},
+                                    {"name": "b", "version": "1", "state": "READY",
+                                     "reason": ""}]
+        with pytest.raises(InferError, match="'a' is not ready") as e:
+            explicit.runtime("a")
+        assert e.value.status == 503
+        with pytest.raises(InferError, match="unknown model: 'zzz' is not found"):
+            explicit.runtime("zzz")
+    finally:
+        explicit.close()

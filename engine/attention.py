@@ -9,7 +9,7 @@ prefill chunk. Cache per layer, head-major: K and V `[num_kv_heads, num_blocks, 
 head_dim]`; slot s is `(s // block_size, s % block_size)`. Head-major makes a gathered context
 contiguous per KV head.
 
-- Decodes are batched: their blocks are gathered (one `index_select` per K and V) into
+- Decodes are batched: their blocks are gathered (`gather_blocks`, per K and V) into
   `[num_kv_heads, B, max_blocks * block_size, head_dim]` and attended with two batched matmuls
   and a float32 softmax, masked by context length. Query heads are grouped by KV head (GQA), so
   K/V are not repeated. Measured here at 64 decodes: 1.75 ms per layer in bfloat16 against
@@ -96,8 +96,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             mask, causal = None, True
         else:
             ctx = p.start_position + n
-            kp = k_cache[:, p.block_table].view(num_kv_heads, -1, head_dim)[:, :ctx]
-            vp = v_cache[:, p.block_table].view(num_kv_heads, -1, head_dim)[:, :ctx]
+            kp = gather_blocks(k_cache, p.block_table).view(num_kv_heads, -1, head_dim)[:, :ctx]
+            vp = gather_blocks(v_cache, p.block_table).view(num_kv_heads, -1, head_dim)[:, :ctx]
             mask, causal = p.mask, False
         op = F.scaled_dot_product_attention(qp, kp.unsqueeze(0), vp.unsqueeze(0), attn_mask=mask,
                                             is_causal=causal, scale=scale, enable_gqa=group > 1)
@@ -105,13 +105,26 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     return out.view(num_tokens, num_heads * head_dim)
 
 
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """`cache [KVH, num_blocks, bs, D]`, `block_ids [N]` → `[KVH, N, bs, D]` (a copy).
+
+    One `index_select` along dim 0 per KV head: torch's contiguous-row fast path. Measured
+    here (bfloat16, 3 heads, 576 blocks of 16 x 64): 72 us, against 190 us for one
+    `index_select` along dim 1 and 508 us for advanced indexing."""
+    out = torch.empty((cache.shape[0], block_ids.numel(), *cache.shape[2:]), dtype=cache.dtype,
+                      device=cache.device)
+    for h in range(cache.shape[0]):
+        torch.index_select(cache[h], 0, block_ids, out=out[h])
+    return out
+
+
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             meta: AttentionMetadata, scale: float, group: int) -> torch.Tensor:
     """One query token per request: `q [B, H, D]` → `[B, H, D]`."""
     nd, num_heads, head_dim = q.shape
     num_kv_heads = num_heads // group
-    kd = k_cache.index_select(1, meta.decode_block_ids).view(num_kv_heads, nd, -1, head_dim)
-    vd = v_cache.index_select(1, meta.decode_block_ids).view(num_kv_heads, nd, -1, head_dim)
+    kd = gather_blocks(k_cache, meta.decode_block_ids).view(num_kv_heads, nd, -1, head_dim)
+    vd = gather_blocks(v_cache, meta.decode_block_ids).view(num_kv_heads, nd, -1, head_dim)
     if nd < SMALL_DECODE_BATCH:        # tiny batched matmuls are slow; SDPA wins here
         o = F.scaled_dot_product_attention(
             q.view(nd, num_kv_heads, group, head_dim), kd.transpose(0, 1), vd.transpose(0, 1),

@@ -4,12 +4,15 @@ Owns: the order of logits processing, which follows vLLM v1's sampler —
 logit_bias and min_tokens masking → repetition / frequency / presence penalties → greedy argmax,
 or temperature → min_p → top_k / top_p → sampling — and per-request randomness.
 
-Sampling is inverse-CDF (`torch.multinomial`: one uniform draw per row), exact for the
-softmax distribution. (vLLM's exponential race needs a vocabulary-sized Exp(1) draw per row:
-measured here, 0.9 ms per row, 58 ms per step at batch 64.) Each seeded request draws from its
-own generator seeded by (seed, choice index, output index), so its tokens do not depend on what
-else is in the batch, nor on preemption. Unseeded requests share the engine's generator
-(`--seed`). Only the rows that sample go through temperature / filtering / softmax.
+Sampling is inverse-CDF: one uniform draw per row, located in the row's cumulative
+distribution with `searchsorted` (inverse transform sampling; Devroye, "Non-Uniform Random
+Variate Generation", 1986, ch. III.2). Not `torch.multinomial`: for one sample it runs the
+exponential race, a vocabulary-sized Exp(1) draw per row — measured 67 ms of a 188 ms bfloat16
+decode step at batch 64 (vocab 49152), against ~3 ms for cumsum + searchsorted. Each seeded
+request draws from its own generator seeded by (seed, choice index, output index), so its
+tokens do not depend on what else is in the batch, nor on preemption. Unseeded requests share
+the engine's generator (`--seed`). Only the rows that sample go through temperature /
+filtering / softmax, and only greedy rows through argmax.
 
 Logprobs (OpenAI semantics as served by vLLM): log-softmax of the model's raw logits, for the
 sampled token and the top `k <= 20` tokens.
@@ -65,28 +68,46 @@ class Sampler:
         self._apply_penalties(logits, rows)
 
         random_rows = [i for i, r in enumerate(rows) if r.params.temperature != 0.0]
-        tokens = logits.argmax(dim=-1)
+        if len(random_rows) < len(rows):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         if random_rows:
-            sub = [rows[i] for i in random_rows]
+            everyone = len(random_rows) == len(rows)      # no [R, vocab] gather needed
+            sub = rows if everyone else [rows[i] for i in random_rows]
             temps = torch.tensor([r.params.temperature for r in sub], device=logits.device,
                                  dtype=logits.dtype)
-            probs = self._filtered_probs(logits[random_rows] / temps[:, None], sub)
-            tokens[random_rows] = self._draw(probs, sub)
+            scaled = (logits if everyone else logits[random_rows]).div_(temps[:, None])
+            probs = self._filtered_probs(scaled, sub)
+            if everyone:
+                tokens = self._draw(probs, sub)
+            else:
+                tokens[random_rows] = self._draw(probs, sub)
         token_list = tokens.tolist()
         return SampleResult(token_list, self._logprobs(raw_logprobs, token_list, want_logprobs))
 
     def _draw(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """One token per row of `probs [R, vocab]` (inverse-CDF sampling: one uniform draw per
-        row). Seeded rows draw from their own generator, the rest from the shared one."""
-        out = torch.empty(len(rows), dtype=torch.long, device=probs.device)
+        """One token per row of `probs [R, vocab]` by inverse-CDF sampling: a uniform u per row
+        (seeded rows from their own generator, the rest from the shared one), then the first
+        token whose cumulative probability exceeds u × the row's total. A token of probability
+        0 is never chosen (its cumulative value equals its predecessor's)."""
+        uniforms = torch.empty(len(rows), 1, dtype=probs.dtype, device=probs.device)
         shared = [i for i, r in enumerate(rows) if r.params.seed is None]
-        if shared:
-            out[shared] = torch.multinomial(probs[shared], 1, generator=self.generator)[:, 0]
+        if len(shared) == len(rows):
+            uniforms.uniform_(generator=self.generator)
+        elif shared:
+            uniforms[shared] = torch.rand(len(shared), 1, generator=self.generator,
+                                          dtype=probs.dtype, device=probs.device)
         for i, r in enumerate(rows):
             if r.params.seed is not None:
                 g = torch.Generator(device=probs.device)
                 g.manual_seed(_seed_for(r.params.seed, r.choice_index, len(r.output_token_ids)))
-                out[i] = torch.multinomial(probs[i], 1, generator=g)[0]
+                uniforms[i] = torch.rand(1, generator=g, dtype=probs.dtype, device=probs.device)
+        cdf = probs.cumsum(dim=-1)
+        out = torch.searchsorted(cdf, uniforms * cdf[:, -1:], right=True)[:, 0]
+        overflow = (out >= probs.shape[1]).nonzero()[:, 0].tolist()
+        for i in overflow:                  # u x total rounded up to total: last possible token
+            out[i] = probs[i].nonzero()[-1, 0]
         return out
 
     @staticmethod

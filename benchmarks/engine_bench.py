@@ -84,7 +84,8 @@ def profile_step(eng: LLMEngine, prompts, batch: int) -> str:
     from torch.profiler import ProfilerActivity, profile
 
     for i, p in enumerate(prompts[:batch]):
-        eng.add_request(f"prof-{batch}-{i}", p, SamplingParams(max_tokens=64, ignore_eos=True))
+        eng.add_request(f"prof-{batch}-{i}", p,
+                        SamplingParams(max_tokens=64, ignore_eos=True, temperature=0))
     for _ in range(8):
         eng.step()                                  # past prefill, into steady decode
     with profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -59,6 +59,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                              "names at start, then on /v2/repository requests (default: none)")
     triton.add_argument("--load-model", action="append", default=[], metavar="NAME",
                         help="explicit mode: model to load at start, repeatable; '*' = all")
+    triton.add_argument("--http-max-input-size", type=int, default=64 << 20, metavar="BYTES",
+                        help="largest v2 infer request body, compressed or inflated "
+                             "(default: %(default)s)")
     triton.add_argument("--no-llm", action="store_true",
                         help="serve only the model repository, no language model")
 
@@ -108,6 +111,9 @@ def main(argv: list[str] | None = None) -> None:
         config = engine_config(args)
         if not 0 < args.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {args.port}")
+        if args.http_max_input_size < 1:
+            raise ValueError(f"--http-max-input-size must be >= 1, got "
+                             f"{args.http_max_input_size}")
         if args.no_llm and args.model_repository is None:
             raise ValueError("--no-llm needs --model-repository (there would be nothing to "
                              "serve)")
@@ -130,6 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.model_repository is not None:
         state.repository_args = (args.model_repository, args.model_control_mode,
                                  args.load_model)
+        state.http_max_input_size = args.http_max_input_size
     uvicorn.run(build_app(state), host=args.host, port=args.port,
                 log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5)
 

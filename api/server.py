@@ -55,6 +55,7 @@ class ServerState:
     repository_args: tuple | None = None      # (dir, control mode, --load-model names)
     repository: object = None                 # triton_compat ModelRepository once loaded
     repository_error: str | None = None
+    http_max_input_size: int = 64 << 20       # bytes, largest /v2 infer request body
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.served_model_name)
@@ -177,7 +178,8 @@ def build_app(state: ServerState, load_in_background: bool = True) -> FastAPI:
     if state.repository_args is not None:
         from triton_compat import routes
         from triton_compat.metrics import TritonCollector
-        routes.install(app, lambda: state.repository, state.all_ready, VERSION)
+        routes.install(app, lambda: state.repository, state.all_ready, VERSION,
+                       state.http_max_input_size)
         state.metrics.registry.register(TritonCollector(lambda: state.repository))
 
     def engine_or_503() -> ProcessAsyncLLM:

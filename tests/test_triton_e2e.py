@@ -45,6 +45,7 @@ TEST_MODELS = {
     "failing": 'max_batch_size: 8 dynamic_batching { max_queue_delay_microseconds: 300000 }',
     "pair": 'max_batch_size: 8 instance_group [ { count: 2 kind: KIND_CPU } ]',
 }
+MAX_INPUT = 1_000_000          # --http-max-input-size of the test server, bytes
 DELAY_MS = {"batch4": 200, "delayed": 0, "prio": 400, "reject": 600, "failing": 0, "pair": 200}
 
 
@@ -73,6 +74,7 @@ def triton(tmp_path_factory):
              for a in ("--load-model", n)]
     proc, base = start_server(["--no-llm", "--model-repository", str(repo),
                                "--model-control-mode", "explicit", *loads,
+                               "--http-max-input-size", str(MAX_INPUT),
                                "--uvicorn-log-level", "warning"], "/v2/health/ready",
                               repo.parent / "server.log", timeout=120)
     client = httpclient.InferenceServerClient(base.removeprefix("http://"), concurrency=24,
@@ -420,6 +422,23 @@ def test_unknown_version_output_and_binary_size(triton):
     r = raw_infer(base, "pair", header + b"\x01\x00", {"Inference-Header-Content-Length":
                                                        str(len(header))})
     assert r.status_code == 400 and "binary_data_size 4 is larger" in r.json()["error"]
+    assert_live(client)
+
+
+def test_oversized_and_inflating_bodies_are_refused(triton):
+    import zlib
+
+    base, client = triton
+    big = seq_body(shape=[1, 1], data=[1]) + b" " * MAX_INPUT
+    r = raw_infer(base, "pair", big)
+    assert r.status_code == 400
+    assert f"exceeds the maximum allowed value of {MAX_INPUT} bytes" in r.json()["error"]
+    bomb = zlib.compress(seq_body() + b" " * (4 * MAX_INPUT))     # small on the wire
+    assert len(bomb) < MAX_INPUT
+    r = raw_infer(base, "pair", bomb, {"Content-Encoding": "deflate"})
+    assert r.status_code == 400 and "exceeds the maximum allowed" in r.json()["error"]
+    r = raw_infer(base, "pair", b"not deflate", {"Content-Encoding": "deflate"})
+    assert r.status_code == 400 and "failed to decompress" in r.json()["error"]
     assert_live(client)
 
 

@@ -13,7 +13,6 @@ Reference: KServe v2 protocol (required_api.md) and Triton's HTTP extensions
 from __future__ import annotations
 
 import asyncio
-import gzip
 import json
 import zlib
 from typing import Callable
@@ -36,20 +35,21 @@ def _error(e: InferError) -> JSONResponse:
 
 
 def install(app, get_repository: Callable, server_ready: Callable[[], bool],
-            version: str) -> None:
+            version: str, max_input_size: int = 64 << 20) -> None:
     """Add the `/v2` routes and the InferError → `{"error": ...}` handler to a FastAPI app.
 
     `get_repository()` returns the ModelRepository (None while it loads); `server_ready()`
-    says whether everything this server serves is ready."""
+    says whether everything this server serves is ready; `max_input_size` (bytes, Triton's
+    `--http-max-input-size`) bounds an infer request body, compressed or not."""
     async def handler(_request, e: InferError):
         return _error(e)
 
     app.add_exception_handler(InferError, handler)
-    app.include_router(_router(get_repository, server_ready, version))
+    app.include_router(_router(get_repository, server_ready, version, max_input_size))
 
 
 def _router(get_repository: Callable, server_ready: Callable[[], bool],
-            version: str) -> APIRouter:
+            version: str, max_input_size: int) -> APIRouter:
     router = APIRouter()
 
     def repo():
@@ -114,7 +114,8 @@ def _router(get_repository: Callable, server_ready: Callable[[], bool],
     @router.post("/v2/models/{model}/versions/{version}/infer")
     async def infer(model: str, request: Request, version: str = ""):
         rt = repo().runtime(model, version)
-        body = _decode(await request.body(), request.headers.get("content-encoding"))
+        body = _decode(await _read_body(request, max_input_size),
+                       request.headers.get("content-encoding"), max_input_size)
         header_length = request.headers.get("inference-header-content-length")
         try:
             parsed = parse_request(body, int(header_length) if header_length else None)
@@ -168,15 +169,37 @@ def _router(get_repository: Callable, server_ready: Callable[[], bool],
     return router
 
 
-def _decode(body: bytes, encoding: str | None) -> bytes:
+def _too_large(size: int, limit: int) -> InferError:
+    return InferError(f"request size {size} bytes exceeds the maximum allowed value of "
+                      f"{limit} bytes (--http-max-input-size)")
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused (400) once it passes `limit` bytes, before all of it is held."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(size, limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _decode(body: bytes, encoding: str | None, limit: int) -> bytes:
+    """Undo gzip / deflate Content-Encoding, never inflating past `limit` bytes."""
+    if encoding not in ("gzip", "deflate"):
+        return body
     try:
-        if encoding == "gzip":
-            return gzip.decompress(body)
-        if encoding == "deflate":
-            return zlib.decompress(body)
-    except (OSError, zlib.error) as e:
+        inflater = zlib.decompressobj(wbits=31 if encoding == "gzip" else 15)
+        out = inflater.decompress(body, limit + 1)
+    except zlib.error as e:
         raise InferError(f"failed to decompress the {encoding} request body: {e}") from None
-    return body
+    if len(out) > limit:
+        raise _too_large(len(out), limit)
+    return out
 
 
 def _int_param(params: dict, key: str) -> int | None:

@@ -167,8 +167,9 @@ class LlamaForCausalLM:
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
+        """HF's LlamaRMSNorm (normalize in float32, cast, then scale) with torch's fused
+        `rms_norm` for the normalization: one op instead of five."""
+        h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.cfg.rms_norm_eps)
         return weight * h.to(x.dtype)
 
     @staticmethod
@@ -189,9 +190,10 @@ class LlamaForCausalLM:
         for i, (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj) in enumerate(self.layers):
             h = self._rms_norm(x, ln1)
             qkv = qkv_proj(h)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = self._rotate(q.view(n, cfg.num_heads, cfg.head_dim), cos, sin)
-            k = self._rotate(k.view(n, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+            qk = self._rotate(qk.view(n, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim),
+                              cos, sin)                  # q and k heads rotated in one go
+            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
             v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
             attn = paged_attention(q, k, v, kv_cache[i, 0], kv_cache[i, 1], meta, self.scale)
             x = x + o_proj(attn)

@@ -48,13 +48,23 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeGroup:
+    """Decodes `start : start + count` of the flat batch, gathered and attended together,
+    padded to the longest context in the group (not in the whole step)."""
+
+    start: int
+    count: int
+    block_ids: torch.Tensor            # [count * max_blocks] int64
+    bias: torch.Tensor                 # [count, 1, max_blocks * bs] float32, 0 / -inf
+
+
+@dataclass
 class AttentionMetadata:
     """Per-step attention inputs (device tensors), shared by all layers."""
 
     slot_mapping: torch.Tensor                      # [num_tokens] int64
     num_decodes: int = 0
-    decode_block_ids: torch.Tensor | None = None     # [num_decodes * max_blocks] int64
-    decode_bias: torch.Tensor | None = None          # [num_decodes, 1, max_blocks*bs] f32 0/-inf
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -83,11 +93,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     v_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
 
     nd = meta.num_decodes
-    if nd == num_tokens:
-        return _decode(q, k_cache, v_cache, meta, scale, group).reshape(nd, -1)
+    groups = meta.decode_groups
+    if nd == num_tokens and len(groups) == 1:
+        return _decode(q, k_cache, v_cache, groups[0], scale, group).reshape(nd, -1)
     out = torch.empty_like(q)
-    if nd:
-        out[:nd] = _decode(q[:nd], k_cache, v_cache, meta, scale, group)
+    for g in groups:
+        out[g.start:g.start + g.count] = _decode(q[g.start:g.start + g.count], k_cache, v_cache,
+                                                 g, scale, group)
     for p in meta.prefills:
         s, n = p.token_start, p.num_tokens
         qp = q[s:s + n].transpose(0, 1).unsqueeze(0)                 # [1, H, n, D]
@@ -119,18 +131,18 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
 
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            meta: AttentionMetadata, scale: float, group: int) -> torch.Tensor:
-    """One query token per request: `q [B, H, D]` → `[B, H, D]`."""
+            dg: DecodeGroup, scale: float, group: int) -> torch.Tensor:
+    """One query token per request of a decode group: `q [B, H, D]` → `[B, H, D]`."""
     nd, num_heads, head_dim = q.shape
     num_kv_heads = num_heads // group
-    kd = gather_blocks(k_cache, meta.decode_block_ids).view(num_kv_heads, nd, -1, head_dim)
-    vd = gather_blocks(v_cache, meta.decode_block_ids).view(num_kv_heads, nd, -1, head_dim)
+    kd = gather_blocks(k_cache, dg.block_ids).view(num_kv_heads, nd, -1, head_dim)
+    vd = gather_blocks(v_cache, dg.block_ids).view(num_kv_heads, nd, -1, head_dim)
     if nd < SMALL_DECODE_BATCH:        # tiny batched matmuls are slow; SDPA wins here
         o = F.scaled_dot_product_attention(
             q.view(nd, num_kv_heads, group, head_dim), kd.transpose(0, 1), vd.transpose(0, 1),
-            attn_mask=meta.decode_bias[:, None].to(q.dtype), scale=scale)
+            attn_mask=dg.bias[:, None].to(q.dtype), scale=scale)
         return o.reshape(nd, num_heads, head_dim)
     qh = q.view(nd, num_kv_heads, group, head_dim).transpose(0, 1)     # [KVH, B, G, D]
-    scores = torch.matmul(qh, kd.transpose(-1, -2)).float() * scale + meta.decode_bias
+    scores = torch.matmul(qh, kd.transpose(-1, -2)).float() * scale + dg.bias
     probs = scores.softmax(dim=-1).to(q.dtype)
     return torch.matmul(probs, vd).transpose(0, 1).reshape(nd, num_heads, head_dim)

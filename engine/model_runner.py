@@ -17,11 +17,50 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionMetadata, PrefillChunk, build_prefill_mask
+from engine.attention import (SMALL_DECODE_BATCH, AttentionMetadata, DecodeGroup, PrefillChunk,
+                              build_prefill_mask)
 from engine.device import Device
 from engine.models.llama import LlamaForCausalLM
 from engine.sampler import Sampler, SamplingRow
 from scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+
+
+# A decode group's longest context is at most this many times its shortest (in blocks): decodes
+# are padded to their group's longest context, not the step's.
+DECODE_GROUP_RATIO = 1.5
+# ... and gathers at most this many blocks (count x longest), so that its gathered K/V stays
+# in cache: past that the gather and the matmuls slow down several-fold (measured below).
+DECODE_GROUP_MAX_BLOCKS = 512
+
+
+def decode_groups(ctx_lens: list[int], block_size: int) -> list[tuple[int, int]]:
+    """Split decodes sorted by context length (tokens, ascending) into [start, end) groups.
+
+    From the longest down, a group takes shorter decodes while their block count times
+    `DECODE_GROUP_RATIO` still reaches the group's longest, and always at least
+    `SMALL_DECODE_BATCH` of them (small groups cost more per op than padding saves); a short
+    remainder joins the group above it. One group when the ratio is None."""
+    n = len(ctx_lens)
+    if n == 0:
+        return []
+    if DECODE_GROUP_RATIO is None:
+        return [(0, n)]
+    blocks = [-(-c // block_size) for c in ctx_lens]
+    groups, end = [], n
+    while end > 0:
+        start = end - 1
+        while start > 0 and (end - start < SMALL_DECODE_BATCH
+                             or (blocks[start - 1] * DECODE_GROUP_RATIO >= blocks[end - 1]
+                                 and (end - start + 1) * blocks[end - 1]
+                                 <= DECODE_GROUP_MAX_BLOCKS)):
+            start -= 1
+        groups.append((start, end))
+        end = start
+    groups.reverse()
+    if len(groups) > 1 and groups[0][1] - groups[0][0] < SMALL_DECODE_BATCH:
+        groups[1] = (0, groups[1][1])
+        groups.pop(0)
+    return groups
 
 
 @dataclass
@@ -87,7 +126,8 @@ class ModelRunner:
         self._move_blocks(out)
         if not out.scheduled:
             return ModelRunnerOutput()
-        decodes = [s for s in out.scheduled if len(s.token_ids) == 1]
+        decodes = sorted((s for s in out.scheduled if len(s.token_ids) == 1),
+                         key=lambda s: s.start_position)      # by context, for decode_groups
         prefills = [s for s in out.scheduled if len(s.token_ids) > 1]
         ordered = decodes + prefills
         states = [self._update_state(s) for s in ordered]
@@ -124,18 +164,19 @@ class ModelRunner:
             if s.sample:
                 sample_idx.append((i, i))
         meta = AttentionMetadata(slot_mapping=None, num_decodes=num_decodes)
-        if num_decodes:
-            ctx_lens = [s.start_position + 1 for s in ordered[:num_decodes]]
-            max_blocks = -(-max(ctx_lens) // bs)
+        ctx_lens = [s.start_position + 1 for s in ordered[:num_decodes]]
+        for start, end in decode_groups(ctx_lens, bs):
+            max_blocks = -(-ctx_lens[end - 1] // bs)
             flat: list[int] = []
-            for st in states[:num_decodes]:
+            for st in states[start:end]:
                 table = st.block_table[:max_blocks]
                 flat += table + [0] * (max_blocks - len(table))
-            meta.decode_block_ids = torch.tensor(flat, dtype=torch.long, device=dev)
-            lens = torch.tensor(ctx_lens, device=dev)
+            lens = torch.tensor(ctx_lens[start:end], device=dev)
             visible = torch.arange(max_blocks * bs, device=dev)[None, :] < lens[:, None]
-            meta.decode_bias = torch.zeros(visible.shape, device=dev).masked_fill_(
-                ~visible, float("-inf"))[:, None, :]
+            meta.decode_groups.append(DecodeGroup(
+                start, end - start, torch.tensor(flat, dtype=torch.long, device=dev),
+                torch.zeros(visible.shape, device=dev).masked_fill_(
+                    ~visible, float("-inf"))[:, None, :]))
         offset = num_decodes
         slot_parts = [torch.tensor(slots, dtype=torch.long)]
         pos_parts = [torch.tensor(pos, dtype=torch.long)]

@@ -242,3 +242,21 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(eng, tokenizer
         llm.shutdown()
         eng.runner.execute = real_execute
     assert eng.scheduler.kv.num_free_blocks == eng.scheduler.kv.pool.num_blocks
+
+
+def test_decode_groups_bound_padding_and_gather_size():
+    from engine.model_runner import decode_groups
+
+    # contexts 16..1024 tokens (1..64 blocks of 16), sorted
+    lens = [16 * b for b in range(1, 65)]
+    groups = decode_groups(lens, 16)
+    assert groups[0][0] == 0 and groups[-1][1] == 64
+    assert all(a[1] == b[0] for a, b in zip(groups, groups[1:]))       # a partition, in order
+    for start, end in groups:
+        longest = -(-lens[end - 1] // 16)
+        assert end - start >= 8                                        # never tiny groups
+        assert (end - start) * longest <= 512 or end - start == 8      # bounded gather
+    assert decode_groups([100] * 64, 16) == [(0, 64)]                  # 7 blocks x 64 <= 512
+    assert decode_groups([200] * 64, 16) == [(0, 25), (25, 64)]        # 13 x 39 <= 512 < 13 x 40
+    assert decode_groups([100] * 5, 16) == [(0, 5)]
+    assert decode_groups([], 16) == []

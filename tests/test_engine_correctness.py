@@ -96,6 +96,18 @@ def test_all_at_once_matches_transformers(base_engine, prompts, reference):
     assert run(base_engine, prompts.values()) == [reference[n] for n in prompts]
 
 
+@pytest.mark.parametrize("min_group", [1, 2])
+def test_decode_groups_match(base_engine, prompts, reference, monkeypatch, min_group):
+    """Decodes split into many groups (the batched-matmul path at min_group 1, SDPA at 2)."""
+    import engine.attention
+    import engine.model_runner
+
+    monkeypatch.setattr(engine.model_runner, "SMALL_DECODE_BATCH", min_group)
+    monkeypatch.setattr(engine.model_runner, "DECODE_GROUP_MAX_BLOCKS", 8)
+    monkeypatch.setattr(engine.attention, "SMALL_DECODE_BATCH", min_group)
+    assert run(base_engine, prompts.values()) == [reference[n] for n in prompts]
+
+
 def test_chunked_prefill_at_7_token_budget_matches(prompts, reference):
     eng = engine(max_num_batched_tokens=7)
     assert run(eng, prompts.values()) == [reference[n] for n in prompts]

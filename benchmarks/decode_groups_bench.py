@@ -1,0 +1,73 @@
+"""Decode step time with and without decode groups, in one process (an A/B, not a timed test).
+
+Fills one engine with `--batch` requests whose prompt lengths are drawn uniformly from
+`--min-len..--max-len` tokens, runs until all of them decode, then times decode steps with
+the grouping on (`engine.model_runner` defaults) and off (one group padded to the step's
+longest context), interleaved in rounds so that machine noise hits both alike.
+Prints one JSON line with the median step time of each (ms) and their ratio. Usage:
+    python benchmarks/decode_groups_bench.py [--dtype bfloat16] [--batch 64]
+        [--min-len 32] [--max-len 1536] [--rounds 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import engine.model_runner as runner_module  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.llm_engine import LLMEngine  # noqa: E402
+from scheduler.request import SamplingParams  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the A/B; print and return the JSON result."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--min-len", type=int, default=32)
+    p.add_argument("--max-len", type=int, default=1536)
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--steps-per-round", type=int, default=4)
+    args = p.parse_args(argv)
+    eng = LLMEngine(EngineConfig(dtype=args.dtype, kv_cache_memory=2.0))
+    rng = random.Random(0)
+    for i in range(args.batch):
+        n = rng.randint(args.min_len, args.max_len)
+        eng.add_request(str(i), [rng.randrange(100, 49000) for _ in range(n)],
+                        SamplingParams(max_tokens=2000, ignore_eos=True, temperature=0))
+    for _ in range(10_000):               # bounded: prefill everything, then decode
+        eng.step()
+        running = eng.scheduler.running
+        if (len(running) == args.batch and not eng.scheduler.waiting
+                and all(r.output_token_ids for r in running)):
+            break
+    grouped = (runner_module.DECODE_GROUP_RATIO, runner_module.DECODE_GROUP_MAX_BLOCKS)
+    variants = {"grouped": grouped, "one_group": (None, grouped[1])}
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for _ in range(args.rounds):
+        for name, (ratio, cap) in variants.items():
+            runner_module.DECODE_GROUP_RATIO, runner_module.DECODE_GROUP_MAX_BLOCKS = ratio, cap
+            for _ in range(args.steps_per_round):
+                t0 = time.perf_counter()
+                eng.step()
+                times[name].append(time.perf_counter() - t0)
+    runner_module.DECODE_GROUP_RATIO, runner_module.DECODE_GROUP_MAX_BLOCKS = grouped
+    med = {k: round(statistics.median(v) * 1000, 1) for k, v in times.items()}
+    result = {"benchmark": "decode_groups", "dtype": args.dtype, "batch": args.batch,
+              "context_tokens": [args.min_len, args.max_len],
+              "grouped_step_ms": med["grouped"], "one_group_step_ms": med["one_group"],
+              "speedup": round(med["one_group"] / med["grouped"], 2)}
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -65,8 +65,7 @@ class AttentionMetadata:
     """Per-step attention inputs (device tensors), shared by all layers."""
 
     slot_mapping: torch.Tensor                      # [num_tokens] int64
-    num_decodes: int = 0
-    decode_groups: list[DecodeGroup] = field(default_factory=list)
+    decode_groups: list[DecodeGroup] = field(default_factory=list)   # cover the decodes
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -94,10 +93,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     k_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
     v_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
 
-    nd = meta.num_decodes
     groups = meta.decode_groups
-    if nd == num_tokens and len(groups) == 1:
-        return _decode(q, k_cache, v_cache, groups[0], scale, group).reshape(nd, -1)
+    if len(groups) == 1 and groups[0].count == num_tokens:      # decodes only, one group
+        return _decode(q, k_cache, v_cache, groups[0], scale, group).reshape(num_tokens, -1)
     out = torch.empty_like(q)
     for g in groups:
         out[g.start:g.start + g.count] = _decode(q[g.start:g.start + g.count], k_cache, v_cache,

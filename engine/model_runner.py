@@ -163,7 +163,7 @@ class ModelRunner:
             slots.append(st.block_table[p // bs] * bs + p % bs)
             if s.sample:
                 sample_idx.append((i, i))
-        meta = AttentionMetadata(slot_mapping=None, num_decodes=num_decodes)
+        meta = AttentionMetadata(slot_mapping=None)
         ctx_lens = [s.start_position + 1 for s in ordered[:num_decodes]]
         for start, end in decode_groups(ctx_lens, bs):
             max_blocks = -(-ctx_lens[end - 1] // bs)

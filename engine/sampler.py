@@ -68,23 +68,22 @@ class Sampler:
         self._apply_penalties(logits, rows)
 
         random_rows = [i for i, r in enumerate(rows) if r.params.temperature != 0.0]
-        if len(random_rows) < len(rows):
-            tokens = logits.argmax(dim=-1)
+        if random_rows and len(random_rows) == len(rows):   # all sample: no [R, vocab] gather
+            tokens = self._sample(logits, rows)
         else:
-            tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-        if random_rows:
-            everyone = len(random_rows) == len(rows)      # no [R, vocab] gather needed
-            sub = rows if everyone else [rows[i] for i in random_rows]
-            temps = torch.tensor([r.params.temperature for r in sub], device=logits.device,
-                                 dtype=logits.dtype)
-            scaled = (logits if everyone else logits[random_rows]).div_(temps[:, None])
-            probs = self._filtered_probs(scaled, sub)
-            if everyone:
-                tokens = self._draw(probs, sub)
-            else:
-                tokens[random_rows] = self._draw(probs, sub)
+            tokens = logits.argmax(dim=-1)
+            if random_rows:
+                tokens[random_rows] = self._sample(logits[random_rows],
+                                                   [rows[i] for i in random_rows])
         token_list = tokens.tolist()
         return SampleResult(token_list, self._logprobs(raw_logprobs, token_list, want_logprobs))
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Temperature, filters, softmax and one draw per row of `logits [R, vocab]` (scaled
+        in place)."""
+        temps = torch.tensor([r.params.temperature for r in rows], device=logits.device,
+                             dtype=logits.dtype)
+        return self._draw(self._filtered_probs(logits.div_(temps[:, None]), rows), rows)
 
     def _draw(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """One token per row of `probs [R, vocab]` by inverse-CDF sampling: a uniform u per row
@@ -93,9 +92,7 @@ class Sampler:
         0 is never chosen (its cumulative value equals its predecessor's)."""
         uniforms = torch.empty(len(rows), 1, dtype=probs.dtype, device=probs.device)
         shared = [i for i, r in enumerate(rows) if r.params.seed is None]
-        if len(shared) == len(rows):
-            uniforms.uniform_(generator=self.generator)
-        elif shared:
+        if shared:
             uniforms[shared] = torch.rand(len(shared), 1, generator=self.generator,
                                           dtype=probs.dtype, device=probs.device)
         for i, r in enumerate(rows):

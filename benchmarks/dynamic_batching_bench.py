@@ -29,6 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.compare import _free_port, _start, _stop  # noqa: E402
+from examples.prepare_model_repository import prepare  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "model_repository"
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--concurrency", type=int, default=20, help="concurrent clients")
     p.add_argument("--models", default="content_type,text_embedding")
     args = p.parse_args(argv)
-    subprocess_prepare()
+    prepare()                                   # the example model files (idempotent)
     result = {"concurrency": args.concurrency, "duration_s": args.duration}
     with tempfile.TemporaryDirectory() as tmp:
         repo = Path(tmp)
@@ -142,14 +143,6 @@ def main(argv: list[str] | None = None) -> dict:
             _stop(proc)
     print(json.dumps(result))
     return result
-
-
-def subprocess_prepare() -> None:
-    """Make sure the example model files exist (idempotent)."""
-    import subprocess
-
-    subprocess.run([sys.executable, str(ROOT / "examples/prepare_model_repository.py")],
-                   check=True, capture_output=True)
 
 
 if __name__ == "__main__":

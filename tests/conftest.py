@@ -73,9 +73,10 @@ def stop_server(proc) -> None:
 def server(tmp_path_factory):
     """A real `python -m api serve` process on a free loopback port (one per session), serving
     the embedded LLM and the example Triton model repository on the same port."""
+    from examples.prepare_model_repository import prepare
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    subprocess.run([sys.executable, os.path.join(root, "examples/prepare_model_repository.py")],
-                   check=True, capture_output=True)
+    prepare()                                   # the example model files (idempotent)
     proc, base = start_server(
         ["--api-key", KEY, "--model-repository", os.path.join(root, "examples/model_repository"),
          "--max-model-len", str(MAX_LEN), "--kv-cache-memory", "0.25", "--max-num-seqs", "4",

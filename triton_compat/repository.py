@@ -54,8 +54,9 @@ class ModelRepository:
             if unknown:
                 raise ValueError(f"--load-model {unknown[0]}: no such model in {self.root}")
             names = list(load_models or [])
-        order = sorted(names, key=lambda n: self._is_ensemble(n))    # ensembles last
-        for name in order:
+        for name in names:
+            if name in self.models and self.models[name].state == "READY":
+                continue                 # already loaded as a step of an ensemble
             try:
                 self.load(name, _startup=True)
             except InferError as e:
@@ -65,12 +66,6 @@ class ModelRepository:
         """Model folders of the repository, sorted."""
         return sorted(p.name for p in self.root.iterdir()
                       if p.is_dir() and not p.name.startswith("."))
-
-    def _is_ensemble(self, name: str) -> bool:
-        try:
-            return load_config(self.root / name).backend == "ensemble"
-        except ConfigError:
-            return False
 
     def index(self, ready_only: bool = False) -> list[dict]:
         """Entries of `/v2/repository/index`: name, version, state, reason."""
@@ -161,6 +156,11 @@ class ModelRepository:
             raise InferError(f"Request for unknown model: '{name}' version {version} is not "
                              "found", 404)
         return entry.runtimes[v]
+
+    def versions(self, name: str) -> list[str]:
+        """The loaded versions of `name`, ascending, as strings."""
+        entry = self.models.get(name)
+        return [str(v) for v in sorted(entry.runtimes)] if entry else []
 
     def all_runtimes(self) -> list:
         """(name, version, runtime) of every loaded version, for metrics."""

@@ -91,9 +91,7 @@ def _router(get_repository: Callable, server_ready: Callable[[], bool],
             return [{"name": t.name, "datatype": wire_datatype(t.data_type),
                      "shape": lead + list(t.dims)} for t in ts]
 
-        versions = [str(v) for _, v, r in sorted(repo().all_runtimes(), key=lambda x: x[1])
-                    if r.config.name == model]
-        return {"name": model, "versions": versions, "platform": config.platform,
+        return {"name": model, "versions": repo().versions(model), "platform": config.platform,
                 "inputs": tensors(config.input), "outputs": tensors(config.output)}
 
     @router.get("/v2/models/{model}/ready")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +29,16 @@ from triton_compat.stats import ModelStats
 
 def _now_us() -> int:
     return time.monotonic_ns() // 1000
+
+
+@dataclass
+class Job:
+    """A queued request: what to run, where its answer goes, when it arrived (ns,
+    `time.perf_counter_ns`)."""
+
+    request: BackendRequest
+    future: Future
+    enqueued_ns: int
 
 
 def check_inputs(config, inputs: dict[str, np.ndarray], datatypes: dict[str, str]) -> int:
@@ -122,8 +133,8 @@ class ModelRuntime:
         self.pool = ThreadPoolExecutor(len(self.instances),
                                        thread_name_prefix=f"triton-{config.name}")
         self.preserve = config.dynamic_batching.preserve_ordering
-        self._batch_seq = self._release_seq = 0
-        self._done: dict[int, list] = {}
+        self._batch_seq = self._release_seq = 0      # batches dispatched / released in order
+        self._done: dict[int, list] = {}             # preserve_ordering: finished, not released
         self.stopping = False
         self.thread = threading.Thread(target=self._loop, name=f"batcher-{config.name}",
                                        daemon=True)
@@ -152,7 +163,7 @@ class ModelRuntime:
         now = _now_us()
         future: Future = Future()
         timeout = self.queue.timeout_us(level, timeout_us) if self.batcher.dynamic else 0
-        item = Pending((request, future, time.perf_counter_ns()), now, batch_size, shape_key,
+        item = Pending(Job(request, future, time.perf_counter_ns()), now, batch_size, shape_key,
                        level, now + timeout if timeout else None)
         with self.cond:
             if self.stopping:
@@ -189,35 +200,36 @@ class ModelRuntime:
         self.pool.submit(self._execute, instance, batch, seq)
 
     def _execute(self, instance, batch: list[Pending], seq: int) -> None:
+        jobs = [p.key for p in batch]
         start = time.perf_counter_ns()
-        requests = [p.key[0] for p in batch]
         try:
-            results, times = instance.execute(requests)
+            results, times = instance.execute([j.request for j in jobs])
         except Exception as e:       # a backend bug: fail this batch only
             results, times = [InferError(f"{type(e).__name__}: {e}", 500)] * len(batch), None
-        results = [_checked(self.config.name, p.key[0], r) for p, r in zip(batch, results)]
-        done = time.perf_counter_ns()
-        self.stats.record_execution(batch, results, start, done, times)
+        results = [_checked(self.config.name, j.request, r) for j, r in zip(jobs, results)]
+        self.stats.record_execution([j.enqueued_ns for j in jobs],
+                                    [p.batch_size for p in batch], results, start,
+                                    time.perf_counter_ns(), times)
         with self.cond:
             self.idle.append(instance)
             self.executing -= len(batch)
-            self._done[seq] = list(zip(batch, results))
-            ready = []
-            while (self._release_seq in self._done) if self.preserve else self._done:
-                key = self._release_seq if self.preserve else next(iter(self._done))
-                ready += self._done.pop(key)
-                self._release_seq += self.preserve
+            ready = list(zip(jobs, results))
+            if self.preserve:        # release this batch only after every earlier one
+                self._done[seq] = ready
+                ready = []
+                while self._release_seq in self._done:
+                    ready += self._done.pop(self._release_seq)
+                    self._release_seq += 1
             self.cond.notify_all()
-        for p, result in ready:
-            future = p.key[1]
+        for job, result in ready:
             if isinstance(result, Exception):
-                future.set_exception(result)
+                job.future.set_exception(result)
             else:
-                future.set_result(result)
+                job.future.set_result(result)
 
     def _fail(self, p: Pending, error: InferError) -> None:
-        self.stats.record_failure(time.perf_counter_ns() - p.key[2])
-        p.key[1].set_exception(error)
+        self.stats.record_failure(time.perf_counter_ns() - p.key.enqueued_ns)
+        p.key.future.set_exception(error)
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop accepting, let queued and running requests finish, then finalize instances."""

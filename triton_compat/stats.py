@@ -54,24 +54,26 @@ class ModelStats:
         with self.lock:
             self.fail.add(duration_ns)
 
-    def record_execution(self, batch, results, start_ns: int, end_ns: int, times) -> None:
-        """One execution: `batch` are `Pending` items whose key is (request, future, t0_ns)."""
+    def record_execution(self, enqueued_ns: list[int], batch_sizes: list[int], results,
+                         start_ns: int, end_ns: int, times) -> None:
+        """One execution of len(results) requests: when each was queued, its batch rows, its
+        result (outputs or an Exception), the execution's start / end (ns, perf_counter) and
+        its `ExecTimes` (None when the backend itself crashed)."""
         with self.lock:
             self.execution_count += 1
             self.last_inference_ms = int(time.time() * 1000)
-            size = sum(p.batch_size for p in batch)
             if times is not None:
-                per_size = self.batch.setdefault(size, [Duration(), Duration(), Duration()])
+                per_size = self.batch.setdefault(sum(batch_sizes),
+                                                 [Duration(), Duration(), Duration()])
                 for d, ns in zip(per_size, (times.input_ns, times.infer_ns, times.output_ns)):
                     d.add(ns)
-            for p, result in zip(batch, results):
-                total = end_ns - p.key[2]
+            for t0, rows, result in zip(enqueued_ns, batch_sizes, results):
                 if isinstance(result, Exception):
-                    self.fail.add(total)
+                    self.fail.add(end_ns - t0)
                     continue
-                self.success.add(total)
-                self.inference_count += p.batch_size
-                self.queue.add(start_ns - p.key[2])
+                self.success.add(end_ns - t0)
+                self.inference_count += rows
+                self.queue.add(start_ns - t0)
                 if times is not None:
                     self.compute_input.add(times.input_ns)
                     self.compute_infer.add(times.infer_ns)

@@ -166,6 +166,7 @@ class AsyncLLM(_StreamRouter):
 
     @property
     def is_alive(self) -> bool:
+        """Whether the engine loop is running and has not died."""
         return self._thread.is_alive() and self.dead_error is None
 
     def shutdown(self, timeout: float = 5.0) -> None:
@@ -294,6 +295,7 @@ class ProcessAsyncLLM(_StreamRouter):
 
     @property
     def is_alive(self) -> bool:
+        """Whether the engine loop is running and has not died."""
         return self._proc.is_alive() and self.dead_error is None
 
     def shutdown(self, timeout: float = 5.0) -> None:

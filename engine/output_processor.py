@@ -41,6 +41,7 @@ class _RequestState:
 
     @property
     def finished(self) -> bool:
+        """Whether this choice has ended."""
         return (len(self.choices) == self.params.n
                 and all(c.finished for c in self.choices.values()))
 

@@ -60,6 +60,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
+        """Whether the step has nothing to compute and no block to move."""
         return not self.scheduled
 
 
@@ -91,4 +92,5 @@ class RequestStepOutput:
 
     @property
     def finished(self) -> bool:
+        """Whether the request ended this step."""
         return self.status.is_finished

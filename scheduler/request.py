@@ -40,6 +40,7 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def is_finished(self) -> bool:
+        """Whether the status is one of the FINISHED_* states."""
         return self >= RequestStatus.FINISHED_STOPPED
 
     @property
@@ -120,6 +121,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
+        """Whether decoding is greedy (temperature 0)."""
         return self.temperature == 0.0
 
 
@@ -167,18 +169,22 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Prompt plus output tokens."""
         return len(self.all_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
+        """Tokens generated so far."""
         return len(self.all_token_ids) - self.num_prompt_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
+        """The generated token ids (a new list each call)."""
         return self.all_token_ids[self.num_prompt_tokens:]
 
     @property
     def is_finished(self) -> bool:
+        """Whether the status is one of the FINISHED_* states."""
         return self.status >= RequestStatus.FINISHED_STOPPED
 
     def fork(self, index: int) -> Request:

@@ -377,14 +377,17 @@ class Scheduler:
     # ------------------------------------------------------------------ introspection
     @property
     def num_waiting(self) -> int:
+        """Requests in the waiting queue (new or preempted by recompute)."""
         return len(self.waiting)
 
     @property
     def num_running(self) -> int:
+        """Requests holding device KV blocks and being scheduled."""
         return len(self.running)
 
     @property
     def num_swapped(self) -> int:
+        """Requests whose KV blocks are in the CPU swap pool."""
         return len(self.swapped)
 
     def has_unfinished_requests(self) -> bool:

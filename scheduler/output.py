@@ -60,7 +60,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        """Whether the step has nothing to compute and no block to move."""
+        """Whether no request is scheduled this step."""
         return not self.scheduled
 
 

@@ -16,6 +16,11 @@ contiguous per KV head.
   softmax, masked by context length. Query heads are grouped by KV head (GQA), so
   K/V are not repeated. Measured here at 64 decodes: 1.75 ms per layer in bfloat16 against
   4.0 ms for the same gather with CPU flash SDPA. Below 8 decodes SDPA is faster and is used.
+- With compiled kernels (`AttentionMetadata.kernels`, given by the device layer: C on the CPU,
+  `engine/kernels`), the K/V write and all decodes are one kernel call each per layer: decode
+  attention reads every sequence's K/V in place through its block table, with no gather copy
+  and no padding (measured here at 64 decodes of ~190 tokens, bfloat16: 0.19 ms per layer
+  against ~0.8 ms for the grouped gather + matmuls; 7 us against ~60 us at one decode).
 - A prefill chunk attends to its cached prefix plus itself with a causal mask offset by its
   start position (so chunked prefill and prefix-cache hits are exact). A chunk that starts at
   position 0 uses its own fresh K/V with `is_causal` and reads nothing back.
@@ -62,11 +67,18 @@ class DecodeGroup:
 
 @dataclass
 class AttentionMetadata:
-    """Per-step attention inputs (device tensors), shared by all layers."""
+    """Per-step attention inputs (device tensors), shared by all layers.
+
+    The decodes are described either by `decode_groups` (pure torch) or, when `kernels` is set,
+    by `decode_block_tables [num_decodes, max_blocks] int32` and `decode_ctx_lens
+    [num_decodes] int32` (tokens, including the one being decoded)."""
 
     slot_mapping: torch.Tensor                      # [num_tokens] int64
     decode_groups: list[DecodeGroup] = field(default_factory=list)   # cover the decodes
     prefills: list[PrefillChunk] = field(default_factory=list)
+    kernels: object | None = None                   # engine.kernels.CpuKernels
+    decode_block_tables: torch.Tensor | None = None
+    decode_ctx_lens: torch.Tensor | None = None
 
 
 def build_prefill_mask(start: int, num_tokens: int, device: torch.device) -> torch.Tensor:
@@ -90,13 +102,23 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
-    k_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-    v_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    kernels = meta.kernels
+    if kernels is not None:
+        kernels.cache_write(k, v, k_cache, v_cache, meta.slot_mapping)
+    else:
+        k_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, meta.slot_mapping,
+                                                            k.transpose(0, 1))
+        v_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, meta.slot_mapping,
+                                                            v.transpose(0, 1))
 
+    out = q.new_empty(q.shape)
+    if kernels is not None and meta.decode_ctx_lens is not None:
+        nd = meta.decode_ctx_lens.shape[0]
+        kernels.paged_decode(q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                             meta.decode_ctx_lens, scale, out[:nd])
     groups = meta.decode_groups
     if len(groups) == 1 and groups[0].count == num_tokens:      # decodes only, one group
         return _decode(q, k_cache, v_cache, groups[0], scale, group).reshape(num_tokens, -1)
-    out = torch.empty_like(q)
     for g in groups:
         out[g.start:g.start + g.count] = _decode(q[g.start:g.start + g.count], k_cache, v_cache,
                                                  g, scale, group)

@@ -85,6 +85,7 @@ class ModelRunner:
                                          dtype=model.dtype, pin_memory=device.pin_memory)
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler(device.torch_device, seed)
+        self.kernels = device.attention_kernels(model.dtype)
         self.states: dict[str, _RequestState] = {}
 
     # ------------------------------------------------------------------ block movement
@@ -163,9 +164,15 @@ class ModelRunner:
             slots.append(st.block_table[p // bs] * bs + p % bs)
             if s.sample:
                 sample_idx.append((i, i))
-        meta = AttentionMetadata(slot_mapping=None)
+        meta = AttentionMetadata(slot_mapping=None, kernels=self.kernels)
         ctx_lens = [s.start_position + 1 for s in ordered[:num_decodes]]
-        for start, end in decode_groups(ctx_lens, bs):
+        if self.kernels is not None and num_decodes:
+            width = -(-ctx_lens[-1] // bs)          # decodes are sorted by context
+            meta.decode_block_tables = torch.tensor(
+                [st.block_table[:width] + [0] * (width - min(width, len(st.block_table)))
+                 for st in states[:num_decodes]], dtype=torch.int32, device=dev)
+            meta.decode_ctx_lens = torch.tensor(ctx_lens, dtype=torch.int32, device=dev)
+        for start, end in ([] if self.kernels is not None else decode_groups(ctx_lens, bs)):
             max_blocks = -(-ctx_lens[end - 1] // bs)
             flat: list[int] = []
             for st in states[start:end]:

@@ -1,0 +1,135 @@
+"""CPU attention kernels in C (`cpu_attention.c`), compiled on first use and called via ctypes.
+
+Owns: building the shared library with the system C compiler (`cc -O3 -march=native -fopenmp`,
+about a second) into `$CONTINUUM_CACHE/kernels/` under a key of the source, the flags and this
+CPU's feature flags, so an edit or another machine rebuilds; loading it after torch so that its
+OpenMP runtime is torch's; and the typed Python entry points `cache_write` and `paged_decode`.
+
+`load()` returns None — and the engine keeps its pure-torch attention — when there is no
+compiler, the build fails (logged once), `CONTINUUM_CPU_KERNELS=0` is set, or the dtype is
+neither float32 nor bfloat16. Only `engine.device` decides whether a device uses these.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_attention.c")
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def build(compiler: str, cflags: list[str] = CFLAGS, out_dir: Path | None = None) -> Path:
+    """Compile `cpu_attention.c` into `out_dir` (default `$CONTINUUM_CACHE/kernels`) unless a
+    build for the same source, flags and CPU is there; returns the library's path.
+
+    Raises: subprocess.CalledProcessError (compile error, with the compiler's stderr),
+    subprocess.TimeoutExpired, OSError."""
+    from engine.loader import cache_root
+
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(src + " ".join(cflags).encode() + _cpu_flags().encode()).hexdigest()
+    target = (out_dir or cache_root() / "kernels") / f"cpu_attention-{key[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        libs = ["-lmvec", "-lm"] if platform.machine() == "x86_64" else ["-lm"]
+        subprocess.run([compiler, *cflags, str(SOURCE), "-o", str(out), *libs],
+                       check=True, capture_output=True, text=True, timeout=120)
+        os.replace(out, target)            # atomic: a concurrent builder sees all or nothing
+    return target
+
+
+def find_compiler() -> str | None:
+    """`$CC`, else `cc` or `gcc` on the PATH, else None."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+class CpuKernels:
+    """The loaded library. Tensors must be on the CPU, float32 or bfloat16 (see `supports`)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+        for sfx in _SUFFIX.values():
+            write = getattr(lib, f"cache_write_{sfx}")
+            write.argtypes = [_P, _P, _P, _P, _P, _I, _I, _I, _I64, _I64, _I64]
+            write.restype = None
+            decode = getattr(lib, f"paged_decode_{sfx}")
+            decode.argtypes = [_P, _I64, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I64,
+                               _F, _I]
+            decode.restype = _I
+
+    @staticmethod
+    def supports(dtype: torch.dtype) -> bool:
+        """Whether the kernels exist for `dtype` (float32 and bfloat16)."""
+        return dtype in _SUFFIX
+
+    def cache_write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Write `k, v [T, num_kv_heads, head_dim]` (rows may be strided, heads contiguous) into
+        `k_cache, v_cache [num_kv_heads, num_blocks, block_size, head_dim]` (contiguous) at
+        `slot_mapping [T] int64` (slot = block * block_size + offset)."""
+        kvh, nb, bs, d = k_cache.shape
+        getattr(self.lib, f"cache_write_{_SUFFIX[k.dtype]}")(
+            k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            slot_mapping.data_ptr(), k.shape[0], kvh, d, k.stride(0), v.stride(0), nb * bs)
+
+    def paged_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, ctx_lens: torch.Tensor, scale: float,
+                     out: torch.Tensor) -> None:
+        """Decode attention, one query token per sequence, into `out [B, num_heads, head_dim]`.
+
+        `q [B, num_heads, head_dim]` (rows may be strided), caches as in `cache_write`,
+        `block_tables [B, max_blocks] int32`, `ctx_lens [B] int32` (tokens, ≥ 1).
+        Raises ValueError for a head_dim over 256 or more than 32 query heads per KV head."""
+        b, h, d = q.shape
+        kvh, nb, bs, _ = k_cache.shape
+        rc = getattr(self.lib, f"paged_decode_{_SUFFIX[q.dtype]}")(
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+            block_tables.data_ptr(), block_tables.shape[1], ctx_lens.data_ptr(), out.data_ptr(),
+            b, h, kvh, d, bs, nb, scale, torch.get_num_threads())
+        if rc:
+            raise ValueError(f"paged_decode: head_dim {d} or group {h // kvh} too large")
+
+
+@lru_cache(maxsize=1)
+def load() -> CpuKernels | None:
+    """Build (if needed) and load the kernels; None where they cannot be used (logged)."""
+    if os.environ.get("CONTINUUM_CPU_KERNELS", "1") == "0":
+        return None
+    compiler = find_compiler()
+    if compiler is None:
+        logger.warning("no C compiler found: CPU attention uses the pure-torch path")
+        return None
+    try:
+        return CpuKernels(ctypes.CDLL(str(build(compiler))))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", "") or e
+        logger.warning("CPU attention kernels unavailable, using the pure-torch path: %s", detail)
+        return None

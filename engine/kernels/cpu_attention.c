@@ -1,0 +1,233 @@
+/*
+ * CPU kernels for paged attention: the KV-cache write through a slot mapping and decode
+ * attention that reads each sequence's K/V in place through its block table.
+ *
+ * The same algorithm as vLLM's CPU paged attention (csrc/cpu/attention.cpp, "PagedAttention",
+ * Kwon et al., SOSP 2023): per (sequence, KV head), scores of the GQA group's query heads against
+ * every cached key, a float32 softmax, and the probability-weighted sum of the cached values.
+ * No gather copy and no padding to the batch's longest context, which the pure-torch path needs.
+ *
+ * Layouts (elements, row-major), as in engine/attention.py:
+ *   k_cache, v_cache  [num_kv_heads, num_blocks, block_size, head_dim]   (head-major)
+ *   q                 [num_seqs, num_heads, head_dim], token stride q_stride
+ *   k, v (new)        [num_tokens, num_kv_heads, head_dim], token strides k_stride, v_stride
+ *   block_tables      [num_seqs, max_blocks] int32;  ctx_lens [num_seqs] int32 (tokens)
+ *   out               [num_seqs, num_heads, head_dim] contiguous
+ * Element types: float32 (suffix _f32) and bfloat16 stored as uint16 (suffix _bf16); all
+ * arithmetic is float32, bfloat16 results are rounded to nearest even.
+ *
+ * Built by engine/kernels/__init__.py with the system C compiler and -fopenmp; loaded after
+ * torch, so the OpenMP runtime is torch's own (same soname) and shares its thread pool.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float load_f32(float x) { return x; }
+static inline float load_bf16(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+static inline float store_f32(float x) { return x; }
+static inline uint16_t store_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);  /* NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* glibc's vector expf (libmvec), as <math.h> declares it under -ffast-math: lets the softmax
+ * loop vectorize without fast-math's other effects. */
+#if defined(__x86_64__)
+#pragma omp declare simd notinbranch
+float expf(float);
+#endif
+
+#define MAX_GROUP 32
+#define INLINE static inline __attribute__((always_inline))
+
+/* One (sequence, KV head) of decode attention. Inlined with a constant head_dim D where the
+ * caller can give one, so the per-row loops unroll and vectorize; blocks are walked in order, a
+ * block's rows are contiguous. q_scaled [group][D] float32 (query already times scale). */
+#define DEFINE_DECODE_ONE(SUFFIX, T)                                                         \
+INLINE void decode_one_##SUFFIX(const float *q_scaled, const T *kbase, const T *vbase,      \
+                                const int32_t *table, int ctx, int block_size, int group,   \
+                                const int D, float *scores, T *out) {                        \
+    const int nblocks = (ctx + block_size - 1) / block_size;                                 \
+    for (int g = 0; g < group; g++) {                                                        \
+        const float *qg = q_scaled + g * D;                                                  \
+        float *sg = scores + (int64_t)g * ctx;                                               \
+        for (int j = 0; j < nblocks; j++) {                                                  \
+            const T *kb = kbase + (int64_t)table[j] * block_size * D;                        \
+            const int n = j == nblocks - 1 ? ctx - j * block_size : block_size;              \
+            for (int t = 0; t < n; t++) {                                                    \
+                const T *kr = kb + t * D;                                                    \
+                float s = 0.f;                                                               \
+                _Pragma("omp simd reduction(+:s)")                                           \
+                for (int d = 0; d < D; d++) s += qg[d] * load_##SUFFIX(kr[d]);               \
+                sg[j * block_size + t] = s;                                                  \
+            }                                                                                \
+        }                                                                                    \
+        float m = -INFINITY, sum = 0.f;                                                      \
+        for (int t = 0; t < ctx; t++) m = sg[t] > m ? sg[t] : m;                             \
+        _Pragma("omp simd reduction(+:sum)")                                                 \
+        for (int t = 0; t < ctx; t++) {                                                      \
+            const float e = expf(sg[t] - m);                                                 \
+            sg[t] = e;                                                                       \
+            sum += e;                                                                        \
+        }                                                                                    \
+        float acc[D];                                                                        \
+        for (int d = 0; d < D; d++) acc[d] = 0.f;                                            \
+        for (int j = 0; j < nblocks; j++) {                                                  \
+            const T *vb = vbase + (int64_t)table[j] * block_size * D;                        \
+            const int n = j == nblocks - 1 ? ctx - j * block_size : block_size;              \
+            for (int t = 0; t < n; t++) {                                                    \
+                const float p = sg[j * block_size + t];                                      \
+                const T *vr = vb + t * D;                                                    \
+                _Pragma("omp simd")                                                          \
+                for (int d = 0; d < D; d++) acc[d] += p * load_##SUFFIX(vr[d]);              \
+            }                                                                                \
+        }                                                                                    \
+        const float inv = sum > 0.f ? 1.f / sum : 0.f;                                       \
+        T *o = out + g * D;                                                                  \
+        for (int d = 0; d < D; d++) o[d] = store_##SUFFIX(acc[d] * inv);                     \
+    }                                                                                        \
+}
+
+DEFINE_DECODE_ONE(f32, float)
+DEFINE_DECODE_ONE(bf16, uint16_t)
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+INLINE __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
+INLINE __m512 load16_bf16(const uint16_t *p) {
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+/* decode_one with AVX-512 for head_dim D = 16 * NV (NV <= 16): the query head and the output
+ * accumulator live in registers; one horizontal add per (row, head). */
+#define DEFINE_DECODE_ONE_AVX512(SUFFIX, T)                                                  \
+INLINE void decode_one_avx512_##SUFFIX(const float *q_scaled, const T *kbase, const T *vbase,\
+                                       const int32_t *table, int ctx, int block_size,        \
+                                       int group, const int D, float *scores, T *out) {      \
+    const int NV = D / 16;                                                                   \
+    const int nblocks = (ctx + block_size - 1) / block_size;                                 \
+    for (int g = 0; g < group; g++) {                                                        \
+        __m512 qv[16], acc[16];                                                              \
+        for (int i = 0; i < NV; i++) qv[i] = _mm512_loadu_ps(q_scaled + g * D + 16 * i);     \
+        float *sg = scores + (int64_t)g * ctx;                                               \
+        float m = -INFINITY;                                                                 \
+        for (int j = 0; j < nblocks; j++) {                                                  \
+            const T *kb = kbase + (int64_t)table[j] * block_size * D;                        \
+            const int n = j == nblocks - 1 ? ctx - j * block_size : block_size;              \
+            for (int t = 0; t < n; t++) {                                                    \
+                const T *kr = kb + t * D;                                                    \
+                __m512 s = _mm512_mul_ps(qv[0], load16_##SUFFIX(kr));                        \
+                for (int i = 1; i < NV; i++)                                                 \
+                    s = _mm512_fmadd_ps(qv[i], load16_##SUFFIX(kr + 16 * i), s);             \
+                const float x = _mm512_reduce_add_ps(s);                                     \
+                sg[j * block_size + t] = x;                                                  \
+                m = x > m ? x : m;                                                           \
+            }                                                                                \
+        }                                                                                    \
+        float sum = 0.f;                                                                     \
+        _Pragma("omp simd reduction(+:sum)")                                                 \
+        for (int t = 0; t < ctx; t++) {                                                      \
+            const float e = expf(sg[t] - m);                                                 \
+            sg[t] = e;                                                                       \
+            sum += e;                                                                        \
+        }                                                                                    \
+        for (int i = 0; i < NV; i++) acc[i] = _mm512_setzero_ps();                           \
+        for (int j = 0; j < nblocks; j++) {                                                  \
+            const T *vb = vbase + (int64_t)table[j] * block_size * D;                        \
+            const int n = j == nblocks - 1 ? ctx - j * block_size : block_size;              \
+            for (int t = 0; t < n; t++) {                                                    \
+                const __m512 p = _mm512_set1_ps(sg[j * block_size + t]);                     \
+                const T *vr = vb + t * D;                                                    \
+                for (int i = 0; i < NV; i++)                                                 \
+                    acc[i] = _mm512_fmadd_ps(p, load16_##SUFFIX(vr + 16 * i), acc[i]);       \
+            }                                                                                \
+        }                                                                                    \
+        const __m512 inv = _mm512_set1_ps(sum > 0.f ? 1.f / sum : 0.f);                      \
+        float res[256];                                                                      \
+        for (int i = 0; i < NV; i++) _mm512_storeu_ps(res + 16 * i, _mm512_mul_ps(acc[i], inv));\
+        T *o = out + g * D;                                                                  \
+        for (int d = 0; d < D; d++) o[d] = store_##SUFFIX(res[d]);                           \
+    }                                                                                        \
+}
+
+DEFINE_DECODE_ONE_AVX512(f32, float)
+DEFINE_DECODE_ONE_AVX512(bf16, uint16_t)
+#define HAVE_AVX512 1
+#else
+#define HAVE_AVX512 0
+#endif
+#if HAVE_AVX512
+#define DECODE_AVX512(SUFFIX, ...) decode_one_avx512_##SUFFIX(__VA_ARGS__)
+#else
+#define DECODE_AVX512(SUFFIX, ...) decode_one_##SUFFIX(__VA_ARGS__)
+#endif
+
+/* Returns 0, or -1 when head_dim or the GQA group is larger than the kernel's buffers. */
+#define DEFINE_KERNELS(SUFFIX, T)                                                            \
+void cache_write_##SUFFIX(const T *k, const T *v, T *k_cache, T *v_cache,                   \
+                          const int64_t *slots, int num_tokens, int num_kv_heads,            \
+                          int head_dim, int64_t k_stride, int64_t v_stride,                  \
+                          int64_t slots_per_head) {                                          \
+    for (int t = 0; t < num_tokens; t++) {                                                   \
+        int64_t s = slots[t];                                                                \
+        for (int h = 0; h < num_kv_heads; h++) {                                             \
+            memcpy(k_cache + (h * slots_per_head + s) * head_dim,                            \
+                   k + t * k_stride + (int64_t)h * head_dim, head_dim * sizeof(T));          \
+            memcpy(v_cache + (h * slots_per_head + s) * head_dim,                            \
+                   v + t * v_stride + (int64_t)h * head_dim, head_dim * sizeof(T));          \
+        }                                                                                    \
+    }                                                                                        \
+}                                                                                            \
+                                                                                             \
+int paged_decode_##SUFFIX(const T *q, int64_t q_stride, const T *k_cache, const T *v_cache, \
+                          const int32_t *block_tables, int max_blocks,                       \
+                          const int32_t *ctx_lens, T *out, int num_seqs, int num_heads,      \
+                          int num_kv_heads, int head_dim, int block_size, int64_t num_blocks,\
+                          float scale, int num_threads) {                                    \
+    const int group = num_heads / num_kv_heads;                                              \
+    if (head_dim > 256 || group > MAX_GROUP) return -1;                                      \
+    const int64_t head_elems = num_blocks * block_size * head_dim;                           \
+    _Pragma("omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)")   \
+    for (int b = 0; b < num_seqs; b++) {                                                     \
+        for (int kh = 0; kh < num_kv_heads; kh++) {                                          \
+            const int ctx = ctx_lens[b];                                                     \
+            float qf[MAX_GROUP * 256];                                                       \
+            for (int g = 0; g < group; g++) {                                                \
+                const T *qh = q + b * q_stride + (int64_t)(kh * group + g) * head_dim;       \
+                for (int d = 0; d < head_dim; d++)                                           \
+                    qf[g * head_dim + d] = load_##SUFFIX(qh[d]) * scale;                     \
+            }                                                                                \
+            float *scores = malloc(sizeof(float) * (size_t)group * (ctx > 0 ? ctx : 1));     \
+            const int32_t *table = block_tables + (int64_t)b * max_blocks;                   \
+            const T *kb = k_cache + kh * head_elems, *vb = v_cache + kh * head_elems;        \
+            T *o = out + ((int64_t)b * num_heads + kh * group) * head_dim;                   \
+            if (HAVE_AVX512 && head_dim == 64)                                               \
+                DECODE_AVX512(SUFFIX, qf, kb, vb, table, ctx, block_size, group, 64, scores, o);\
+            else if (HAVE_AVX512 && head_dim == 128)                                         \
+                DECODE_AVX512(SUFFIX, qf, kb, vb, table, ctx, block_size, group, 128, scores, o);\
+            else if (HAVE_AVX512 && head_dim % 16 == 0)                                      \
+                DECODE_AVX512(SUFFIX, qf, kb, vb, table, ctx, block_size, group, head_dim,   \
+                              scores, o);                                                    \
+            else                                                                             \
+                decode_one_##SUFFIX(qf, kb, vb, table, ctx, block_size, group, head_dim,     \
+                                    scores, o);                                              \
+            free(scores);                                                                    \
+        }                                                                                    \
+    }                                                                                        \
+    return 0;                                                                                \
+}
+
+DEFINE_KERNELS(f32, float)
+DEFINE_KERNELS(bf16, uint16_t)

@@ -1,0 +1,120 @@
+"""The C attention kernels (engine/kernels) against plain-torch attention, and the engine's
+pure-torch path against the kernel path. Both builds are checked: this machine's (AVX-512 where
+it has it) and a portable one without AVX-512, which takes the generic C loops."""
+
+import pytest
+import torch
+
+from engine import kernels
+from engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk, paged_attention
+
+COMPILER = kernels.find_compiler()
+pytestmark = pytest.mark.skipif(COMPILER is None, reason="no C compiler")
+PORTABLE = [f for f in kernels.CFLAGS if not f.startswith("-march")] + ["-march=x86-64-v2"]
+
+
+@pytest.fixture(scope="module", params=["native", "portable"])
+def lib(request, tmp_path_factory):
+    import ctypes
+    import platform
+
+    if request.param == "portable" and platform.machine() != "x86_64":
+        pytest.skip("portable build flags are for x86_64")
+    flags = kernels.CFLAGS if request.param == "native" else PORTABLE
+    path = kernels.build(COMPILER, flags, tmp_path_factory.mktemp(request.param))
+    return kernels.CpuKernels(ctypes.CDLL(str(path)))
+
+
+def reference_decode(q, k_cache, v_cache, tables, lens, scale):
+    """float64 softmax attention of each sequence's query over its first `lens[b]` tokens."""
+    kvh, _, bs, d = k_cache.shape
+    b_, h, _ = q.shape
+    out = torch.empty(b_, h, d, dtype=torch.float64)
+    for b in range(b_):
+        n = int(lens[b])
+        blocks = tables[b, : -(-n // bs)].long()
+        k = k_cache[:, blocks].reshape(kvh, -1, d)[:, :n].double()
+        v = v_cache[:, blocks].reshape(kvh, -1, d)[:, :n].double()
+        qb = q[b].double().view(kvh, h // kvh, d)
+        out[b] = (torch.softmax(qb @ k.transpose(1, 2) * scale, -1) @ v).reshape(h, d)
+    return out
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 128), (6, 2, 24)])
+def test_paged_decode_matches_reference(lib, dtype, tol, heads, kv_heads, head_dim):
+    torch.manual_seed(0)
+    bs, num_blocks = 16, 64
+    lens = torch.tensor([1, 15, 16, 17, 100, 200], dtype=torch.int32)   # block edges included
+    max_blocks = -(-int(lens.max()) // bs)
+    k_cache = torch.randn(kv_heads, num_blocks, bs, head_dim).to(dtype)
+    v_cache = torch.randn(kv_heads, num_blocks, bs, head_dim).to(dtype)
+    tables = torch.stack([torch.randperm(num_blocks)[:max_blocks] for _ in lens]).int()
+    # q rows strided as in the model (q heads followed by k heads in one tensor)
+    q = torch.randn(len(lens), heads + kv_heads, head_dim).to(dtype)[:, :heads]
+    out = torch.empty(len(lens), heads, head_dim, dtype=dtype)
+    lib.paged_decode(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, out)
+    ref = reference_decode(q, k_cache, v_cache, tables, lens, head_dim ** -0.5)
+    assert (out.double() - ref).abs().max().item() < tol
+
+
+def test_cache_write_puts_each_token_at_its_slot(lib):
+    kv_heads, head_dim = 3, 64
+    k_cache = torch.zeros(kv_heads, 10, 16, head_dim)
+    v_cache = torch.zeros_like(k_cache)
+    qkv = torch.randn(4, (9 + 2 * kv_heads) * head_dim)               # strided rows, as the model's
+    k = qkv[:, 9 * head_dim:12 * head_dim].view(4, kv_heads, head_dim)
+    v = qkv[:, 12 * head_dim:].view(4, kv_heads, head_dim)
+    slots = torch.tensor([0, 17, 40, 159])
+    lib.cache_write(k, v, k_cache, v_cache, slots)
+    flat_k, flat_v = k_cache.view(kv_heads, -1, head_dim), v_cache.view(kv_heads, -1, head_dim)
+    for i, s in enumerate(slots.tolist()):
+        assert torch.equal(flat_k[:, s], k[i]) and torch.equal(flat_v[:, s], v[i])
+    assert int((flat_k.abs().sum(-1) > 0).sum()) == 4 * kv_heads        # nothing else written
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_path_equals_torch_path_for_a_mixed_step(lib, dtype):
+    """One step with decodes of different lengths and a prefill chunk over a cached prefix:
+    the kernel path (engine default on CPU) and the pure-torch path (CUDA, NPU) agree."""
+    torch.manual_seed(1)
+    heads, kv_heads, d, bs, nb = 9, 3, 64, 16, 40
+    ctx = [5, 40, 70]                         # decodes: context incl. the new token
+    chunk_start, chunk_len = 20, 12           # prefill chunk at positions 20..31
+    tables = [torch.randperm(nb)[:8] for _ in range(4)]
+    slots = [int(t[(c - 1) // bs]) * bs + (c - 1) % bs for t, c in zip(tables, ctx)]
+    pos = torch.arange(chunk_start, chunk_start + chunk_len)
+    slots += (tables[3][pos // bs] * bs + pos % bs).tolist()
+    n = len(ctx) + chunk_len
+    q = torch.randn(n, heads, d).to(dtype)
+    k = torch.randn(n, kv_heads, d).to(dtype)
+    v = torch.randn(n, kv_heads, d).to(dtype)
+    base = torch.randn(kv_heads, nb, bs, d).to(dtype), torch.randn(kv_heads, nb, bs, d).to(dtype)
+    mask = torch.arange(chunk_start + chunk_len)[None] <= pos[:, None]
+    prefill = PrefillChunk(len(ctx), chunk_len, chunk_start, tables[3][:2], mask)
+    width = -(-max(ctx) // bs)
+    group_ids = torch.cat([t[:width] for t in tables[:3]])
+    visible = torch.arange(width * bs)[None] < torch.tensor(ctx)[:, None]
+    bias = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))[:, None]
+    torch_meta = AttentionMetadata(torch.tensor(slots), [DecodeGroup(0, 3, group_ids, bias)],
+                                   [prefill])
+    kernel_meta = AttentionMetadata(torch.tensor(slots), [], [prefill], lib,
+                                    torch.stack([t[:width] for t in tables[:3]]).int(),
+                                    torch.tensor(ctx, dtype=torch.int32))
+    results = []
+    for meta in (torch_meta, kernel_meta):
+        kc, vc = base[0].clone(), base[1].clone()
+        results.append((paged_attention(q, k, v, kc, vc, meta, d ** -0.5), kc, vc))
+    (a, ka, va), (b, kb, vb) = results
+    assert torch.equal(ka, kb) and torch.equal(va, vb)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    assert (a.float() - b.float()).abs().max().item() < tol
+
+
+def test_switched_off_by_environment(monkeypatch):
+    monkeypatch.setenv("CONTINUUM_CPU_KERNELS", "0")
+    kernels.load.cache_clear()
+    try:
+        assert kernels.load() is None
+    finally:
+        kernels.load.cache_clear()

@@ -50,6 +50,12 @@ float expf(float);
 #define MAX_GROUP 32
 #define INLINE static inline __attribute__((always_inline))
 
+/* Ask for the next block's cache lines while this one is being used: blocks are scattered in
+ * the pool, so the hardware prefetcher cannot guess them. */
+INLINE void prefetch_block(const void *p, int bytes) {
+    for (int off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)p + off, 0, 3);
+}
+
 /* One (sequence, KV head) of decode attention. Inlined with a constant head_dim D where the
  * caller can give one, so the per-row loops unroll and vectorize; blocks are walked in order, a
  * block's rows are contiguous. q_scaled [group][D] float32 (query already times scale). */
@@ -126,6 +132,13 @@ INLINE void decode_one_avx512_##SUFFIX(const float *q_scaled, const T *kbase, co
         for (int j = 0; j < nblocks; j++) {                                                  \
             const T *kb = kbase + (int64_t)table[j] * block_size * D;                        \
             const int n = j == nblocks - 1 ? ctx - j * block_size : block_size;              \
+            if (g == 0) {                  /* the values are read next: fetch them too */   \
+                if (j + 1 < nblocks)                                                         \
+                    prefetch_block(kbase + (int64_t)table[j + 1] * block_size * D,           \
+                                   block_size * D * (int)sizeof(T));                         \
+                prefetch_block(vbase + (int64_t)table[j] * block_size * D,                   \
+                               block_size * D * (int)sizeof(T));                             \
+            }                                                                                \
             for (int t = 0; t < n; t++) {                                                    \
                 const T *kr = kb + t * D;                                                    \
                 __m512 s = _mm512_mul_ps(qv[0], load16_##SUFFIX(kr));                        \
@@ -147,6 +160,9 @@ INLINE void decode_one_avx512_##SUFFIX(const float *q_scaled, const T *kbase, co
         for (int j = 0; j < nblocks; j++) {                                                  \
             const T *vb = vbase + (int64_t)table[j] * block_size * D;                        \
             const int n = j == nblocks - 1 ? ctx - j * block_size : block_size;              \
+            if (g == 0 && j + 1 < nblocks)                                                   \
+                prefetch_block(vbase + (int64_t)table[j + 1] * block_size * D,               \
+                               block_size * D * (int)sizeof(T));                             \
             for (int t = 0; t < n; t++) {                                                    \
                 const __m512 p = _mm512_set1_ps(sg[j * block_size + t]);                     \
                 const T *vr = vb + t * D;                                                    \

@@ -31,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import aiohttp  # noqa: E402
 import httpx  # noqa: E402
 
 from benchmarks.bench_datasets import (SampleRequest, prefix_repetition_dataset,  # noqa: E402
@@ -39,10 +40,14 @@ from benchmarks.bench_metrics import RequestResult, calculate_metrics, parse_goo
 
 
 # ----------------------------------------------------------------------------- one request
-async def send_request(client: httpx.AsyncClient, url: str, model: str, endpoint: str,
+async def send_request(session: aiohttp.ClientSession, url: str, model: str, endpoint: str,
                        req: SampleRequest, ignore_eos: bool, timeout: float,
                        tokenizer) -> RequestResult:
-    """Stream one request; time the chunks that carry tokens."""
+    """Stream one request; time the chunks that carry tokens.
+
+    The client is aiohttp, as in vLLM's `bench serve`: it spends about half the CPU per streamed
+    chunk that httpx does (0.24 vs 0.5 ms measured here), and on a small machine the load
+    generator's CPU is taken from the server under test."""
     body: dict = {"model": model, "max_tokens": req.expected_output_len, "stream": True,
                   "stream_options": {"include_usage": True}, "temperature": 0.0}
     if endpoint == "chat":
@@ -55,12 +60,14 @@ async def send_request(client: httpx.AsyncClient, url: str, model: str, endpoint
     text, usage_tokens = [], None
     start = last = time.perf_counter()
     try:
-        async with client.stream("POST", url, json=body, timeout=timeout) as resp:
-            if resp.status_code != 200:
-                detail = (await resp.aread()).decode(errors="replace")[:200]
-                result.error = f"HTTP {resp.status_code}: {detail}"
+        async with session.post(url, json=body,
+                                timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            if resp.status != 200:
+                detail = (await resp.read()).decode(errors="replace")[:200]
+                result.error = f"HTTP {resp.status}: {detail}"
                 return result
-            async for line in resp.aiter_lines():
+            async for raw in resp.content:          # one SSE line at a time
+                line = raw.decode("utf-8").strip()
                 if not line.startswith("data:"):
                     continue
                 payload = line[5:].strip()
@@ -87,7 +94,8 @@ async def send_request(client: httpx.AsyncClient, url: str, model: str, endpoint
         result.output_len = usage_tokens if usage_tokens is not None else len(
             tokenizer.encode(result.generated_text, add_special_tokens=False))
         result.success = True
-    except (httpx.HTTPError, json.JSONDecodeError, asyncio.TimeoutError) as e:
+    except (aiohttp.ClientError, json.JSONDecodeError, asyncio.TimeoutError,
+            ValueError) as e:          # ValueError: an undecodable or oversized line
         result.error = f"{type(e).__name__}: {e}"
     return result
 
@@ -118,10 +126,10 @@ async def run_point(base_url: str, model: str, endpoint: str, requests: list[Sam
         bar.update(1)
         return r
 
-    limits = httpx.Limits(max_connections=max_concurrency or len(requests) or 1)
+    connector = aiohttp.TCPConnector(limit=max_concurrency or len(requests) or 1)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    async with httpx.AsyncClient(limits=limits, timeout=request_timeout,
-                                 headers=headers) as client:
+    async with aiohttp.ClientSession(connector=connector, headers=headers,
+                                     read_bufsize=1 << 20) as client:
         start = time.perf_counter()
         tasks = []
         for req in requests:

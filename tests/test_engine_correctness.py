@@ -96,12 +96,27 @@ def test_all_at_once_matches_transformers(base_engine, prompts, reference):
     assert run(base_engine, prompts.values()) == [reference[n] for n in prompts]
 
 
-@pytest.mark.parametrize("min_group", [1, 2])
-def test_decode_groups_match(base_engine, prompts, reference, monkeypatch, min_group):
-    """Decodes split into many groups (the batched-matmul path at min_group 1, SDPA at 2)."""
+def test_kernel_path_is_in_use_on_cpu(base_engine):
+    """Where a C compiler exists, the CPU engine attends with the compiled kernels (the tests
+    above); the pure-torch path, which CUDA and NPU use, is checked below."""
+    from engine import kernels
+
+    if kernels.find_compiler() is not None:
+        assert base_engine.runner.kernels is not None
+
+
+@pytest.mark.parametrize("min_group", [None, 1, 2])
+def test_pure_torch_path_and_decode_groups_match(base_engine, prompts, reference, monkeypatch,
+                                                 min_group):
+    """The pure-torch attention (no compiled kernels): default decode groups, then decodes
+    split into many groups (the batched-matmul path at min_group 1, SDPA at 2)."""
     import engine.attention
     import engine.model_runner
 
+    monkeypatch.setattr(base_engine.runner, "kernels", None)
+    if min_group is None:
+        assert run(base_engine, prompts.values()) == [reference[n] for n in prompts]
+        return
     monkeypatch.setattr(engine.model_runner, "SMALL_DECODE_BATCH", min_group)
     monkeypatch.setattr(engine.model_runner, "DECODE_GROUP_MAX_BLOCKS", 8)
     monkeypatch.setattr(engine.attention, "SMALL_DECODE_BATCH", min_group)

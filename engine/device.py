@@ -42,10 +42,11 @@ class Device:
             return torch.npu.mem_get_info(self.torch_device)[0]  # type: ignore[attr-defined]
         return None
 
-    def attention_kernels(self, dtype: torch.dtype):
-        """The compiled paged-attention kernels for `dtype` on this device, or None for the
-        pure-torch path: `engine.kernels.CpuKernels` on the CPU for float32 / bfloat16 (built
-        on first use; None without a C compiler or with `CONTINUUM_CPU_KERNELS=0`)."""
+    def kernels(self, dtype: torch.dtype):
+        """The model runner's compiled kernels (paged attention, fused elementwise ops) for
+        `dtype` on this device, or None for the pure-torch path: `engine.kernels.CpuKernels` on
+        the CPU for float32 / bfloat16 (built on first use; None without a C compiler or with
+        `CONTINUUM_CPU_KERNELS=0`)."""
         if self.kind != "cpu":
             return None
         from engine import kernels

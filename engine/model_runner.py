@@ -85,7 +85,8 @@ class ModelRunner:
                                          dtype=model.dtype, pin_memory=device.pin_memory)
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler(device.torch_device, seed)
-        self.kernels = device.attention_kernels(model.dtype)
+        self.kernels = device.kernels(model.dtype)
+        model.set_kernels(self.kernels)
         self.states: dict[str, _RequestState] = {}
 
     # ------------------------------------------------------------------ block movement

@@ -1,9 +1,10 @@
-"""CPU attention kernels in C (`cpu_attention.c`), compiled on first use and called via ctypes.
+"""CPU kernels in C (`cpu_kernels.c`), compiled on first use and called via ctypes.
 
 Owns: building the shared library with the system C compiler (`cc -O3 -march=native -fopenmp`,
 about a second) into `$CONTINUUM_CACHE/kernels/` under a key of the source, the flags and this
 CPU's feature flags, so an edit or another machine rebuilds; loading it after torch so that its
-OpenMP runtime is torch's; and the typed Python entry points `cache_write` and `paged_decode`.
+OpenMP runtime is torch's; and the typed Python entry points: `cache_write` and `paged_decode`
+(attention), `add_rms_norm`, `silu_and_mul` and `rotary` (fused elementwise ops, vLLM's).
 
 `load()` returns None — and the engine keeps its pure-torch attention — when there is no
 compiler, the build fails (logged once), `CONTINUUM_CPU_KERNELS=0` is set, or the dtype is
@@ -27,7 +28,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_attention.c")
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
@@ -44,7 +45,7 @@ def _cpu_flags() -> str:
 
 
 def build(compiler: str, cflags: list[str] = CFLAGS, out_dir: Path | None = None) -> Path:
-    """Compile `cpu_attention.c` into `out_dir` (default `$CONTINUUM_CACHE/kernels`) unless a
+    """Compile `cpu_kernels.c` into `out_dir` (default `$CONTINUUM_CACHE/kernels`) unless a
     build for the same source, flags and CPU is there; returns the library's path.
 
     Raises: subprocess.CalledProcessError (compile error, with the compiler's stderr),
@@ -53,7 +54,7 @@ def build(compiler: str, cflags: list[str] = CFLAGS, out_dir: Path | None = None
 
     src = SOURCE.read_bytes()
     key = hashlib.sha256(src + " ".join(cflags).encode() + _cpu_flags().encode()).hexdigest()
-    target = (out_dir or cache_root() / "kernels") / f"cpu_attention-{key[:16]}.so"
+    target = (out_dir or cache_root() / "kernels") / f"cpu_kernels-{key[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -84,6 +85,11 @@ class CpuKernels:
             decode.argtypes = [_P, _I64, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I64,
                                _F, _I]
             decode.restype = _I
+            for name, types in (("add_rms_norm", [_P, _P, _P, _P, _I, _I, _F, _I]),
+                                ("silu_and_mul", [_P, _P, _I, _I, _I]),
+                                ("rotary", [_P, _I64, _P, _P, _P, _I, _I, _I, _I])):
+                fn = getattr(lib, f"{name}_{sfx}")
+                fn.argtypes, fn.restype = types, None
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:
@@ -116,6 +122,42 @@ class CpuKernels:
             b, h, kvh, d, bs, nb, scale, torch.get_num_threads())
         if rc:
             raise ValueError(f"paged_decode: head_dim {d} or group {h // kvh} too large")
+
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """`x [n, hidden]` (contiguous) → new `rms_norm(x) * weight`, float32 math."""
+        out = torch.empty_like(x)
+        getattr(self.lib, f"add_rms_norm_{_SUFFIX[x.dtype]}")(
+            x.data_ptr(), None, weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps,
+            torch.get_num_threads())
+        return out
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """In place, both `[n, hidden]` contiguous: `residual += x`, then
+        `x = rms_norm(residual) * weight`; returns `x`."""
+        getattr(self.lib, f"add_rms_norm_{_SUFFIX[x.dtype]}")(
+            x.data_ptr(), residual.data_ptr(), weight.data_ptr(), None, x.shape[0], x.shape[1],
+            eps, torch.get_num_threads())
+        return x
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """`x [n, 2 * inter]` (contiguous, gate then up) → new `silu(gate) * up [n, inter]`."""
+        n, two_inter = x.shape
+        out = x.new_empty((n, two_inter // 2))
+        getattr(self.lib, f"silu_and_mul_{_SUFFIX[x.dtype]}")(
+            x.data_ptr(), out.data_ptr(), n, two_inter // 2, torch.get_num_threads())
+        return out
+
+    def rotary(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+               sin_signed: torch.Tensor) -> None:
+        """Rotate-half RoPE in place on `x [n, heads, head_dim]` (rows may be strided, heads
+        contiguous) at `positions [n] int64`; `cos`, `sin_signed [max_pos, head_dim]` with the
+        first half of sin negated."""
+        n, heads, d = x.shape
+        getattr(self.lib, f"rotary_{_SUFFIX[x.dtype]}")(
+            x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(),
+            sin_signed.data_ptr(), n, heads, d, torch.get_num_threads())
 
 
 @lru_cache(maxsize=1)

@@ -166,6 +166,7 @@ class LlamaForCausalLM:
         self.sin = sin.to(device=device, dtype=dtype)
         self.scale = cfg.head_dim ** -0.5
         self._caches_for: torch.Tensor | None = None
+        self.fused = None                                       # see set_kernels
         self._caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -189,31 +190,48 @@ class LlamaForCausalLM:
             self._caches_for = kv_cache
         return self._caches
 
+    def set_kernels(self, kernels) -> None:
+        """Use `kernels` (`engine.kernels.CpuKernels` or None) for the fused residual-add +
+        RMSNorm, SiLU-and-mul and RoPE — in bfloat16 only: float32 keeps torch's ops, which
+        are bit-identical to transformers (the correctness tests compare token by token)."""
+        self.fused = kernels if kernels is not None and self.dtype == torch.bfloat16 else None
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: torch.Tensor) -> torch.Tensor:
         """Hidden states `[T, hidden]` after the final norm; writes the step's K/V."""
-        cfg = self.cfg
+        cfg, fused, eps = self.cfg, self.fused, self.cfg.rms_norm_eps
         n = input_ids.shape[0]
-        cos = self.cos[positions].unsqueeze(1)          # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
-        x = self.embed[input_ids]
-        caches = self._layer_caches(kv_cache)
-        for (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj), (k_cache, v_cache) in zip(
-                self.layers, caches):
-            h = self._rms_norm(x, ln1)
+        heads = cfg.num_heads + cfg.num_kv_heads
+        if fused is None:
+            cos = self.cos[positions].unsqueeze(1)          # [T, 1, D]
+            sin = self.sin[positions].unsqueeze(1)
+        x = self.embed[input_ids]                           # the residual stream (a copy)
+        norms = [layer[0] for layer in self.layers[1:]] + [self.norm]   # the norm after each
+        h = fused.rms_norm(x, self.layers[0][0], eps) if fused else None
+        for (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj), (k_cache, v_cache), \
+                next_norm in zip(self.layers, self._layer_caches(kv_cache), norms):
+            if fused is None:
+                h = self._rms_norm(x, ln1)
             qkv = qkv_proj(h)
             qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-            qk = self._rotate(qk.view(n, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim),
-                              cos, sin)                  # q and k heads rotated in one go
+            qk = qk.view(n, heads, cfg.head_dim)        # q and k heads rotated in one go
+            if fused is None:
+                qk = self._rotate(qk, cos, sin)
+            else:
+                fused.rotary(qk, positions, self.cos, self.sin)
             q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
             v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
-            attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-            x = x + o_proj(attn)
-            h = self._rms_norm(x, ln2)
-            gate, up = gate_up_proj(h).chunk(2, dim=-1)
-            x = x + down_proj(F.silu(gate) * up)
-        return self._rms_norm(x, self.norm)
+            attn = o_proj(paged_attention(q, k, v, k_cache, v_cache, meta, self.scale))
+            if fused is None:
+                x = x + attn
+                gate, up = gate_up_proj(self._rms_norm(x, ln2)).chunk(2, dim=-1)
+                x = x + down_proj(F.silu(gate) * up)
+            else:        # x += attn; h = norm(x), and likewise after the MLP, in place
+                h = fused.add_rms_norm(attn, x, ln2, eps)
+                h = fused.add_rms_norm(down_proj(fused.silu_and_mul(gate_up_proj(h))), x,
+                                       next_norm, eps)
+        return self._rms_norm(x, self.norm) if fused is None else h
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -73,9 +73,11 @@ class LLMEngine:
         self.stat_loggers: list[Callable[[StepStats], None]] = []
         self.load_time = time.perf_counter() - t0
         logger.info("engine ready in %.1f s: %s on %s (%s), %d KV blocks of %d tokens "
-                    "(%.2f GiB), max_model_len %d", self.load_time, mcfg.architecture,
-                    self.device.kind, str(self.dtype).removeprefix("torch."), num_gpu_blocks,
-                    config.block_size, num_gpu_blocks * block_bytes / GIB, self.max_model_len)
+                    "(%.2f GiB), max_model_len %d, attention: %s", self.load_time,
+                    mcfg.architecture, self.device.kind, str(self.dtype).removeprefix("torch."),
+                    num_gpu_blocks, config.block_size, num_gpu_blocks * block_bytes / GIB,
+                    self.max_model_len,
+                    "compiled CPU kernels" if self.runner.kernels is not None else "torch")
 
     def _max_model_len(self, mcfg: ModelConfig) -> int:
         limit = mcfg.max_position_embeddings

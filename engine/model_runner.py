@@ -1,14 +1,15 @@
 """Model runner: executes one `SchedulerOutput` on the device and returns sampled tokens.
 
 Owns: the physical KV cache `[num_layers, 2, num_kv_heads, num_gpu_blocks, block_size,
-head_dim]` on the device (head-major, see `engine.attention`), the CPU swap cache of the same layout with `num_cpu_blocks`, and per-request
-state that persists between steps (block table, sampling row). It never touches a `Request`:
+head_dim]` on the device (head-major, see `engine.attention`), the CPU swap cache of the same
+layout with `num_cpu_blocks`, per-request state that persists between steps (block table,
+sampling row), and the device's compiled kernels (`Device.kernels`; None → pure torch). It never touches a `Request`:
 everything arrives in the `SchedulerOutput` (full data once, diffs after).
 
 Per step: drop finished / preempted requests' state → swap out, swap in, copy-on-write →
 apply block-table diffs → build the flat batch (decode-like requests first, then prefill
 chunks; no padding between requests for the dense layers), the slot mapping and the attention
-metadata → forward → logits only for the requests that sample → sampler.
+metadata (decode block tables for the kernels, or decode groups for the torch path) → forward → logits only for the requests that sample → sampler.
 """
 
 from __future__ import annotations

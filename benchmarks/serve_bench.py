@@ -195,19 +195,19 @@ def _resolve_model(args) -> tuple[str, str | None]:
     return args.model or first["id"], first.get("root")
 
 
-def build_requests(args, tokenizer) -> list[SampleRequest]:
-    """The dataset's requests for parsed `args` (seeded)."""
+def build_requests(args, tokenizer, seed: int) -> list[SampleRequest]:
+    """The dataset's requests for parsed `args`, drawn with `seed`."""
     if args.dataset_name == "random":
         return random_dataset(tokenizer, args.num_prompts, args.random_input_len,
-                              args.random_output_len, args.random_range_ratio, args.seed)
+                              args.random_output_len, args.random_range_ratio, seed)
     if args.dataset_name == "sharegpt":
         return sharegpt_dataset(tokenizer, args.num_prompts,
                                 Path(args.dataset_path) if args.dataset_path else None,
-                                args.seed, args.sharegpt_output_len)
+                                seed, args.sharegpt_output_len)
     return prefix_repetition_dataset(
         tokenizer, args.num_prompts, args.prefix_repetition_prefix_len,
         args.prefix_repetition_suffix_len, args.prefix_repetition_num_prefixes,
-        args.prefix_repetition_output_len, args.seed)
+        args.prefix_repetition_output_len, seed)
 
 
 def run(args) -> list[dict]:
@@ -220,20 +220,23 @@ def run(args) -> list[dict]:
                          f"{root!r} is not a local path)")
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(tok_path)
-    requests = build_requests(args, tokenizer)
     points = ([int(c) for c in str(args.max_concurrency).split(",")]
               if args.max_concurrency else [None])
     results = []
-    for conc in points:
+    for i, conc in enumerate(points):
+        # Each sweep point draws its own prompts (seed + point index): with the same prompts, a
+        # server's prefix cache would serve a later point's prefills from an earlier point's.
+        seed = args.seed + i
+        requests = build_requests(args, tokenizer, seed)
         per_request, duration = asyncio.run(run_point(
             args.base_url, model, args.endpoint, requests, args.request_rate, args.burstiness,
-            conc, args.ignore_eos, args.request_timeout, args.max_duration, args.seed,
+            conc, args.ignore_eos, args.request_timeout, args.max_duration, seed,
             tokenizer, progress=not args.no_progress, api_key=args.api_key))
         metrics = calculate_metrics(per_request, duration, goodput_slos=slos or None)
         metrics.update({"backend": "openai", "base_url": args.base_url, "model_id": model,
                         "endpoint": args.endpoint, "dataset_name": args.dataset_name,
                         "num_prompts": len(requests), "request_rate": args.request_rate,
-                        "burstiness": args.burstiness, "max_concurrency": conc,
+                        "burstiness": args.burstiness, "max_concurrency": conc, "seed": seed,
                         "ttfts": [r.ttft for r in per_request if r.success],
                         "tpots": [(r.latency - r.ttft) / (r.output_len - 1)
                                   for r in per_request if r.success and r.output_len > 1]})

@@ -80,6 +80,7 @@ def test_bench_serve_against_a_live_server(server, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     points = json.loads(out.read_text())
     assert [p["max_concurrency"] for p in points] == [1, 2], [p["errors"] for p in points]
+    assert [p["seed"] for p in points] == [0, 1]         # fresh prompts: no cross-point cache hits
     for p in points:
         # (The shared test server allows 2 waiting requests: concurrency 2 stays within it.)
         assert (p["completed"], p["failed"]) == (10, 0), p["errors"]

@@ -166,15 +166,54 @@ class ModelRunner:
             slots.append(st.block_table[p // bs] * bs + p % bs)
             if s.sample:
                 sample_idx.append((i, i))
-        meta = AttentionMetadata(slot_mapping=None, kernels=self.kernels)
-        ctx_lens = [s.start_position + 1 for s in ordered[:num_decodes]]
-        if self.kernels is not None and num_decodes:
-            width = -(-ctx_lens[-1] // bs)          # decodes are sorted by context
-            meta.decode_block_tables = torch.tensor(
-                [st.block_table[:width] + [0] * (width - min(width, len(st.block_table)))
-                 for st in states[:num_decodes]], dtype=torch.int32, device=dev)
-            meta.decode_ctx_lens = torch.tensor(ctx_lens, dtype=torch.int32, device=dev)
-        for start, end in ([] if self.kernels is not None else decode_groups(ctx_lens, bs)):
+        slot_parts = [torch.tensor(slots, dtype=torch.long)]
+        pos_parts = [torch.tensor(pos, dtype=torch.long)]
+        chunks: list[tuple[int, int, int, torch.Tensor]] = []    # offset, n, start, table
+        offset = num_decodes
+        for i in range(num_decodes, len(ordered)):
+            s, st = ordered[i], states[i]
+            n, start = len(s.token_ids), s.start_position
+            ids.extend(s.token_ids)
+            p = torch.arange(start, start + n)
+            table = torch.tensor(st.block_table[:-(-(start + n) // bs)], dtype=torch.long)
+            slot_parts.append(table[p // bs] * bs + p % bs)
+            pos_parts.append(p)
+            chunks.append((offset, n, start, table))
+            if s.sample:
+                sample_idx.append((i, offset + n - 1))
+            offset += n
+        positions = torch.cat(pos_parts)
+        meta = AttentionMetadata(slot_mapping=torch.cat(slot_parts).to(dev), kernels=self.kernels)
+        if self.kernels is not None:
+            self._kernel_metadata(meta, ordered, states, positions)
+        else:
+            self._torch_metadata(meta, states, num_decodes, pos[:num_decodes], chunks)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        return input_ids, positions.to(dev), meta, sample_idx
+
+    def _kernel_metadata(self, meta: AttentionMetadata, ordered: list[ScheduledRequest],
+                         states: list[_RequestState], positions: torch.Tensor) -> None:
+        """Every query token — decode or prefill — attends through its request's block table
+        to its own position (the chunk's K/V are written first), so one kernel call serves the
+        whole step, prefix-cache hits and chunked prefill included."""
+        bs, dev = self.block_size, self.device.torch_device
+        width = max(-(-(s.start_position + len(s.token_ids)) // bs) for s in ordered)
+        tables = torch.tensor([st.block_table[:width] + [0] * (width - min(width,
+                                                                           len(st.block_table)))
+                               for st in states], dtype=torch.int32)
+        if positions.numel() != len(ordered):           # prefill chunks: a row per token
+            counts = torch.tensor([len(s.token_ids) for s in ordered])
+            tables = tables.repeat_interleave(counts, dim=0)
+        meta.kernel_block_tables = tables.to(dev)
+        meta.kernel_ctx_lens = (positions + 1).to(device=dev, dtype=torch.int32)
+
+    def _torch_metadata(self, meta: AttentionMetadata, states: list[_RequestState],
+                        num_decodes: int, decode_positions: list[int],
+                        chunks: list[tuple[int, int, int, torch.Tensor]]) -> None:
+        """Decode groups (gathered, padded per group) and prefill chunks (SDPA)."""
+        bs, dev = self.block_size, self.device.torch_device
+        ctx_lens = [p + 1 for p in decode_positions]
+        for start, end in decode_groups(ctx_lens, bs):
             max_blocks = -(-ctx_lens[end - 1] // bs)
             flat: list[int] = []
             for st in states[start:end]:
@@ -186,23 +225,7 @@ class ModelRunner:
                 start, end - start, torch.tensor(flat, dtype=torch.long, device=dev),
                 torch.zeros(visible.shape, device=dev).masked_fill_(
                     ~visible, float("-inf"))[:, None, :]))
-        offset = num_decodes
-        slot_parts = [torch.tensor(slots, dtype=torch.long)]
-        pos_parts = [torch.tensor(pos, dtype=torch.long)]
-        for i in range(num_decodes, len(ordered)):
-            s, st = ordered[i], states[i]
-            n, start = len(s.token_ids), s.start_position
-            ids.extend(s.token_ids)
-            p = torch.arange(start, start + n)
-            table = torch.tensor(st.block_table[:-(-(start + n) // bs)], dtype=torch.long)
-            slot_parts.append(table[p // bs] * bs + p % bs)
-            pos_parts.append(p)
+        for offset, n, start, table in chunks:
             meta.prefills.append(PrefillChunk(
                 offset, n, start, table.to(dev),
                 build_prefill_mask(start, n, dev) if start else None))
-            if s.sample:
-                sample_idx.append((i, offset + n - 1))
-            offset += n
-        meta.slot_mapping = torch.cat(slot_parts).to(dev)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        return input_ids, torch.cat(pos_parts).to(dev), meta, sample_idx

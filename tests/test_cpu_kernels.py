@@ -76,7 +76,8 @@ def test_cache_write_puts_each_token_at_its_slot(lib):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_path_equals_torch_path_for_a_mixed_step(lib, dtype):
     """One step with decodes of different lengths and a prefill chunk over a cached prefix:
-    the kernel path (engine default on CPU) and the pure-torch path (CUDA, NPU) agree."""
+    the kernel path (engine default on CPU: every token attends through the block table) and
+    the pure-torch path (CUDA, NPU: decode groups and SDPA) agree."""
     torch.manual_seed(1)
     heads, kv_heads, d, bs, nb = 9, 3, 64, 16, 40
     ctx = [5, 40, 70]                         # decodes: context incl. the new token
@@ -98,9 +99,12 @@ def test_kernel_path_equals_torch_path_for_a_mixed_step(lib, dtype):
     bias = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))[:, None]
     torch_meta = AttentionMetadata(torch.tensor(slots), [DecodeGroup(0, 3, group_ids, bias)],
                                    [prefill])
-    kernel_meta = AttentionMetadata(torch.tensor(slots), [], [prefill], lib,
-                                    torch.stack([t[:width] for t in tables[:3]]).int(),
-                                    torch.tensor(ctx, dtype=torch.int32))
+    # the kernel path: one row per query token (its request's table, its position + 1)
+    rows = [t[:width] for t in tables[:3]] + [tables[3][:width]] * chunk_len
+    kernel_meta = AttentionMetadata(torch.tensor(slots), kernels=lib,
+                                    kernel_block_tables=torch.stack(rows).int(),
+                                    kernel_ctx_lens=torch.tensor(ctx + (pos + 1).tolist(),
+                                                                 dtype=torch.int32))
     results = []
     for meta in (torch_meta, kernel_meta):
         kc, vc = base[0].clone(), base[1].clone()

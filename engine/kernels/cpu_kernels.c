@@ -33,12 +33,12 @@ static inline float load_bf16(uint16_t x) {
     return f;
 }
 static inline float store_f32(float x) { return x; }
-static inline uint16_t store_bf16(float f) {
+static inline uint16_t store_bf16(float f) {       /* branch-free, so loops vectorize */
     uint32_t u;
     memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);  /* NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const uint32_t quiet_nan = (u >> 16) | 0x40u;
+    return (uint16_t)(((u & 0x7fffffffu) > 0x7f800000u) ? quiet_nan : rounded);
 }
 
 /* glibc's vector expf (libmvec), as <math.h> declares it under -ffast-math: lets the softmax

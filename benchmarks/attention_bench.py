@@ -1,11 +1,15 @@
-"""Decode step time with and without decode groups, in one process (an A/B, not a timed test).
+"""Decode step time per attention path, in one process (an A/B, not a timed test).
 
 Fills one engine with `--batch` requests whose prompt lengths are drawn uniformly from
 `--min-len..--max-len` tokens, runs until all of them decode, then times decode steps with
-the grouping on (`engine.model_runner` defaults) and off (one group padded to the step's
-longest context), interleaved in rounds so that machine noise hits both alike.
-Prints one JSON line with the median step time of each (ms) and their ratio. Usage:
-    python benchmarks/decode_groups_bench.py [--dtype bfloat16] [--batch 64]
+each attention path, interleaved in rounds so that machine noise hits all alike:
+
+- `kernels`: the compiled CPU kernels (the CPU default; K/V read in place via block tables);
+- `torch_grouped`: the pure-torch path (CUDA / NPU) with decode groups of similar context;
+- `torch_one_group`: the pure-torch path with one group padded to the step's longest context.
+
+Prints one JSON line with the median step time of each (ms) and the ratios to `kernels`.
+    python benchmarks/attention_bench.py [--dtype bfloat16] [--batch 64]
         [--min-len 32] [--max-len 1536] [--rounds 6]
 """
 
@@ -49,22 +53,29 @@ def main(argv: list[str] | None = None) -> dict:
         if (len(running) == args.batch and not eng.scheduler.waiting
                 and all(r.output_token_ids for r in running)):
             break
+    kernels = eng.runner.kernels
+    if kernels is None:
+        raise SystemExit("no compiled CPU kernels here (no C compiler, or CONTINUUM_CPU_KERNELS=0)")
     grouped = (runner_module.DECODE_GROUP_RATIO, runner_module.DECODE_GROUP_MAX_BLOCKS)
-    variants = {"grouped": grouped, "one_group": (None, grouped[1])}
+    variants = {"kernels": (kernels, grouped), "torch_grouped": (None, grouped),
+                "torch_one_group": (None, (None, grouped[1]))}
     times: dict[str, list[float]] = {k: [] for k in variants}
     for _ in range(args.rounds):
-        for name, (ratio, cap) in variants.items():
+        for name, (kern, (ratio, cap)) in variants.items():
+            eng.runner.kernels = kern
             runner_module.DECODE_GROUP_RATIO, runner_module.DECODE_GROUP_MAX_BLOCKS = ratio, cap
             for _ in range(args.steps_per_round):
                 t0 = time.perf_counter()
                 eng.step()
                 times[name].append(time.perf_counter() - t0)
+    eng.runner.kernels = kernels
     runner_module.DECODE_GROUP_RATIO, runner_module.DECODE_GROUP_MAX_BLOCKS = grouped
     med = {k: round(statistics.median(v) * 1000, 1) for k, v in times.items()}
-    result = {"benchmark": "decode_groups", "dtype": args.dtype, "batch": args.batch,
+    result = {"benchmark": "attention_paths", "dtype": args.dtype, "batch": args.batch,
               "context_tokens": [args.min_len, args.max_len],
-              "grouped_step_ms": med["grouped"], "one_group_step_ms": med["one_group"],
-              "speedup": round(med["one_group"] / med["grouped"], 2)}
+              **{f"{k}_step_ms": v for k, v in med.items()},
+              **{f"{k}_over_kernels": round(v / med["kernels"], 2)
+                 for k, v in med.items() if k != "kernels"}}
     print(json.dumps(result))
     return result
 

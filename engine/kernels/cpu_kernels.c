@@ -57,6 +57,19 @@ INLINE void prefetch_block(const void *p, int bytes) {
     for (int off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)p + off, 0, 3);
 }
 
+/* s[t] = exp(s[t] - max) for t < n (vectorized expf); returns their sum: a softmax's
+ * numerators and denominator. */
+INLINE float exp_and_sum(float *s, int n, float max) {
+    float sum = 0.f;
+#pragma omp simd reduction(+:sum)
+    for (int t = 0; t < n; t++) {
+        const float e = expf(s[t] - max);
+        s[t] = e;
+        sum += e;
+    }
+    return sum;
+}
+
 /* One (sequence, KV head) of decode attention. Inlined with a constant head_dim D where the
  * caller can give one, so the per-row loops unroll and vectorize; blocks are walked in order, a
  * block's rows are contiguous. q_scaled [group][D] float32 (query already times scale). */
@@ -79,14 +92,9 @@ INLINE void decode_one_##SUFFIX(const float *q_scaled, const T *kbase, const T *
                 sg[j * block_size + t] = s;                                                  \
             }                                                                                \
         }                                                                                    \
-        float m = -INFINITY, sum = 0.f;                                                      \
+        float m = -INFINITY;                                                                 \
         for (int t = 0; t < ctx; t++) m = sg[t] > m ? sg[t] : m;                             \
-        _Pragma("omp simd reduction(+:sum)")                                                 \
-        for (int t = 0; t < ctx; t++) {                                                      \
-            const float e = expf(sg[t] - m);                                                 \
-            sg[t] = e;                                                                       \
-            sum += e;                                                                        \
-        }                                                                                    \
+        const float sum = exp_and_sum(sg, ctx, m);                                           \
         float acc[D];                                                                        \
         for (int d = 0; d < D; d++) acc[d] = 0.f;                                            \
         for (int j = 0; j < nblocks; j++) {                                                  \
@@ -150,13 +158,7 @@ INLINE void decode_one_avx512_##SUFFIX(const float *q_scaled, const T *kbase, co
                 m = x > m ? x : m;                                                           \
             }                                                                                \
         }                                                                                    \
-        float sum = 0.f;                                                                     \
-        _Pragma("omp simd reduction(+:sum)")                                                 \
-        for (int t = 0; t < ctx; t++) {                                                      \
-            const float e = expf(sg[t] - m);                                                 \
-            sg[t] = e;                                                                       \
-            sum += e;                                                                        \
-        }                                                                                    \
+        const float sum = exp_and_sum(sg, ctx, m);                                           \
         for (int i = 0; i < NV; i++) acc[i] = _mm512_setzero_ps();                           \
         for (int j = 0; j < nblocks; j++) {                                                  \
             const T *vb = vbase + (int64_t)table[j] * block_size * D;                        \

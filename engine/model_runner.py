@@ -3,13 +3,15 @@
 Owns: the physical KV cache `[num_layers, 2, num_kv_heads, num_gpu_blocks, block_size,
 head_dim]` on the device (head-major, see `engine.attention`), the CPU swap cache of the same
 layout with `num_cpu_blocks`, per-request state that persists between steps (block table,
-sampling row), and the device's compiled kernels (`Device.kernels`; None → pure torch). It never touches a `Request`:
-everything arrives in the `SchedulerOutput` (full data once, diffs after).
+sampling row), and the device's compiled kernels (`Device.kernels`; None → pure torch). It
+never touches a `Request`: everything arrives in the `SchedulerOutput` (full data once, diffs
+after).
 
 Per step: drop finished / preempted requests' state → swap out, swap in, copy-on-write →
 apply block-table diffs → build the flat batch (decode-like requests first, then prefill
 chunks; no padding between requests for the dense layers), the slot mapping and the attention
-metadata (decode block tables for the kernels, or decode groups for the torch path) → forward → logits only for the requests that sample → sampler.
+metadata (a block table per token for the kernels; decode groups and prefill chunks for the
+torch path) → forward → logits only for the requests that sample → sampler.
 """
 
 from __future__ import annotations
@@ -129,8 +131,9 @@ class ModelRunner:
         self._move_blocks(out)
         if not out.scheduled:
             return ModelRunnerOutput()
-        decodes = sorted((s for s in out.scheduled if len(s.token_ids) == 1),
-                         key=lambda s: s.start_position)      # by context, for decode_groups
+        decodes = [s for s in out.scheduled if len(s.token_ids) == 1]
+        if self.kernels is None:
+            decodes.sort(key=lambda s: s.start_position)      # by context, for decode_groups
         prefills = [s for s in out.scheduled if len(s.token_ids) > 1]
         ordered = decodes + prefills
         states = [self._update_state(s) for s in ordered]
@@ -187,7 +190,7 @@ class ModelRunner:
         if self.kernels is not None:
             self._kernel_metadata(meta, ordered, states, positions)
         else:
-            self._torch_metadata(meta, states, num_decodes, pos[:num_decodes], chunks)
+            self._torch_metadata(meta, states, pos[:num_decodes], chunks)
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         return input_ids, positions.to(dev), meta, sample_idx
 
@@ -208,7 +211,7 @@ class ModelRunner:
         meta.kernel_ctx_lens = (positions + 1).to(device=dev, dtype=torch.int32)
 
     def _torch_metadata(self, meta: AttentionMetadata, states: list[_RequestState],
-                        num_decodes: int, decode_positions: list[int],
+                        decode_positions: list[int],
                         chunks: list[tuple[int, int, int, torch.Tensor]]) -> None:
         """Decode groups (gathered, padded per group) and prefill chunks (SDPA)."""
         bs, dev = self.block_size, self.device.torch_device

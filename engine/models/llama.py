@@ -165,6 +165,8 @@ class LlamaForCausalLM:
         sin[:, :cfg.head_dim // 2] *= -1                         # see _rotate
         self.sin = sin.to(device=device, dtype=dtype)
         self.scale = cfg.head_dim ** -0.5
+        # the norm that follows each layer: the next layer's input norm, then the final one
+        self._next_norms = [layer[0] for layer in self.layers[1:]] + [self.norm]
         self._caches_for: torch.Tensor | None = None
         self.fused = None                                       # see set_kernels
         self._caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -207,10 +209,9 @@ class LlamaForCausalLM:
             cos = self.cos[positions].unsqueeze(1)          # [T, 1, D]
             sin = self.sin[positions].unsqueeze(1)
         x = self.embed[input_ids]                           # the residual stream (a copy)
-        norms = [layer[0] for layer in self.layers[1:]] + [self.norm]   # the norm after each
         h = fused.rms_norm(x, self.layers[0][0], eps) if fused else None
         for (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj), (k_cache, v_cache), \
-                next_norm in zip(self.layers, self._layer_caches(kv_cache), norms):
+                next_norm in zip(self.layers, self._layer_caches(kv_cache), self._next_norms):
             if fused is None:
                 h = self._rms_norm(x, ln1)
             qkv = qkv_proj(h)

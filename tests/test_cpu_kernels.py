@@ -170,7 +170,8 @@ def test_bfloat16_forward_with_fused_ops_matches_torch_ops(model_dir):
     from engine.attention import AttentionMetadata
     from engine.models.llama import load_model
 
-    ids = torch.tensor([1, 504, 3458, 282, 4649, 314, 253, 1342, 30, 378, 2128, 314, 2725, 9202, 28])
+    ids = torch.tensor([1, 504, 3458, 282, 4649, 314, 253, 1342, 30, 378, 2128, 314, 2725, 9202,
+                        28])
     n = ids.numel()
 
     def logits(model):

@@ -32,6 +32,14 @@ SOURCE = Path(__file__).with_name("cpu_kernels.c")
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+# C entry points (each as <name>_f32 and <name>_bf16): argument types and return type.
+_SIGNATURES = {
+    "cache_write": ([_P, _P, _P, _P, _P, _I, _I, _I, _I64, _I64, _I64], None),
+    "paged_decode": ([_P, _I64, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I64, _F, _I], _I),
+    "add_rms_norm": ([_P, _P, _P, _P, _I, _I, _F, _I], None),
+    "silu_and_mul": ([_P, _P, _I, _I, _I], None),
+    "rotary": ([_P, _I64, _P, _P, _P, _I, _I, _I, _I], None),
+}
 
 
 def _cpu_flags() -> str:
@@ -77,19 +85,12 @@ class CpuKernels:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
-        for sfx in _SUFFIX.values():
-            write = getattr(lib, f"cache_write_{sfx}")
-            write.argtypes = [_P, _P, _P, _P, _P, _I, _I, _I, _I64, _I64, _I64]
-            write.restype = None
-            decode = getattr(lib, f"paged_decode_{sfx}")
-            decode.argtypes = [_P, _I64, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I64,
-                               _F, _I]
-            decode.restype = _I
-            for name, types in (("add_rms_norm", [_P, _P, _P, _P, _I, _I, _F, _I]),
-                                ("silu_and_mul", [_P, _P, _I, _I, _I]),
-                                ("rotary", [_P, _I64, _P, _P, _P, _I, _I, _I, _I])):
+        self._fn: dict = {}            # (name, dtype) -> typed C function, bound once
+        for name, (argtypes, restype) in _SIGNATURES.items():
+            for dtype, sfx in _SUFFIX.items():
                 fn = getattr(lib, f"{name}_{sfx}")
-                fn.argtypes, fn.restype = types, None
+                fn.argtypes, fn.restype = argtypes, restype
+                self._fn[name, dtype] = fn
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:
@@ -102,32 +103,33 @@ class CpuKernels:
         `k_cache, v_cache [num_kv_heads, num_blocks, block_size, head_dim]` (contiguous) at
         `slot_mapping [T] int64` (slot = block * block_size + offset)."""
         kvh, nb, bs, d = k_cache.shape
-        getattr(self.lib, f"cache_write_{_SUFFIX[k.dtype]}")(
+        self._fn["cache_write", k.dtype](
             k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
             slot_mapping.data_ptr(), k.shape[0], kvh, d, k.stride(0), v.stride(0), nb * bs)
 
     def paged_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, ctx_lens: torch.Tensor, scale: float,
                      out: torch.Tensor) -> None:
-        """Decode attention, one query token per sequence, into `out [B, num_heads, head_dim]`.
+        """Paged attention (Kwon et al., SOSP 2023) of one query token per row — a decode, or
+        one token of a prefill chunk — over the first `ctx_lens[b]` cached tokens of its
+        block table, into `out [B, num_heads, head_dim]`.
 
         `q [B, num_heads, head_dim]` (rows may be strided), caches as in `cache_write`,
         `block_tables [B, max_blocks] int32`, `ctx_lens [B] int32` (tokens, ≥ 1).
         Raises ValueError for a head_dim over 256 or more than 32 query heads per KV head."""
         b, h, d = q.shape
         kvh, nb, bs, _ = k_cache.shape
-        rc = getattr(self.lib, f"paged_decode_{_SUFFIX[q.dtype]}")(
+        rc = self._fn["paged_decode", q.dtype](
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
             block_tables.data_ptr(), block_tables.shape[1], ctx_lens.data_ptr(), out.data_ptr(),
             b, h, kvh, d, bs, nb, scale, torch.get_num_threads())
         if rc:
             raise ValueError(f"paged_decode: head_dim {d} or group {h // kvh} too large")
 
-
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """`x [n, hidden]` (contiguous) → new `rms_norm(x) * weight`, float32 math."""
         out = torch.empty_like(x)
-        getattr(self.lib, f"add_rms_norm_{_SUFFIX[x.dtype]}")(
+        self._fn["add_rms_norm", x.dtype](
             x.data_ptr(), None, weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps,
             torch.get_num_threads())
         return out
@@ -136,7 +138,7 @@ class CpuKernels:
                      eps: float) -> torch.Tensor:
         """In place, both `[n, hidden]` contiguous: `residual += x`, then
         `x = rms_norm(residual) * weight`; returns `x`."""
-        getattr(self.lib, f"add_rms_norm_{_SUFFIX[x.dtype]}")(
+        self._fn["add_rms_norm", x.dtype](
             x.data_ptr(), residual.data_ptr(), weight.data_ptr(), None, x.shape[0], x.shape[1],
             eps, torch.get_num_threads())
         return x
@@ -145,7 +147,7 @@ class CpuKernels:
         """`x [n, 2 * inter]` (contiguous, gate then up) → new `silu(gate) * up [n, inter]`."""
         n, two_inter = x.shape
         out = x.new_empty((n, two_inter // 2))
-        getattr(self.lib, f"silu_and_mul_{_SUFFIX[x.dtype]}")(
+        self._fn["silu_and_mul", x.dtype](
             x.data_ptr(), out.data_ptr(), n, two_inter // 2, torch.get_num_threads())
         return out
 
@@ -155,7 +157,7 @@ class CpuKernels:
         contiguous) at `positions [n] int64`; `cos`, `sin_signed [max_pos, head_dim]` with the
         first half of sin negated."""
         n, heads, d = x.shape
-        getattr(self.lib, f"rotary_{_SUFFIX[x.dtype]}")(
+        self._fn["rotary", x.dtype](
             x.data_ptr(), x.stride(0), positions.data_ptr(), cos.data_ptr(),
             sin_signed.data_ptr(), n, heads, d, torch.get_num_threads())
 

@@ -109,6 +109,12 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
         config = engine_config(args)
+        if not args.no_llm:
+            from engine.device import DeviceUnavailableError, check_device_dtype
+            try:
+                check_device_dtype(args.device, args.dtype)
+            except DeviceUnavailableError as e:
+                raise ValueError(str(e)) from None
         if not 0 < args.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {args.port}")
         if args.http_max_input_size < 1:

@@ -52,6 +52,21 @@ class Device:
         from engine import kernels
         return kernels.load() if kernels.CpuKernels.supports(dtype) else None
 
+    def cpu_isa(self) -> str | None:
+        """The CPU ISA level the kernels and linear layers target ("avx512", "avx2",
+        "generic"; `engine.kernels.isa`), or None off the CPU."""
+        if self.kind != "cpu":
+            return None
+        from engine.kernels.isa import cpu_isa
+        return cpu_isa()
+
+    def linear_path(self, dtype: torch.dtype) -> str:
+        """Which GEMM the model's linear layers use for `dtype` here: "onednn", "kernel" or
+        "torch" (`engine.linear.linear_path`). Raises ValueError (one line) for a dtype this
+        device cannot run."""
+        from engine.linear import linear_path
+        return linear_path(self.kind, dtype, self.kernels(dtype))
+
     @property
     def pin_memory(self) -> bool:
         """Whether host buffers for swapping should be pinned (only with an accelerator)."""
@@ -99,6 +114,18 @@ def resolve_device(name: str = "auto") -> Device:
             raise DeviceUnavailableError("--device npu: torch_npu is installed but sees no NPU")
         return Device("npu", torch.device("npu", int(index or 0)))
     raise ValueError(f"--device must be auto, cpu, cuda or npu, got {name!r}")
+
+
+def check_device_dtype(device_name: str, dtype_name: str) -> None:
+    """Fail fast, before any engine starts, where `--dtype` cannot run on `--device` here (e.g.
+    float16 on a CPU without a float16 matmul) or `CONTINUUM_CPU_ISA` is invalid.
+
+    Raises: ValueError or DeviceUnavailableError, each one line saying what to use instead."""
+    device = resolve_device(device_name)
+    if device.kind == "cpu":
+        from engine.kernels.isa import cpu_isa
+        cpu_isa()
+    device.linear_path(resolve_dtype(dtype_name, device))
 
 
 def resolve_dtype(name: str, device: Device) -> torch.dtype:

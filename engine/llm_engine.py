@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 
 from engine.config import GIB, EngineConfig
 from engine.device import resolve_device, resolve_dtype
+from engine.linear import LINEAR_PATH_NAMES
 from engine.loader import resolve_model
 from engine.model_runner import ModelRunner
 from engine.models.llama import ModelConfig, load_model
@@ -45,8 +46,7 @@ class LLMEngine:
 
         from transformers import AutoTokenizer
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
-        self.model = load_model(self.model_dir, self.device.torch_device, self.dtype,
-                                self.max_model_len)
+        self.model = load_model(self.model_dir, self.device, self.dtype, self.max_model_len)
         eos = self.tokenizer.eos_token_id
         self.eos_token_id = eos if eos is not None else (mcfg.eos_token_ids or (None,))[0]
         self.extra_eos_ids = tuple(t for t in mcfg.eos_token_ids if t != self.eos_token_id)
@@ -73,11 +73,15 @@ class LLMEngine:
         self.stat_loggers: list[Callable[[StepStats], None]] = []
         self.load_time = time.perf_counter() - t0
         logger.info("engine ready in %.1f s: %s on %s (%s), %d KV blocks of %d tokens "
-                    "(%.2f GiB), max_model_len %d, attention: %s", self.load_time,
+                    "(%.2f GiB), max_model_len %d, attention: %s, linear: %s, cpu isa: %s",
+                    self.load_time,
                     mcfg.architecture, self.device.kind, str(self.dtype).removeprefix("torch."),
                     num_gpu_blocks, config.block_size, num_gpu_blocks * block_bytes / GIB,
                     self.max_model_len,
-                    "compiled CPU kernels" if self.runner.kernels is not None else "torch")
+                    f"compiled CPU kernels ({self.runner.kernels.isa})"
+                    if self.runner.kernels is not None else "torch",
+                    LINEAR_PATH_NAMES[self.model.linear_path],
+                    self.device.cpu_isa() or "n/a")
 
     def _max_model_len(self, mcfg: ModelConfig) -> int:
         limit = mcfg.max_position_embeddings

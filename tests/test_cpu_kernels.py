@@ -1,6 +1,8 @@
-"""The C attention kernels (engine/kernels) against plain-torch attention, and the engine's
-pure-torch path against the kernel path. Both builds are checked: this machine's (AVX-512 where
-it has it) and a portable one without AVX-512, which takes the generic C loops."""
+"""The C kernels (engine/kernels) against float64 / plain-torch references, and the engine's
+pure-torch path against the kernel path. Three builds are checked: this machine's (-march=native:
+AVX-512 where it has it), an AVX2 + FMA one (-march=x86-64-v3, as under CONTINUUM_CPU_ISA=avx2;
+skipped on a CPU without AVX2) and a portable one (-march=x86-64-v2), which takes the generic C
+loops."""
 
 import pytest
 import torch
@@ -10,19 +12,66 @@ from engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk, paged
 
 COMPILER = kernels.find_compiler()
 pytestmark = pytest.mark.skipif(COMPILER is None, reason="no C compiler")
-PORTABLE = [f for f in kernels.CFLAGS if not f.startswith("-march")] + ["-march=x86-64-v2"]
+BUILDS = {"native": ["-march=native"], "avx2": ["-march=x86-64-v3"],
+          "portable": ["-march=x86-64-v2"]}
 
 
-@pytest.fixture(scope="module", params=["native", "portable"])
+@pytest.fixture(scope="module", params=list(BUILDS))
 def lib(request, tmp_path_factory):
     import ctypes
     import platform
 
-    if request.param == "portable" and platform.machine() != "x86_64":
-        pytest.skip("portable build flags are for x86_64")
-    flags = kernels.CFLAGS if request.param == "native" else PORTABLE
+    from engine.kernels.isa import LEVELS, host_isa
+
+    if platform.machine() != "x86_64":
+        if request.param != "native":
+            pytest.skip("-march=x86-64-v* builds are for x86_64")
+        flags = kernels.BASE_CFLAGS
+    else:
+        flags = kernels.BASE_CFLAGS + BUILDS[request.param]
+    if request.param == "avx2" and LEVELS.index(host_isa()) < LEVELS.index("avx2"):
+        pytest.skip("this CPU has no AVX2 + FMA")
     path = kernels.build(COMPILER, flags, tmp_path_factory.mktemp(request.param))
     return kernels.CpuKernels(ctypes.CDLL(str(path)))
+
+
+def test_each_build_runs_the_inner_loops_of_its_isa(lib, request):
+    """The ISA guards pick the loops the flags allow: AVX-512 only with AVX-512, AVX2 + FMA on
+    x86-64-v3, the generic C loops on x86-64-v2."""
+    from engine.kernels.isa import host_isa
+
+    build = request.node.callspec.params["lib"]
+    expected = {"native": host_isa(), "avx2": "avx2", "portable": "generic"}[build]
+    assert lib.isa == expected
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 64, 130])
+@pytest.mark.parametrize("n,k", [(48, 64), (33, 17), (200, 576)])
+def test_bf16_weight_gemm_matches_float64(lib, m, n, k):
+    """`linear` (packed bfloat16 weights, float32 arithmetic) against a float64 product of the
+    same bfloat16 values: every row-tile size (1..6 rows and remainders), N not a multiple of
+    the 16-column panel, odd K, strided bfloat16 input and float32 input, with a bias."""
+    torch.manual_seed(m * 1000 + n)
+    w = (torch.randn(n, k) * 0.1).bfloat16()
+    bias = torch.randn(n).bfloat16()
+    x = torch.randn(m, k + 3).bfloat16()[:, 2:k + 2]          # strided rows
+    packed = lib.pack_linear(w)
+    assert packed.shape == (-(-n // 16), k, 16)
+    ref = x.double() @ w.double().T + bias.double()
+    out32 = lib.linear(x, packed, n, bias, torch.float32)
+    assert out32.dtype == torch.float32 and out32.shape == (m, n)
+    assert (out32.double() - ref).abs().max().item() < 1e-4
+    out16 = lib.linear(x, packed, n, bias)
+    assert out16.dtype == torch.bfloat16
+    assert torch.equal(out16, out32.bfloat16())               # rounded once, to nearest even
+    xf = x.float().contiguous()
+    assert (lib.linear(xf, packed, n, None, torch.float32).double()
+            - xf.double() @ w.double().T).abs().max().item() < 1e-4
+
+
+def test_pack_linear_refuses_other_dtypes(lib):
+    with pytest.raises(ValueError, match="bfloat16"):
+        lib.pack_linear(torch.randn(4, 4))
 
 
 def reference_decode(q, k_cache, v_cache, tables, lens, scale):
@@ -168,6 +217,7 @@ def test_bfloat16_forward_with_fused_ops_matches_torch_ops(model_dir):
     against its torch-op path on a real prompt, both measured against float32: the fused path
     is no further from float32 than bfloat16 torch ops are."""
     from engine.attention import AttentionMetadata
+    from engine.device import resolve_device
     from engine.models.llama import load_model
 
     ids = torch.tensor([1, 504, 3458, 282, 4649, 314, 253, 1342, 30, 378, 2128, 314, 2725, 9202,
@@ -181,8 +231,9 @@ def test_bfloat16_forward_with_fused_ops_matches_torch_ops(model_dir):
         meta = AttentionMetadata(torch.arange(n), [], [PrefillChunk(0, n, 0, torch.tensor([0]))])
         return model.compute_logits(model.forward(ids, torch.arange(n), meta, kv))
 
-    reference = logits(load_model(model_dir, torch.device("cpu"), torch.float32, 256))
-    model = load_model(model_dir, torch.device("cpu"), torch.bfloat16, 256)
+    cpu = resolve_device("cpu")
+    reference = logits(load_model(model_dir, cpu, torch.float32, 256))
+    model = load_model(model_dir, cpu, torch.bfloat16, 256)
     kernels.load.cache_clear()
     model.set_kernels(kernels.load())
     assert model.fused is not None

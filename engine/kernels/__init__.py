@@ -1,10 +1,12 @@
-"""CPU kernels in C (`cpu_kernels.c`), compiled on first use and called via ctypes.
+"""CPU kernels in C (`cpu_kernels.c`, `gemm.c`), compiled on first use and called via ctypes.
 
-Owns: building the shared library with the system C compiler (`cc -O3 -march=native -fopenmp`,
-about a second) into `$CONTINUUM_CACHE/kernels/` under a key of the source, the flags and this
-CPU's feature flags, so an edit or another machine rebuilds; loading it after torch so that its
-OpenMP runtime is torch's; and the typed Python entry points: `cache_write` and `paged_decode`
-(attention), `add_rms_norm`, `silu_and_mul` and `rotary` (fused elementwise ops, vLLM's).
+Owns: building the shared library with the system C compiler (`cc -O3 -march=... -fopenmp`,
+about two seconds; `-march` from `isa.cpu_isa()`: the host's own, or `x86-64-v3` under
+`CONTINUUM_CPU_ISA=avx2`) into `$CONTINUUM_CACHE/kernels/` under a key of the sources, the flags
+and this CPU's feature flags, so an edit or another machine rebuilds; loading it after torch so
+that its OpenMP runtime is torch's; and the typed Python entry points: `cache_write` and
+`paged_decode` (attention), `add_rms_norm`, `silu_and_mul` and `rotary` (fused elementwise ops,
+vLLM's), `pack_linear` and `linear` (bfloat16-weight GEMM for hosts without oneDNN bfloat16).
 
 `load()` returns None — and the engine keeps its pure-torch attention — when there is no
 compiler, the build fails (logged once), `CONTINUUM_CPU_KERNELS=0` is set, or the dtype is
@@ -28,8 +30,17 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
+HERE = Path(__file__).parent
+SOURCES = [HERE / "cpu_kernels.c", HERE / "gemm.c"]
+HEADERS = [HERE / "common.h"]
+BASE_CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
+
+
+def cflags(isa: str | None = None) -> list[str]:
+    """Compiler flags for a build at `isa` (default: `isa.cpu_isa()`, the engine's level)."""
+    from engine.kernels.isa import cpu_isa, march_flags
+    return BASE_CFLAGS + march_flags(isa or cpu_isa())
+
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 # C entry points (each as <name>_f32 and <name>_bf16): argument types and return type.
@@ -40,6 +51,13 @@ _SIGNATURES = {
     "silu_and_mul": ([_P, _P, _I, _I, _I], None),
     "rotary": ([_P, _I64, _P, _P, _P, _I, _I, _I, _I], None),
 }
+# dtype-independent entry points.
+_PLAIN = {
+    "gemm_pack_bf16": ([_P, _I64, _I64, _P, _I], None),
+    "gemm_bf16w": ([_P, _I64, _I, _P, _P, _P, _I64, _I, _I64, _I64, _I64, _I], _I),
+    "kernels_isa": ([], ctypes.c_char_p),
+}
+NR = 16    # output columns per packed weight panel (gemm.c)
 
 
 def _cpu_flags() -> str:
@@ -52,16 +70,18 @@ def _cpu_flags() -> str:
     return ""
 
 
-def build(compiler: str, cflags: list[str] = CFLAGS, out_dir: Path | None = None) -> Path:
-    """Compile `cpu_kernels.c` into `out_dir` (default `$CONTINUUM_CACHE/kernels`) unless a
-    build for the same source, flags and CPU is there; returns the library's path.
+def build(compiler: str, flags: list[str] | None = None, out_dir: Path | None = None) -> Path:
+    """Compile SOURCES with `flags` (default `cflags()`) into `out_dir` (default
+    `$CONTINUUM_CACHE/kernels`) unless a build for the same sources, flags and CPU is there;
+    returns the library's path.
 
     Raises: subprocess.CalledProcessError (compile error, with the compiler's stderr),
     subprocess.TimeoutExpired, OSError."""
     from engine.loader import cache_root
 
-    src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join(cflags).encode() + _cpu_flags().encode()).hexdigest()
+    flags = cflags() if flags is None else flags
+    src = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
+    key = hashlib.sha256(src + " ".join(flags).encode() + _cpu_flags().encode()).hexdigest()
     target = (out_dir or cache_root() / "kernels") / f"cpu_kernels-{key[:16]}.so"
     if target.exists():
         return target
@@ -69,7 +89,7 @@ def build(compiler: str, cflags: list[str] = CFLAGS, out_dir: Path | None = None
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
         libs = ["-lmvec", "-lm"] if platform.machine() == "x86_64" else ["-lm"]
-        subprocess.run([compiler, *cflags, str(SOURCE), "-o", str(out), *libs],
+        subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", str(out), *libs],
                        check=True, capture_output=True, text=True, timeout=120)
         os.replace(out, target)            # atomic: a concurrent builder sees all or nothing
     return target
@@ -91,6 +111,11 @@ class CpuKernels:
                 fn = getattr(lib, f"{name}_{sfx}")
                 fn.argtypes, fn.restype = argtypes, restype
                 self._fn[name, dtype] = fn
+        for name, (argtypes, restype) in _PLAIN.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, restype
+            self._fn[name] = fn
+        self.isa = self._fn["kernels_isa"]().decode()     # "avx512", "avx2" or "generic"
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:
@@ -125,6 +150,36 @@ class CpuKernels:
             b, h, kvh, d, bs, nb, scale, torch.get_num_threads())
         if rc:
             raise ValueError(f"paged_decode: head_dim {d} or group {h // kvh} too large")
+
+    def pack_linear(self, weight: torch.Tensor) -> torch.Tensor:
+        """Pack `weight [N, K]` bfloat16 (out, in) for `linear`: a new bfloat16 tensor
+        `[ceil(N/16), K, 16]` of 16-column panels (gemm.c). Raises ValueError for another dtype."""
+        if weight.dtype != torch.bfloat16 or weight.dim() != 2:
+            raise ValueError(f"pack_linear takes a 2-d bfloat16 weight, got {weight.dtype} "
+                             f"{tuple(weight.shape)}")
+        w = weight.contiguous()
+        n, k = w.shape
+        packed = torch.empty((-(-n // NR), k, NR), dtype=torch.bfloat16)
+        self._fn["gemm_pack_bf16"](w.data_ptr(), n, k, packed.data_ptr(), torch.get_num_threads())
+        return packed
+
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, n: int,
+               bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16
+               ) -> torch.Tensor:
+        """`x [M, K]` (float32 or bfloat16; rows may be strided, columns contiguous) times the
+        packed weight's transpose, plus `bias [N]` bfloat16: a new `[M, n]` of `out_dtype`
+        (bfloat16, or float32 for logits). float32 accumulation. Raises MemoryError."""
+        m, k = x.shape
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        out = torch.empty((m, n), dtype=out_dtype)
+        rc = self._fn["gemm_bf16w"](
+            x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16), packed.data_ptr(),
+            None if bias is None else bias.data_ptr(), out.data_ptr(), n,
+            int(out_dtype == torch.float32), m, n, k, torch.get_num_threads())
+        if rc:
+            raise MemoryError(f"linear: cannot allocate {m} x {k} float32 for the input")
+        return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """`x [n, hidden]` (contiguous) → new `rms_norm(x) * weight`, float32 math."""

@@ -20,26 +20,7 @@
  * Built by engine/kernels/__init__.py with the system C compiler and -fopenmp; loaded after
  * torch, so the OpenMP runtime is torch's own (same soname) and shares its thread pool.
  */
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-
-static inline float load_f32(float x) { return x; }
-static inline float load_bf16(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-static inline float store_f32(float x) { return x; }
-static inline uint16_t store_bf16(float f) {       /* branch-free, so loops vectorize */
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    const uint32_t quiet_nan = (u >> 16) | 0x40u;
-    return (uint16_t)(((u & 0x7fffffffu) > 0x7f800000u) ? quiet_nan : rounded);
-}
+#include "common.h"
 
 /* glibc's vector expf (libmvec), as <math.h> declares it under -ffast-math: lets the softmax
  * loop vectorize without fast-math's other effects. */
@@ -49,7 +30,6 @@ float expf(float);
 #endif
 
 #define MAX_GROUP 32
-#define INLINE static inline __attribute__((always_inline))
 
 /* Ask for the next block's cache lines while this one is being used: blocks are scattered in
  * the pool, so the hardware prefetcher cannot guess them. */
@@ -116,26 +96,66 @@ INLINE void decode_one_##SUFFIX(const float *q_scaled, const T *kbase, const T *
 DEFINE_DECODE_ONE(f32, float)
 DEFINE_DECODE_ONE(bf16, uint16_t)
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-
-INLINE __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
-INLINE __m512 load16_bf16(const uint16_t *p) {
+/* The vector decode loop, written once against a small vector vocabulary and instantiated per
+ * ISA: V a float32 vector of VL lanes, vload_f32 / vload_bf16 (VL elements, to float32), vfma,
+ * vmul, vset1, vzero, vstore and vsum (horizontal add). AVX-512: 16 lanes; AVX2 + FMA: 8. */
+#if HAVE_AVX512
+typedef __m512 V;
+#define VL 16
+INLINE V vload_f32(const float *p) { return _mm512_loadu_ps(p); }
+INLINE V vload_bf16(const uint16_t *p) {
     __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
+INLINE V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+INLINE V vmul(V a, V b) { return _mm512_mul_ps(a, b); }
+INLINE V vset1(float x) { return _mm512_set1_ps(x); }
+INLINE V vzero(void) { return _mm512_setzero_ps(); }
+INLINE void vstore(float *p, V a) { _mm512_storeu_ps(p, a); }
+INLINE float vsum(V a) { return _mm512_reduce_add_ps(a); }
+#define HAVE_VEC 1
+#define VEC_ISA "avx512"
+#elif HAVE_AVX2
+typedef __m256 V;
+#define VL 8
+INLINE V vload_f32(const float *p) { return _mm256_loadu_ps(p); }
+INLINE V vload_bf16(const uint16_t *p) {
+    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+INLINE V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+INLINE V vmul(V a, V b) { return _mm256_mul_ps(a, b); }
+INLINE V vset1(float x) { return _mm256_set1_ps(x); }
+INLINE V vzero(void) { return _mm256_setzero_ps(); }
+INLINE void vstore(float *p, V a) { _mm256_storeu_ps(p, a); }
+INLINE float vsum(V a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#define HAVE_VEC 1
+#define VEC_ISA "avx2"
+#else
+#define HAVE_VEC 0
+#define VEC_ISA "generic"
+#endif
 
-/* decode_one with AVX-512 for head_dim D = 16 * NV (NV <= 16): the query head and the output
+/* The ISA the vector loops were built for: "avx512", "avx2" or "generic". */
+const char *kernels_isa(void) { return VEC_ISA; }
+
+#if HAVE_VEC
+/* decode_one with vectors for head_dim D = VL * NV (D <= 256): the query head and the output
  * accumulator live in registers; one horizontal add per (row, head). */
-#define DEFINE_DECODE_ONE_AVX512(SUFFIX, T)                                                  \
-INLINE void decode_one_avx512_##SUFFIX(const float *q_scaled, const T *kbase, const T *vbase,\
-                                       const int32_t *table, int ctx, int block_size,        \
-                                       int group, const int D, float *scores, T *out) {      \
-    const int NV = D / 16;                                                                   \
+#define MAX_NV (256 / VL)
+#define DEFINE_DECODE_ONE_VEC(SUFFIX, T)                                                     \
+INLINE void decode_one_vec_##SUFFIX(const float *q_scaled, const T *kbase, const T *vbase,  \
+                                    const int32_t *table, int ctx, int block_size,           \
+                                    int group, const int D, float *scores, T *out) {         \
+    const int NV = D / VL;                                                                   \
     const int nblocks = (ctx + block_size - 1) / block_size;                                 \
     for (int g = 0; g < group; g++) {                                                        \
-        __m512 qv[16], acc[16];                                                              \
-        for (int i = 0; i < NV; i++) qv[i] = _mm512_loadu_ps(q_scaled + g * D + 16 * i);     \
+        V qv[MAX_NV], acc[MAX_NV];                                                           \
+        for (int i = 0; i < NV; i++) qv[i] = vload_f32(q_scaled + g * D + VL * i);           \
         float *sg = scores + (int64_t)g * ctx;                                               \
         float m = -INFINITY;                                                                 \
         for (int j = 0; j < nblocks; j++) {                                                  \
@@ -150,16 +170,15 @@ INLINE void decode_one_avx512_##SUFFIX(const float *q_scaled, const T *kbase, co
             }                                                                                \
             for (int t = 0; t < n; t++) {                                                    \
                 const T *kr = kb + t * D;                                                    \
-                __m512 s = _mm512_mul_ps(qv[0], load16_##SUFFIX(kr));                        \
-                for (int i = 1; i < NV; i++)                                                 \
-                    s = _mm512_fmadd_ps(qv[i], load16_##SUFFIX(kr + 16 * i), s);             \
-                const float x = _mm512_reduce_add_ps(s);                                     \
+                V s = vmul(qv[0], vload_##SUFFIX(kr));                                       \
+                for (int i = 1; i < NV; i++) s = vfma(qv[i], vload_##SUFFIX(kr + VL * i), s); \
+                const float x = vsum(s);                                                     \
                 sg[j * block_size + t] = x;                                                  \
                 m = x > m ? x : m;                                                           \
             }                                                                                \
         }                                                                                    \
         const float sum = exp_and_sum(sg, ctx, m);                                           \
-        for (int i = 0; i < NV; i++) acc[i] = _mm512_setzero_ps();                           \
+        for (int i = 0; i < NV; i++) acc[i] = vzero();                                       \
         for (int j = 0; j < nblocks; j++) {                                                  \
             const T *vb = vbase + (int64_t)table[j] * block_size * D;                        \
             const int n = j == nblocks - 1 ? ctx - j * block_size : block_size;              \
@@ -167,30 +186,25 @@ INLINE void decode_one_avx512_##SUFFIX(const float *q_scaled, const T *kbase, co
                 prefetch_block(vbase + (int64_t)table[j + 1] * block_size * D,               \
                                block_size * D * (int)sizeof(T));                             \
             for (int t = 0; t < n; t++) {                                                    \
-                const __m512 p = _mm512_set1_ps(sg[j * block_size + t]);                     \
+                const V p = vset1(sg[j * block_size + t]);                                   \
                 const T *vr = vb + t * D;                                                    \
-                for (int i = 0; i < NV; i++)                                                 \
-                    acc[i] = _mm512_fmadd_ps(p, load16_##SUFFIX(vr + 16 * i), acc[i]);       \
+                for (int i = 0; i < NV; i++) acc[i] = vfma(p, vload_##SUFFIX(vr + VL * i), acc[i]);\
             }                                                                                \
         }                                                                                    \
-        const __m512 inv = _mm512_set1_ps(sum > 0.f ? 1.f / sum : 0.f);                      \
+        const V inv = vset1(sum > 0.f ? 1.f / sum : 0.f);                                    \
         float res[256];                                                                      \
-        for (int i = 0; i < NV; i++) _mm512_storeu_ps(res + 16 * i, _mm512_mul_ps(acc[i], inv));\
+        for (int i = 0; i < NV; i++) vstore(res + VL * i, vmul(acc[i], inv));                \
         T *o = out + g * D;                                                                  \
         for (int d = 0; d < D; d++) o[d] = store_##SUFFIX(res[d]);                           \
     }                                                                                        \
 }
 
-DEFINE_DECODE_ONE_AVX512(f32, float)
-DEFINE_DECODE_ONE_AVX512(bf16, uint16_t)
-#define HAVE_AVX512 1
+DEFINE_DECODE_ONE_VEC(f32, float)
+DEFINE_DECODE_ONE_VEC(bf16, uint16_t)
+#define DECODE_VEC(SUFFIX, ...) decode_one_vec_##SUFFIX(__VA_ARGS__)
 #else
-#define HAVE_AVX512 0
-#endif
-#if HAVE_AVX512
-#define DECODE_AVX512(SUFFIX, ...) decode_one_avx512_##SUFFIX(__VA_ARGS__)
-#else
-#define DECODE_AVX512(SUFFIX, ...) decode_one_##SUFFIX(__VA_ARGS__)
+#define VL 16
+#define DECODE_VEC(SUFFIX, ...) decode_one_##SUFFIX(__VA_ARGS__)
 #endif
 
 /* Returns 0, or -1 when head_dim or the GQA group is larger than the kernel's buffers. */
@@ -232,13 +246,13 @@ int paged_decode_##SUFFIX(const T *q, int64_t q_stride, const T *k_cache, const 
             const int32_t *table = block_tables + (int64_t)b * max_blocks;                   \
             const T *kb = k_cache + kh * head_elems, *vb = v_cache + kh * head_elems;        \
             T *o = out + ((int64_t)b * num_heads + kh * group) * head_dim;                   \
-            if (HAVE_AVX512 && head_dim == 64)                                               \
-                DECODE_AVX512(SUFFIX, qf, kb, vb, table, ctx, block_size, group, 64, scores, o);\
-            else if (HAVE_AVX512 && head_dim == 128)                                         \
-                DECODE_AVX512(SUFFIX, qf, kb, vb, table, ctx, block_size, group, 128, scores, o);\
-            else if (HAVE_AVX512 && head_dim % 16 == 0)                                      \
-                DECODE_AVX512(SUFFIX, qf, kb, vb, table, ctx, block_size, group, head_dim,   \
-                              scores, o);                                                    \
+            if (HAVE_VEC && head_dim == 64)                                                  \
+                DECODE_VEC(SUFFIX, qf, kb, vb, table, ctx, block_size, group, 64, scores, o);\
+            else if (HAVE_VEC && head_dim == 128)                                            \
+                DECODE_VEC(SUFFIX, qf, kb, vb, table, ctx, block_size, group, 128, scores, o);\
+            else if (HAVE_VEC && head_dim % VL == 0)                                         \
+                DECODE_VEC(SUFFIX, qf, kb, vb, table, ctx, block_size, group, head_dim,      \
+                           scores, o);                                                       \
             else                                                                             \
                 decode_one_##SUFFIX(qf, kb, vb, table, ctx, block_size, group, head_dim,     \
                                     scores, o);                                              \

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -24,6 +25,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from engine.attention import AttentionMetadata, paged_attention
+from engine.linear import Linear
+from engine.device import Device
 from engine.loader import ModelLoadError, check_architecture
 
 
@@ -84,30 +87,6 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
 
-class Linear:
-    """`y = x @ weight.T (+ bias)` for `x [M, in]`.
-
-    On CPU the weight is prepacked once for oneDNN (`mkldnn._reorder_linear_weight`, the path
-    torch.compile's CPU backend uses) and applied with `mkldnn._linear_pointwise`. Measured here
-    over 30 layers' weights (cold cache): float32 12 ms vs 27 ms for `F.linear` at 1 row, 42 vs 96
-    ms at 64 rows, 1.1 vs 2.9 s at 2048 rows; bfloat16 7.3 vs 10 ms at 1 row and bit-identical
-    results. Elsewhere (CUDA, NPU, no oneDNN) it is plain `F.linear`.
-    """
-
-    PACK_BATCH_HINT = 64
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.weight, self.bias, self.packed = weight, bias, None
-        if weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.PACK_BATCH_HINT)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias,
-                                                      "none", [], "")
-        return F.linear(x, self.weight, self.bias)
-
-
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse frequencies `[head_dim // 2]` float32 (RoFormer; llama3 scaling per Meta's
     Llama 3.1 reference, as in transformers' `_compute_llama3_parameters`)."""
@@ -130,11 +109,15 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 class LlamaForCausalLM:
-    """The decoder with its weights on `device` in `dtype`; see the module docstring."""
+    """The decoder with its weights on `device` in `dtype`; see the module docstring. Linear
+    layers run on `linear_path` (`engine.linear`; "kernel" needs `kernels`)."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
-                 dtype: torch.dtype, max_positions: int) -> None:
+                 dtype: torch.dtype, max_positions: int, linear_path: str = "torch",
+                 kernels=None) -> None:
         self.cfg, self.device, self.dtype = cfg, device, dtype
+        self.linear_path = linear_path
+        lin = partial(Linear, path=linear_path, kernels=kernels)
 
         def w(name: str) -> torch.Tensor:
             if name not in weights:
@@ -142,7 +125,7 @@ class LlamaForCausalLM:
             return weights[name].to(device=device, dtype=dtype)
 
         self.embed = w("model.embed_tokens.weight")
-        self.lm_head = Linear(self.embed if cfg.tie_word_embeddings else w("lm_head.weight"))
+        self.lm_head = lin(self.embed if cfg.tie_word_embeddings else w("lm_head.weight"))
         self.norm = w("model.norm.weight")
         self.layers = []
         for i in range(cfg.num_layers):
@@ -152,11 +135,11 @@ class LlamaForCausalLM:
                      if cfg.qkv_bias else None)
             self.layers.append((
                 w(p + "input_layernorm.weight"),
-                Linear(torch.cat([w(attn + f"{x}_proj.weight") for x in "qkv"]), qkv_b),
-                Linear(w(attn + "o_proj.weight")),
+                lin(torch.cat([w(attn + f"{x}_proj.weight") for x in "qkv"]), qkv_b),
+                lin(w(attn + "o_proj.weight")),
                 w(p + "post_attention_layernorm.weight"),
-                Linear(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
-                Linear(w(p + "mlp.down_proj.weight")),
+                lin(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
+                lin(w(p + "mlp.down_proj.weight")),
             ))
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(cfg))
         emb = torch.cat([freqs, freqs], dim=-1)
@@ -237,15 +220,19 @@ class LlamaForCausalLM:
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[N, hidden]` → float32 logits `[N, vocab]`."""
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden, torch.float32)
 
 
-def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype,
+def load_model(model_dir: Path, device: Device, dtype: torch.dtype,
                max_positions: int) -> LlamaForCausalLM:
-    """Read `config.json` and every `*.safetensors` in `model_dir` and build the model.
+    """Read `config.json` and every `*.safetensors` in `model_dir` and build the model on
+    `device` (`engine.device.Device`, which picks the linear path for `dtype`).
 
-    Raises: ModelLoadError (missing or unreadable weights), UnsupportedArchitectureError.
+    Raises: ModelLoadError (missing or unreadable weights), UnsupportedArchitectureError,
+    ValueError (a dtype this device cannot run, one line).
     """
+    kernels = device.kernels(dtype)
+    path = device.linear_path(dtype)
     cfg = ModelConfig.from_dir(model_dir)
     weights: dict[str, torch.Tensor] = {}
     files = sorted(Path(model_dir).glob("*.safetensors"))
@@ -258,4 +245,5 @@ def load_model(model_dir: Path, device: torch.device, dtype: torch.dtype,
                     weights[name] = st.get_tensor(name)
         except Exception as e:   # safetensors raises its own error types
             raise ModelLoadError(f"{f}: cannot read weights: {e}") from e
-    return LlamaForCausalLM(cfg, weights, device, dtype, max_positions)
+    return LlamaForCausalLM(cfg, weights, device.torch_device, dtype, max_positions, path,
+                            kernels)

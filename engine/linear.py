@@ -1,0 +1,108 @@
+"""Linear layers: which GEMM computes `y = x @ weight.T (+ bias)` on this device, ISA and dtype.
+
+Owns: the choice of linear path (`linear_path`, said in the engine's ready log) and `Linear`,
+which holds a weight in that path's layout. In: a weight `[out, in]` (and bias `[out]`) in the
+model dtype at load; per call `x [M, in]`. Out: `[M, out]` in the model dtype (or float32 for
+logits).
+
+Paths:
+- `onednn`: the weight prepacked once for oneDNN (`mkldnn._reorder_linear_weight`, the path
+  torch.compile's CPU backend uses) and applied with `mkldnn._linear_pointwise`. float32 on any
+  x86 host; bfloat16 / float16 only where oneDNN has those matmuls (AVX-512 BW/VL/DQ or
+  AVX-NE-CONVERT; AVX512-FP16 for float16) and `CONTINUUM_CPU_ISA` does not cap the ISA below it.
+- `kernel`: Continuum's bfloat16-weight GEMM with float32 arithmetic (engine/kernels/gemm.c), for
+  bfloat16 where oneDNN has no bfloat16 matmul (AVX2-only hosts).
+- `torch`: `F.linear` (CUDA, NPU, no oneDNN, no C compiler).
+
+Measured on an AVX2-only host (AMD EPYC, 2 threads), the model's 30 layers of linears, ms:
+rows 1 / 16 / 64 / 1024 — float32 oneDNN 24.6 / 45.1 / 114 / 1394; bfloat16 kernel
+10.2 / 23.7 / 86.3 / 1292; bfloat16 `F.linear` 13.4 / 173 / 698 / — (torch's bfloat16 GEMM
+without oneDNN); bfloat16 cast to float32 oneDNN 24.5 / — / 113 / —.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+PATHS = ("onednn", "kernel", "torch")
+# As the engine's ready log says them.
+LINEAR_PATH_NAMES = {"onednn": "oneDNN prepacked", "kernel": "bfloat16-weight GEMM kernel",
+                     "torch": "torch F.linear"}
+
+
+def _onednn_supports(dtype: torch.dtype) -> bool:
+    """Whether oneDNN has a prepacked matmul for `dtype` here, under the project's ISA cap."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.float32:
+        return True
+    from engine.kernels.isa import is_capped
+    if is_capped():                          # CONTINUUM_CPU_ISA below the host: act like it
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return False
+
+
+def linear_path(device_kind: str, dtype: torch.dtype, kernels) -> str:
+    """The linear path (one of PATHS) for a model of `dtype` on `device_kind` ("cpu", "cuda",
+    "npu"), given the loaded CPU kernels (`engine.kernels.CpuKernels` or None).
+
+    Raises ValueError, one line saying what to use instead, for float16 on a CPU with no
+    float16 matmul (torch's own is ~5x slower than float32 there)."""
+    if device_kind != "cpu":
+        return "torch"
+    if _onednn_supports(dtype):
+        return "onednn"
+    if dtype == torch.bfloat16:
+        if kernels is not None:
+            return "kernel"
+        logger.warning("bfloat16 without oneDNN bfloat16 support or the CPU kernels: linear "
+                       "layers use torch's bfloat16 GEMM, several times slower than float32")
+        return "torch"
+    if dtype == torch.float16:
+        raise ValueError("--dtype float16: this CPU has no float16 matmul (oneDNN needs "
+                         "AVX512-FP16 or AVX-NE-CONVERT); use --dtype bfloat16 (same memory) "
+                         "or --dtype float32")
+    return "torch"
+
+
+class Linear:
+    """`y = x @ weight.T (+ bias)` for `x [M, in]` on `path` (see the module docstring).
+
+    `weight [out, in]`, `bias [out]` or None, both in the model dtype; `kernels` is required for
+    path "kernel". Raises ValueError for an unknown path."""
+
+    PACK_BATCH_HINT = 64
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 path: str = "torch", kernels=None) -> None:
+        if path not in PATHS or (path == "kernel" and kernels is None):
+            raise ValueError(f"linear path {path!r} (kernels: {kernels is not None})")
+        self.path, self.kernels = path, kernels
+        self.out_features = weight.shape[0]
+        self.weight, self.bias, self.packed = weight, bias, None
+        if path == "onednn":
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.PACK_BATCH_HINT)
+        elif path == "kernel":
+            self.packed = kernels.pack_linear(weight)
+            self.weight = None                       # the packed copy is the only one kept
+            self.bias = None if bias is None else bias.to(torch.bfloat16).contiguous()
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """`x [M, in]` → `[M, out]` in `out_dtype` (default: x's dtype)."""
+        if self.path == "kernel":
+            return self.kernels.linear(x, self.packed, self.out_features, self.bias,
+                                       out_dtype or x.dtype)
+        if self.path == "onednn":
+            y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias,
+                                                   "none", [], "")
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        return y if out_dtype is None else y.to(out_dtype)

@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test serve bench clean
+.PHONY: install test test-avx2 serve bench clean
 
 install: $(STAMP)
 
@@ -21,6 +21,18 @@ $(STAMP): pyproject.toml Makefile
 
 test: install
 	$(PY) -m pytest -q
+	$(MAKE) --no-print-directory test-avx2
+
+# The kernel, model and engine-correctness tests again with every ISA capped at AVX2 + FMA (oneDNN,
+# ATen and Continuum's own switch), as on an AVX2-only host: kernels built for x86-64-v3,
+# bfloat16 through the bfloat16-weight GEMM kernel. Skipped where the CPU has no AVX2 + FMA.
+AVX2_TESTS := tests/test_cpu_kernels.py tests/test_cpu_isa.py tests/test_engine_correctness.py
+test-avx2: install
+	@if grep -qw avx2 /proc/cpuinfo && grep -qw fma /proc/cpuinfo; then \
+	  echo "== again with ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 CONTINUUM_CPU_ISA=avx2"; \
+	  ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 CONTINUUM_CPU_ISA=avx2 \
+	    $(PY) -m pytest -q $(AVX2_TESTS); \
+	else echo "test-avx2: skipped, this CPU has no AVX2 + FMA"; fi
 
 bench: install
 	$(PY) benchmarks/scheduler_bench.py

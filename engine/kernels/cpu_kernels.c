@@ -144,58 +144,96 @@ INLINE float vsum(V a) {
 const char *kernels_isa(void) { return VEC_ISA; }
 
 #if HAVE_VEC
-/* decode_one with vectors for head_dim D = VL * NV (D <= 256): the query head and the output
- * accumulator live in registers; one horizontal add per (row, head). */
-#define MAX_NV (256 / VL)
+/* decode_one with vectors, head_dim D = VL * NV (D <= 256). The query heads of a GQA group share
+ * each K / V row: heads go in tiles of up to GT, and each row is loaded and widened to float32
+ * once per tile (not once per head). Scores: per row, one vector accumulator per head, then one
+ * horizontal add per (row, head). Values: one vector column of the output at a time, so the
+ * tile's accumulators stay in registers while the rows stream (from L1 / L2 after the first
+ * column). AVX2, 64 decodes x 160 tokens, 9 heads over 3 KV heads, 30 layers of scattered
+ * blocks: 27.0 -> 24.7 ms (best of 5), bit-identical to the per-head loop it replaced. */
+#define GT 4
 #define DEFINE_DECODE_ONE_VEC(SUFFIX, T)                                                     \
+INLINE void decode_tile_vec_##SUFFIX(const float *q_scaled, const T *kbase, const T *vbase, \
+                                     const int32_t *table, int ctx, int block_size,          \
+                                     const int gt, const int D, int prefetch, float *scores, \
+                                     T *out) {                                               \
+    const int NV = D / VL;                                                                   \
+    const int nblocks = (ctx + block_size - 1) / block_size;                                 \
+    float m[GT];                                                                             \
+    for (int g = 0; g < gt; g++) m[g] = -INFINITY;                                           \
+    for (int j = 0; j < nblocks; j++) {                                                      \
+        const T *kb = kbase + (int64_t)table[j] * block_size * D;                            \
+        const int n = j == nblocks - 1 ? ctx - j * block_size : block_size;                  \
+        if (prefetch) {                    /* the values are read next: fetch them too */   \
+            if (j + 1 < nblocks)                                                             \
+                prefetch_block(kbase + (int64_t)table[j + 1] * block_size * D,               \
+                               block_size * D * (int)sizeof(T));                             \
+            prefetch_block(vbase + (int64_t)table[j] * block_size * D,                       \
+                           block_size * D * (int)sizeof(T));                                 \
+        }                                                                                    \
+        for (int t = 0; t < n; t++) {                                                        \
+            const T *kr = kb + t * D;                                                        \
+            V s[GT];                                                                         \
+            for (int g = 0; g < gt; g++) s[g] = vzero();                                     \
+            for (int i = 0; i < NV; i++) {                                                   \
+                const V k = vload_##SUFFIX(kr + VL * i);                                     \
+                for (int g = 0; g < gt; g++)                                                 \
+                    s[g] = vfma(vload_f32(q_scaled + g * D + VL * i), k, s[g]);              \
+            }                                                                                \
+            for (int g = 0; g < gt; g++) {                                                   \
+                const float x = vsum(s[g]);                                                  \
+                scores[(int64_t)g * ctx + j * block_size + t] = x;                           \
+                m[g] = x > m[g] ? x : m[g];                                                  \
+            }                                                                                \
+        }                                                                                    \
+    }                                                                                        \
+    V inv[GT];                                                                               \
+    for (int g = 0; g < gt; g++) {                                                           \
+        const float sum = exp_and_sum(scores + (int64_t)g * ctx, ctx, m[g]);                 \
+        inv[g] = vset1(sum > 0.f ? 1.f / sum : 0.f);                                         \
+    }                                                                                        \
+    for (int i = 0; i < NV; i++) {                                                           \
+        V acc[GT];                                                                           \
+        for (int g = 0; g < gt; g++) acc[g] = vzero();                                       \
+        for (int j = 0; j < nblocks; j++) {                                                  \
+            const T *vb = vbase + (int64_t)table[j] * block_size * D + VL * i;               \
+            const int n = j == nblocks - 1 ? ctx - j * block_size : block_size;              \
+            if (prefetch && i == 0 && j + 1 < nblocks)                                       \
+                prefetch_block(vbase + (int64_t)table[j + 1] * block_size * D,               \
+                               block_size * D * (int)sizeof(T));                             \
+            const float *sj = scores + j * block_size;                                       \
+            for (int t = 0; t < n; t++) {                                                    \
+                const V v = vload_##SUFFIX(vb + t * D);                                      \
+                for (int g = 0; g < gt; g++)                                                 \
+                    acc[g] = vfma(vset1(sj[(int64_t)g * ctx + t]), v, acc[g]);               \
+            }                                                                                \
+        }                                                                                    \
+        for (int g = 0; g < gt; g++) {                                                       \
+            float res[VL];                                                                   \
+            vstore(res, vmul(acc[g], inv[g]));                                               \
+            T *o = out + g * D + VL * i;                                                     \
+            for (int d = 0; d < VL; d++) o[d] = store_##SUFFIX(res[d]);                      \
+        }                                                                                    \
+    }                                                                                        \
+}                                                                                            \
+                                                                                             \
 INLINE void decode_one_vec_##SUFFIX(const float *q_scaled, const T *kbase, const T *vbase,  \
                                     const int32_t *table, int ctx, int block_size,           \
                                     int group, const int D, float *scores, T *out) {         \
-    const int NV = D / VL;                                                                   \
-    const int nblocks = (ctx + block_size - 1) / block_size;                                 \
-    for (int g = 0; g < group; g++) {                                                        \
-        V qv[MAX_NV], acc[MAX_NV];                                                           \
-        for (int i = 0; i < NV; i++) qv[i] = vload_f32(q_scaled + g * D + VL * i);           \
-        float *sg = scores + (int64_t)g * ctx;                                               \
-        float m = -INFINITY;                                                                 \
-        for (int j = 0; j < nblocks; j++) {                                                  \
-            const T *kb = kbase + (int64_t)table[j] * block_size * D;                        \
-            const int n = j == nblocks - 1 ? ctx - j * block_size : block_size;              \
-            if (g == 0) {                  /* the values are read next: fetch them too */   \
-                if (j + 1 < nblocks)                                                         \
-                    prefetch_block(kbase + (int64_t)table[j + 1] * block_size * D,           \
-                                   block_size * D * (int)sizeof(T));                         \
-                prefetch_block(vbase + (int64_t)table[j] * block_size * D,                   \
-                               block_size * D * (int)sizeof(T));                             \
-            }                                                                                \
-            for (int t = 0; t < n; t++) {                                                    \
-                const T *kr = kb + t * D;                                                    \
-                V s = vmul(qv[0], vload_##SUFFIX(kr));                                       \
-                for (int i = 1; i < NV; i++) s = vfma(qv[i], vload_##SUFFIX(kr + VL * i), s); \
-                const float x = vsum(s);                                                     \
-                sg[j * block_size + t] = x;                                                  \
-                m = x > m ? x : m;                                                           \
-            }                                                                                \
+    for (int g0 = 0; g0 < group; g0 += GT) {    /* constant tile sizes: unrolled, in regs */ \
+        const float *q = q_scaled + g0 * D;                                                  \
+        float *s = scores + (int64_t)g0 * ctx;                                               \
+        T *o = out + g0 * D;                                                                 \
+        switch (group - g0 < GT ? group - g0 : GT) {                                         \
+        case 1: decode_tile_vec_##SUFFIX(q, kbase, vbase, table, ctx, block_size, 1, D,     \
+                                         g0 == 0, s, o); break;                              \
+        case 2: decode_tile_vec_##SUFFIX(q, kbase, vbase, table, ctx, block_size, 2, D,     \
+                                         g0 == 0, s, o); break;                              \
+        case 3: decode_tile_vec_##SUFFIX(q, kbase, vbase, table, ctx, block_size, 3, D,     \
+                                         g0 == 0, s, o); break;                              \
+        default: decode_tile_vec_##SUFFIX(q, kbase, vbase, table, ctx, block_size, 4, D,    \
+                                          g0 == 0, s, o); break;                             \
         }                                                                                    \
-        const float sum = exp_and_sum(sg, ctx, m);                                           \
-        for (int i = 0; i < NV; i++) acc[i] = vzero();                                       \
-        for (int j = 0; j < nblocks; j++) {                                                  \
-            const T *vb = vbase + (int64_t)table[j] * block_size * D;                        \
-            const int n = j == nblocks - 1 ? ctx - j * block_size : block_size;              \
-            if (g == 0 && j + 1 < nblocks)                                                   \
-                prefetch_block(vbase + (int64_t)table[j + 1] * block_size * D,               \
-                               block_size * D * (int)sizeof(T));                             \
-            for (int t = 0; t < n; t++) {                                                    \
-                const V p = vset1(sg[j * block_size + t]);                                   \
-                const T *vr = vb + t * D;                                                    \
-                for (int i = 0; i < NV; i++) acc[i] = vfma(p, vload_##SUFFIX(vr + VL * i), acc[i]);\
-            }                                                                                \
-        }                                                                                    \
-        const V inv = vset1(sum > 0.f ? 1.f / sum : 0.f);                                    \
-        float res[256];                                                                      \
-        for (int i = 0; i < NV; i++) vstore(res + VL * i, vmul(acc[i], inv));                \
-        T *o = out + g * D;                                                                  \
-        for (int d = 0; d < D; d++) o[d] = store_##SUFFIX(res[d]);                           \
     }                                                                                        \
 }
 

@@ -22,7 +22,9 @@
 
 #define NR 16
 #define MR 6
+#ifndef L2_BLOCK_BYTES
 #define L2_BLOCK_BYTES (192 * 1024)
+#endif
 
 /* Column stored at position i of a packed panel row (see the file comment). */
 static const int PANEL_ORDER[NR] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};

@@ -22,6 +22,7 @@
 
 #define NR 16
 #define MR 6
+#define GEMV_PREFETCH 32
 #ifndef L2_BLOCK_BYTES
 #define L2_BLOCK_BYTES (192 * 1024)
 #endif
@@ -79,14 +80,17 @@ INLINE void tile_avx2(const float *a, int64_t lda, const uint16_t *panel, int64_
     }
 }
 
-/* One row against two panels at once, k split in two halves of accumulators: a single row
- * (decode at batch 1) would otherwise wait on each FMA's latency; this keeps 4 chains going. */
+/* One row (decode at batch 1): k in pairs with two sets of accumulators, so that 4 FMA chains
+ * run instead of 2 waiting on each FMA's latency; the weights are streamed once, so they are
+ * prefetched GEMV_PREFETCH rows (1 KiB) ahead: 30 layers at batch 1, AVX2, 18.0 -> 19.8 GB/s
+ * (median of 7; 16 and 64 rows ahead measured 18.6 and 19.4). */
 INLINE void row_avx2(const float *a, const uint16_t *panel, int64_t k, float *acc) {
     __m256 c[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
                    _mm256_setzero_ps()};
     const __m256i zero = _mm256_setzero_si256();
     int64_t kk = 0;
     for (; kk + 1 < k; kk += 2) {
+        __builtin_prefetch(panel + (kk + GEMV_PREFETCH) * NR, 0, 0);
         const __m256i r0 = _mm256_loadu_si256((const __m256i *)(panel + kk * NR));
         const __m256i r1 = _mm256_loadu_si256((const __m256i *)(panel + (kk + 1) * NR));
         const __m256 a0 = _mm256_broadcast_ss(a + kk), a1 = _mm256_broadcast_ss(a + kk + 1);

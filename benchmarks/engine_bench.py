@@ -11,6 +11,11 @@ Workload (issue 3): N requests (default 64) of random prompts (`--input-len` tok
   (output tokens - 1) / (time after the first token), median of `--repeats` runs. For
   transformers: the difference between a full and a 1-token generate.
 
+- `decode_bytes_per_step` / `read_gb_s` / `single_stream_bound_tok_s`: the bytes one decode step
+  must read at batch 1 (every linear weight and the LM head, in the dtype), the host's measured
+  read bandwidth (a 1 GiB float32 sum with the engine's threads), and their quotient: the
+  memory-bandwidth bound on single-stream decode; `single_stream_of_bound` is the fraction reached.
+
 Prints one JSON line. `--profile` adds a torch-profiler table of one decode step at batch 1 and
 at batch N to stderr.
 
@@ -67,6 +72,28 @@ def engine_single_stream(eng: LLMEngine, prompt, output_len: int) -> float:
     return (n - 1) / (time.perf_counter() - first)
 
 
+def read_bandwidth_gb_s(repeats: int = 5) -> float:
+    """The host's read bandwidth (GB/s): best of `repeats` sums over 1 GiB of float32."""
+    x = torch.ones(1 << 28, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best / 1e9
+
+
+def decode_bytes_per_step(eng: LLMEngine) -> int:
+    """Bytes a decode step at batch 1 must read: all linear weights and the LM head (the
+    embedding lookup, norms and KV cache are negligible beside them)."""
+    c = eng.model_config
+    per_layer = (c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+                 + c.num_heads * c.head_dim * c.hidden_size + 3 * c.hidden_size
+                 * c.intermediate_size)
+    params = c.num_layers * per_layer + c.vocab_size * c.hidden_size
+    return params * torch.empty((), dtype=eng.dtype).element_size()
+
+
 def hf_generate(model, batch: list[list[int]], new_tokens: int) -> float:
     """Seconds for one static-batch transformers `generate` of exactly `new_tokens` tokens."""
     ids = torch.tensor(batch)
@@ -120,6 +147,10 @@ def main() -> None:
              "single_stream_tok_s": statistics.median(
                  engine_single_stream(eng, prompts[i % len(prompts)], args.output_len)
                  for i in range(args.repeats))}
+        r["decode_bytes_per_step"] = decode_bytes_per_step(eng)
+        r["read_gb_s"] = read_bandwidth_gb_s()
+        r["single_stream_bound_tok_s"] = r["read_gb_s"] * 1e9 / r["decode_bytes_per_step"]
+        r["single_stream_of_bound"] = r["single_stream_tok_s"] / r["single_stream_bound_tok_s"]
         if args.profile:
             for b in (1, args.num_prompts):
                 print(f"--- {dtype}: one decode step at batch {b}\n{profile_step(eng, prompts, b)}",

@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import multiprocessing
 import queue
+import signal
 import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
@@ -201,6 +202,17 @@ def _engine_core_main(config: EngineConfig, conn) -> None:
     """
     if not logging.getLogger().handlers:     # a spawned child starts without logging config
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    # A terminal's Ctrl-C reaches the whole process group: the parent owns shutdown (it sends
+    # "stop", or terminates this process), so the child does not die mid-step on SIGINT.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        _engine_core_loop(config, conn)
+    except (EOFError, BrokenPipeError):     # the parent is gone: nothing left to serve
+        return
+
+
+def _engine_core_loop(config: EngineConfig, conn) -> None:
+    """Build the engine, then serve commands and step until "stop" (see `_engine_core_main`)."""
     try:
         engine = LLMEngine(config)
     except BaseException as e:
@@ -250,6 +262,7 @@ class ProcessAsyncLLM(_StreamRouter):
         self._conn, child = ctx.Pipe()
         self._send_lock = threading.Lock()
         self._pending: dict[str, Future] = {}
+        self._stopping = False           # set by shutdown(): the pipe closing is then expected
         self._proc = ctx.Process(target=_engine_core_main, args=(config, child),
                                  name="continuum-engine-core", daemon=True)
         self._proc.start()
@@ -289,7 +302,14 @@ class ProcessAsyncLLM(_StreamRouter):
                 elif kind == "add_error":
                     rid, err = payload
                     self._pending.pop(rid).set_exception(err)
-        except BaseException as e:      # EOF (child died) or a bug: never hang the streams
+        except (EOFError, OSError) as e:  # the pipe closed: shutdown, or the child died
+            if self._stopping:
+                self._fail_all(EngineDeadError("the server is shutting down"))
+                return
+            self._proc.join(1)
+            logger.error("engine process exited unexpectedly (exit code %s)", self._proc.exitcode)
+            self._fail_all(e)
+        except BaseException as e:      # a bug: say where, and never hang the streams
             logger.exception("engine reader stopped")
             self._fail_all(e)
 
@@ -300,6 +320,7 @@ class ProcessAsyncLLM(_StreamRouter):
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop the engine process (terminated if it does not exit within `timeout` seconds)."""
+        self._stopping = True
         try:
             self._send(("stop", None))
         except OSError:

@@ -39,16 +39,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args: list[str], ready_path: str, log_path, timeout: float = 300):
-    """Start `python -m api serve ARGS --port P` (output to `log_path`) and wait until
-    `ready_path` answers 200. Returns (process, base URL); raises RuntimeError with the log's
-    tail if it exits or is not ready in `timeout` seconds."""
+def start_server(args: list[str], ready_path: str, log_path, timeout: float = 300,
+                 new_session: bool = False):
+    """Start `python -m api serve ARGS --port P` (output to `log_path`; in a process group of
+    its own with `new_session`, as a terminal's foreground job) and wait until `ready_path`
+    answers 200. Returns (process, base URL); raises RuntimeError with the log's tail if it exits
+    or is not ready in `timeout` seconds."""
     import httpx
 
     port = free_port()
     log = open(log_path, "wb")
     proc = subprocess.Popen([sys.executable, "-m", "api", "serve", "--port", str(port), *args],
-                            stdout=log, stderr=log, env=dict(os.environ))
+                            stdout=log, stderr=log, env=dict(os.environ),
+                            start_new_session=new_session)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + timeout
     while time.time() < deadline and proc.poll() is None:

@@ -105,23 +105,23 @@ def main(argv: list[str] | None = None) -> None:
     env = {**os.environ, **ISA_CAPS.get(args.cpu_isa, {})}
     results: dict[str, list[dict]] = {}
     servers = [("continuum", [sys.executable, "-m", "api", "serve", "--dtype", args.dtype,
-                              "--uvicorn-log-level", "warning", "--port"], "/health/ready")]
+                              "--uvicorn-log-level", "warning", "--port"], "/health/ready", env)]
     if not args.skip_baseline:
         servers.append(("hf-baseline", [sys.executable, str(ROOT / "benchmarks" /
                                                             "hf_baseline_server.py"), model_dir,
                                         "--dtype", args.dtype, "--batch-size",
-                                        str(args.baseline_batch_size), "--port"], "/health"))
+                                        str(args.baseline_batch_size), "--port"], "/health", env))
     if args.vllm_python:
+        vllm_env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}",
+                    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "2", **env}
         servers.append(("vllm-cpu", [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
                                      "--model", model_dir, "--dtype",
-                                     args.vllm_dtype or args.dtype, "--port"], "/health"))
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
-        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    for name, cmd, ready_path in servers:
+                                     args.vllm_dtype or args.dtype, "--port"], "/health",
+                        vllm_env))
+    for name, cmd, ready_path, server_env in servers:
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
-        proc = _start(cmd + [str(port)], url, ready_path, env=env)
+        proc = _start(cmd + [str(port)], url, ready_path, env=server_env)
         try:
             results[name] = _bench(args, name, url, model_dir)
         finally:

@@ -122,9 +122,7 @@ def check_device_dtype(device_name: str, dtype_name: str) -> None:
 
     Raises: ValueError or DeviceUnavailableError, each one line saying what to use instead."""
     device = resolve_device(device_name)
-    if device.kind == "cpu":
-        from engine.kernels.isa import cpu_isa
-        cpu_isa()
+    device.cpu_isa()                        # raises for a bad CONTINUUM_CPU_ISA
     device.linear_path(resolve_dtype(dtype_name, device))
 
 

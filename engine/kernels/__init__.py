@@ -60,16 +60,6 @@ _PLAIN = {
 NR = 16    # output columns per packed weight panel (gemm.c)
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
-
-
 def build(compiler: str, flags: list[str] | None = None, out_dir: Path | None = None) -> Path:
     """Compile SOURCES with `flags` (default `cflags()`) into `out_dir` (default
     `$CONTINUUM_CACHE/kernels`) unless a build for the same sources, flags and CPU is there;
@@ -81,7 +71,9 @@ def build(compiler: str, flags: list[str] | None = None, out_dir: Path | None = 
 
     flags = cflags() if flags is None else flags
     src = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
-    key = hashlib.sha256(src + " ".join(flags).encode() + _cpu_flags().encode()).hexdigest()
+    from engine.kernels.isa import cpu_flags
+    host = " ".join(sorted(cpu_flags())).encode()
+    key = hashlib.sha256(src + " ".join(flags).encode() + host).hexdigest()
     target = (out_dir or cache_root() / "kernels") / f"cpu_kernels-{key[:16]}.so"
     if target.exists():
         return target

@@ -175,13 +175,13 @@ INLINE void decode_tile_vec_##SUFFIX(const float *q_scaled, const T *kbase, cons
             prefetch_block(vbase + (int64_t)table[j] * block_size * D,                       \
                            block_size * D * (int)sizeof(T));                                 \
         }                                                                                    \
-        int t = 0;                                                                           \
-        for (; t + 1 < n; t += 2) {        /* row pairs: twice the independent FMA chains */ \
-            const T *kr = kb + t * D;                                                        \
+        for (int t = 0; t < n; t += 2) {   /* row pairs: twice the independent FMA chains; */ \
+            const int two = t + 1 < n;     /* an odd last row is paired with itself         */ \
+            const T *k0r = kb + t * D, *k1r = k0r + two * D;                                 \
             V s0[GT], s1[GT];                                                                \
             for (int g = 0; g < gt; g++) s0[g] = s1[g] = vzero();                            \
             for (int i = 0; i < NV; i++) {                                                   \
-                const V k0 = vload_##SUFFIX(kr + VL * i), k1 = vload_##SUFFIX(kr + D + VL * i);\
+                const V k0 = vload_##SUFFIX(k0r + VL * i), k1 = vload_##SUFFIX(k1r + VL * i);\
                 for (int g = 0; g < gt; g++) {                                               \
                     const V q = vload_f32(q_scaled + g * D + VL * i);                        \
                     s0[g] = vfma(q, k0, s0[g]);                                              \
@@ -189,27 +189,13 @@ INLINE void decode_tile_vec_##SUFFIX(const float *q_scaled, const T *kbase, cons
                 }                                                                            \
             }                                                                                \
             for (int g = 0; g < gt; g++) {                                                   \
-                const float x0 = vsum(s0[g]), x1 = vsum(s1[g]);                              \
                 float *sg = scores + (int64_t)g * ctx + j * block_size + t;                  \
-                sg[0] = x0;                                                                  \
-                sg[1] = x1;                                                                  \
-                m[g] = x0 > m[g] ? x0 : m[g];                                                \
-                m[g] = x1 > m[g] ? x1 : m[g];                                                \
-            }                                                                                \
-        }                                                                                    \
-        for (; t < n; t++) {                                                                 \
-            const T *kr = kb + t * D;                                                        \
-            V s[GT];                                                                         \
-            for (int g = 0; g < gt; g++) s[g] = vzero();                                     \
-            for (int i = 0; i < NV; i++) {                                                   \
-                const V k = vload_##SUFFIX(kr + VL * i);                                     \
-                for (int g = 0; g < gt; g++)                                                 \
-                    s[g] = vfma(vload_f32(q_scaled + g * D + VL * i), k, s[g]);              \
-            }                                                                                \
-            for (int g = 0; g < gt; g++) {                                                   \
-                const float x = vsum(s[g]);                                                  \
-                scores[(int64_t)g * ctx + j * block_size + t] = x;                           \
-                m[g] = x > m[g] ? x : m[g];                                                  \
+                sg[0] = vsum(s0[g]);                                                         \
+                m[g] = sg[0] > m[g] ? sg[0] : m[g];                                          \
+                if (two) {                                                                   \
+                    sg[1] = vsum(s1[g]);                                                     \
+                    m[g] = sg[1] > m[g] ? sg[1] : m[g];                                      \
+                }                                                                            \
             }                                                                                \
         }                                                                                    \
     }                                                                                        \
@@ -275,7 +261,7 @@ DEFINE_DECODE_ONE_VEC(f32, float)
 DEFINE_DECODE_ONE_VEC(bf16, uint16_t)
 #define DECODE_VEC(SUFFIX, ...) decode_one_vec_##SUFFIX(__VA_ARGS__)
 #else
-#define VL 16
+#define VL 1           /* unused: HAVE_VEC is 0, so the vector branches are never taken */
 #define DECODE_VEC(SUFFIX, ...) decode_one_##SUFFIX(__VA_ARGS__)
 #endif
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -47,7 +48,12 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="waiting-queue bound; past it requests get HTTP 503 (default: 1024)")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: none)")
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: the "
+                        "CONTINUUM_API_KEY environment variable, else none)")
+    p.add_argument("--shutdown-timeout", "--exit-timeout-secs", type=float, default=0.0,
+                   metavar="SECONDS", dest="shutdown_timeout",
+                   help="on SIGTERM / SIGINT, let in-flight requests run this long, then abort "
+                        "the rest; a second signal stops at once (default: 0, abort at once)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level (default: info)")
@@ -115,6 +121,8 @@ def main(argv: list[str] | None = None) -> None:
                 check_device_dtype(args.device, args.dtype)
             except DeviceUnavailableError as e:
                 raise ValueError(str(e)) from None
+        if args.shutdown_timeout < 0:
+            raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
         if not 0 < args.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {args.port}")
         if args.http_max_input_size < 1:
@@ -131,20 +139,33 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         print(f"continuum: error: {e}", file=sys.stderr)
         sys.exit(2)
+    serve(args, config)
+
+
+def serve(args: argparse.Namespace, config) -> None:
+    """Run the server until it stops; exits with the lifecycle's status (0 after a drain, 1 if
+    the engine died or failed to start)."""
     import uvicorn
 
+    from api.lifecycle import Lifecycle, Server
     from api.server import ServerState, build_app
 
     name = args.served_model_name or (Path(args.model).stem if args.model
                                       else "SmolLM2-135M-Instruct")
-    state = ServerState(None if args.no_llm else config, name, args.api_key,
-                        base_url=f"http://{args.host}:{args.port}/v1")
+    api_key = args.api_key if args.api_key is not None else os.environ.get("CONTINUUM_API_KEY")
+    lifecycle = Lifecycle(args.shutdown_timeout)
+    state = ServerState(None if args.no_llm else config, name, api_key or None,
+                        base_url=f"http://{args.host}:{args.port}/v1", lifecycle=lifecycle)
     if args.model_repository is not None:
         state.repository_args = (args.model_repository, args.model_control_mode,
                                  args.load_model)
         state.http_max_input_size = args.http_max_input_size
-    uvicorn.run(build_app(state), host=args.host, port=args.port,
-                log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5)
+    config = uvicorn.Config(build_app(state), host=args.host, port=args.port,
+                            log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5)
+    Server(config, lifecycle).run()
+    if state.llm is not None:            # after a forced stop the lifespan did not run
+        state.llm.shutdown()
+    sys.exit(lifecycle.exit_code)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 def engine_error(exc: Exception, param: str) -> APIError:
     """Map an exception from `generate` (before the first output) to an APIError."""
-    from engine.async_llm import EngineDeadError
+    from engine.async_llm import EngineDeadError, RequestFailedError
     from scheduler.request import QueueFullError, RequestTooLongError
 
     if isinstance(exc, RequestTooLongError):
@@ -45,6 +45,8 @@ def engine_error(exc: Exception, param: str) -> APIError:
     if isinstance(exc, QueueFullError):
         return APIError(503, str(exc), "service_unavailable", None, "queue_full",
                         headers={"Retry-After": "1"})
+    if isinstance(exc, RequestFailedError):      # accepted, then failed (or the engine died)
+        return APIError(500, str(exc), "internal_error")
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), "service_unavailable", None, "engine_dead")
     if isinstance(exc, ValueError):

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ValidationError
 from sse_starlette.sse import EventSourceResponse
 
 from api.errors import APIError, bad_request, engine_error, error_response
+from api.lifecycle import InFlightGate, Lifecycle
 from api.metrics import Metrics
 from api.openai_serving import ResponseContext, merge, sse_events
 from api.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedFieldError
@@ -56,9 +57,20 @@ class ServerState:
     repository: object = None                 # triton_compat ModelRepository once loaded
     repository_error: str | None = None
     http_max_input_size: int = 64 << 20       # bytes, largest /v2 infer request body
+    lifecycle: Lifecycle = field(default_factory=Lifecycle)
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.served_model_name)
+        self.lifecycle.abort_all = self.abort_all
+
+    def abort_all(self) -> None:
+        """Abort every engine request (the drain's deadline passed); streams end with "abort"."""
+        if self.llm is not None:
+            self.llm.abort_all()
+
+    def engine_died(self, message: str) -> None:
+        """The engine process is gone (reader thread): stop the server, exit status 1."""
+        self.lifecycle.begin_drain(message, 0.0, exit_code=1)
 
     def load_repository(self) -> None:
         """Load the Triton model repository (runs in a thread; failures are logged)."""
@@ -78,13 +90,14 @@ class ServerState:
                                                  and self.llm.is_alive)
         repo_ok = self.repository_args is None or (self.repository is not None
                                                    and self.repository.ready())
-        return llm_ok and repo_ok
+        return llm_ok and repo_ok and not self.lifecycle.draining
 
     def load(self) -> None:
         """Start the engine process, load the tokenizer, warm up (runs in a thread)."""
         try:
             t0 = time.perf_counter()
-            llm = ProcessAsyncLLM(self.engine_config, on_stats=self.metrics.on_engine_stats)
+            llm = ProcessAsyncLLM(self.engine_config, on_stats=self.metrics.on_engine_stats,
+                                  on_dead=self.engine_died)
             from transformers import AutoTokenizer
             self.tokenizer = AutoTokenizer.from_pretrained(llm.info["model_dir"])
             self.info, self.llm = llm.info, llm
@@ -102,6 +115,7 @@ class ServerState:
         except Exception as e:
             self.load_error = f"{type(e).__name__}: {e}"
             logger.error("engine failed to start: %s", self.load_error)
+            self.lifecycle.begin_drain("engine failed to start", 0.0, exit_code=1)
 
 
 class BearerAuth:
@@ -156,6 +170,7 @@ def build_app(state: ServerState, load_in_background: bool = True) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        state.lifecycle.loop = asyncio.get_running_loop()
         if state.repository_args is not None and state.repository is None:
             threading.Thread(target=state.load_repository, name="continuum-repository",
                              daemon=True).start()
@@ -175,6 +190,7 @@ def build_app(state: ServerState, load_in_background: bool = True) -> FastAPI:
 
     if state.api_key:
         app.add_middleware(BearerAuth, api_key=state.api_key)
+    app.add_middleware(InFlightGate, lifecycle=state.lifecycle)      # outermost
     if state.repository_args is not None:
         from triton_compat import routes
         from triton_compat.metrics import TritonCollector

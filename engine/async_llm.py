@@ -57,6 +57,11 @@ class _StreamRouter:
     def _submit_abort(self, request_id: str) -> None:
         raise NotImplementedError
 
+    def abort_all(self) -> None:
+        """Abort every request the engine holds (a server shutting down): each stream ends with
+        a last output whose unfinished choices have finish_reason "abort". Any thread."""
+        raise NotImplementedError
+
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         """Hand a step's outputs to their streams (called from a background thread)."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
@@ -71,9 +76,11 @@ class _StreamRouter:
             loop.call_soon_threadsafe(_deliver, items)
 
     def _fail_all(self, error: BaseException) -> None:
+        """The engine is gone: later `generate` calls raise EngineDeadError, and every stream
+        in flight ends with RequestFailedError."""
         self.dead_error = error
         for loop, q in list(self._streams.values()):
-            loop.call_soon_threadsafe(q.put_nowait, EngineDeadError(f"engine loop died: {error}"))
+            loop.call_soon_threadsafe(q.put_nowait, RequestFailedError(f"{error}"))
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, priority: int = 0) -> AsyncIterator[RequestOutput]:
@@ -100,6 +107,7 @@ class _StreamRouter:
                 out = await q.get()
                 if isinstance(out, Exception):
                     finished = True
+                    self._streams.pop(request_id, None)
                     raise out
                 if out.error is not None:
                     finished = True
@@ -135,6 +143,9 @@ class AsyncLLM(_StreamRouter):
     def _submit_abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 
+    def abort_all(self) -> None:
+        self._inbox.put(("abort_all", None))
+
     def _run(self) -> None:
         try:
             while not self._stopped.is_set():
@@ -162,6 +173,8 @@ class AsyncLLM(_StreamRouter):
                     fut.set_exception(e)
             elif kind == "abort":
                 self.engine.abort_request(payload)
+            elif kind == "abort_all":
+                self._dispatch(self.engine.abort_all())
             elif kind == "stop":
                 return
 
@@ -197,7 +210,7 @@ def _engine_core_main(config: EngineConfig, conn) -> None:
     """Child process of `ProcessAsyncLLM`: build the engine, then serve commands and step.
 
     Messages to the parent: ("ready", info) once; ("added", id) / ("add_error", (id, exc));
-    ("outputs", (outputs, step_stats, snapshot)) per step; ("stats", ([], [], snapshot)) after
+    ("outputs", (outputs, step_stats, snapshot)) per step and after "abort_all"; ("stats", ([], [], snapshot)) after
     commands that changed state without a step (aborts).
     """
     if not logging.getLogger().handlers:     # a spawned child starts without logging config
@@ -236,6 +249,8 @@ def _engine_core_loop(config: EngineConfig, conn) -> None:
             elif kind == "abort":
                 engine.abort_request(payload)
                 aborted = True
+            elif kind == "abort_all":
+                conn.send(("outputs", (engine.abort_all(), [], engine_snapshot(engine))))
             elif kind == "stop":
                 return
         if engine.has_unfinished_requests():
@@ -250,14 +265,16 @@ class ProcessAsyncLLM(_StreamRouter):
     """The engine in a child process (spawned; it loads the model itself)."""
 
     def __init__(self, config: EngineConfig, start_timeout: float = 600.0,
-                 on_stats=None) -> None:
+                 on_stats=None, on_dead=None) -> None:
         """Starts the child and waits until its engine is loaded.
 
         `on_stats(step_stats, snapshot)` is called from the reader thread after every step and
-        after aborts. Raises EngineDeadError if the engine cannot start (message says why).
+        after aborts; `on_dead(message)` once from the reader thread if the engine process
+        exits without `shutdown()` (killed, out of memory), after every stream has failed.
+        Raises EngineDeadError if the engine cannot start (message says why).
         """
         super().__init__()
-        self.on_stats = on_stats
+        self.on_stats, self.on_dead = on_stats, on_dead
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._send_lock = threading.Lock()
@@ -277,16 +294,33 @@ class ProcessAsyncLLM(_StreamRouter):
                                         daemon=True)
         self._reader.start()
 
+    def _fail_all(self, error: BaseException) -> None:
+        super()._fail_all(error)
+        for rid in list(self._pending):        # adds the engine never acknowledged
+            fut = self._pending.pop(rid, None)
+            if fut is not None and not fut.done():
+                fut.set_exception(EngineDeadError(f"the engine is not running: {error}"))
+
     def _send(self, msg: tuple) -> None:
         with self._send_lock:
             self._conn.send(msg)
 
     def _submit_add(self, args: tuple, fut: Future) -> None:
         self._pending[args[0]] = fut
-        self._send(("add", args))
+        try:
+            self._send(("add", args))
+        except OSError as e:          # the engine process is gone
+            self._pending.pop(args[0], None)
+            fut.set_exception(EngineDeadError(f"the engine is not running: {e}"))
 
     def _submit_abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
+
+    def abort_all(self) -> None:
+        try:
+            self._send(("abort_all", None))
+        except OSError:             # the engine is gone: its streams have failed already
+            pass
 
     def _read(self) -> None:
         try:
@@ -304,11 +338,14 @@ class ProcessAsyncLLM(_StreamRouter):
                     self._pending.pop(rid).set_exception(err)
         except (EOFError, OSError) as e:  # the pipe closed: shutdown, or the child died
             if self._stopping:
-                self._fail_all(EngineDeadError("the server is shutting down"))
+                self._fail_all(EngineDeadError("the engine was shut down"))
                 return
             self._proc.join(1)
-            logger.error("engine process exited unexpectedly (exit code %s)", self._proc.exitcode)
-            self._fail_all(e)
+            message = f"engine process exited unexpectedly (exit code {self._proc.exitcode})"
+            logger.error("%s", message)
+            self._fail_all(EngineDeadError(message))
+            if self.on_dead is not None:
+                self.on_dead(message)
         except BaseException as e:      # a bug: say where, and never hang the streams
             logger.exception("engine reader stopped")
             self._fail_all(e)

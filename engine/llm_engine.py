@@ -132,6 +132,13 @@ class LLMEngine:
         for rid in ids:
             self.output_processor.remove(rid)
 
+    def abort_all(self) -> list[RequestOutput]:
+        """Abort every unfinished request (a server shutting down); their blocks are free when
+        this returns. Returns each request's final output, finish_reason "abort"."""
+        ids = list(self.output_processor.requests)
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        return self.output_processor.finish(ids, "abort")
+
     def has_unfinished_requests(self) -> bool:
         """Whether any request is waiting, running or swapped."""
         return self.scheduler.has_unfinished_requests()
@@ -163,7 +170,7 @@ class LLMEngine:
                    if i in self.scheduler.requests]
         self.scheduler.finish_requests(parents, RequestStatus.FINISHED_ERROR)
         self.scheduler.kv.reset_prefix_cache()     # blocks cached this step were never written
-        return self.output_processor.fail(parents, f"{type(error).__name__}: {error}")
+        return self.output_processor.finish(parents, "error", f"{type(error).__name__}: {error}")
 
     def _record(self, sched_out, outputs: list[RequestOutput], t0: float,
                 scheduler_time: float) -> None:

@@ -140,8 +140,11 @@ class OutputProcessor:
         return CompletionOutput(u.index, text, list(u.new_token_ids), choice.num_tokens,
                                 finish_reason, stop_reason, logprobs)
 
-    def fail(self, request_ids: list[str], error: str) -> list[RequestOutput]:
-        """Final outputs with finish_reason "error" for requests that failed alone."""
+    def finish(self, request_ids: list[str], finish_reason: str,
+               error: str | None = None) -> list[RequestOutput]:
+        """Final outputs for requests the engine ends itself: every choice not yet finished gets
+        `finish_reason` ("abort": the server aborted it; "error": it failed alone, `error` says
+        why) and no new text. Unknown ids are skipped; the requests are forgotten."""
         now = time.monotonic()
         outputs = []
         for rid in dict.fromkeys(request_ids):
@@ -149,8 +152,9 @@ class OutputProcessor:
             if state is None:
                 continue
             state.metrics.finished_time = now
-            outs = [CompletionOutput(i, "", [], self._choice(state, i).num_tokens, "error")
-                    for i in range(state.params.n)]
+            outs = [CompletionOutput(i, "", [], choice.num_tokens, finish_reason)
+                    for i in range(state.params.n)
+                    if not (choice := self._choice(state, i)).finished]
             outputs.append(RequestOutput(rid, outs, len(state.prompt_token_ids), True,
                                          state.metrics, error=error))
         return outputs

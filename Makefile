@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-avx2 serve bench clean
+.PHONY: install test test-avx2 test-stress serve bench clean
 
 install: $(STAMP)
 
@@ -20,8 +20,13 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not stress"
 	$(MAKE) --no-print-directory test-avx2
+
+# Soak and fuzz runs (minutes each: disconnect storm, overload burst, schemathesis over
+# /openapi.json); CI runs them after `make test`.
+test-stress: install
+	$(PY) -m pytest -q -m stress
 
 # The kernel, model and engine-correctness tests again with every ISA capped at AVX2 + FMA (oneDNN,
 # ATen and Continuum's own switch), as on an AVX2-only host: kernels built for x86-64-v3,

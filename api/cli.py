@@ -57,6 +57,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level (default: info)")
+    p.add_argument("--http-max-input-size", type=int, default=64 << 20, metavar="BYTES",
+                   help="largest request body on /v1 and /v2 (v2 infer: compressed or "
+                        "inflated); larger ones get 413 (default: %(default)s)")
     triton = p.add_argument_group("Triton / KServe v2 (non-LLM models)")
     triton.add_argument("--model-repository", default=None, metavar="DIR",
                         help="serve the Triton model repository DIR on /v2 (default: none)")
@@ -65,9 +68,6 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                              "names at start, then on /v2/repository requests (default: none)")
     triton.add_argument("--load-model", action="append", default=[], metavar="NAME",
                         help="explicit mode: model to load at start, repeatable; '*' = all")
-    triton.add_argument("--http-max-input-size", type=int, default=64 << 20, metavar="BYTES",
-                        help="largest v2 infer request body, compressed or inflated "
-                             "(default: %(default)s)")
     triton.add_argument("--no-llm", action="store_true",
                         help="serve only the model repository, no language model")
 
@@ -155,14 +155,14 @@ def serve(args: argparse.Namespace, config) -> None:
     api_key = args.api_key if args.api_key is not None else os.environ.get("CONTINUUM_API_KEY")
     lifecycle = Lifecycle(args.shutdown_timeout)
     state = ServerState(None if args.no_llm else config, name, api_key or None,
-                        base_url=f"http://{args.host}:{args.port}/v1", lifecycle=lifecycle)
+                        base_url=f"http://{args.host}:{args.port}/v1", lifecycle=lifecycle,
+                        http_max_input_size=args.http_max_input_size)
     if args.model_repository is not None:
         state.repository_args = (args.model_repository, args.model_control_mode,
                                  args.load_model)
-        state.http_max_input_size = args.http_max_input_size
-    config = uvicorn.Config(build_app(state), host=args.host, port=args.port,
-                            log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5)
-    Server(config, lifecycle).run()
+    uv_config = uvicorn.Config(build_app(state), host=args.host, port=args.port,
+                               log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5)
+    Server(uv_config, lifecycle).run()
     if state.llm is not None:            # after a forced stop the lifespan did not run
         state.llm.shutdown()
     sys.exit(lifecycle.exit_code)

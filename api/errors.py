@@ -41,7 +41,7 @@ def engine_error(exc: Exception, param: str) -> APIError:
     from scheduler.request import QueueFullError, RequestTooLongError
 
     if isinstance(exc, RequestTooLongError):
-        return bad_request(str(exc), param)
+        return bad_request(str(exc), param if exc.param == "prompt" else exc.param)
     if isinstance(exc, QueueFullError):
         return APIError(503, str(exc), "service_unavailable", None, "queue_full",
                         headers={"Retry-After": "1"})

@@ -205,6 +205,7 @@ async def merge(streams: list[AsyncIterator[RequestOutput]]
     finally:
         for t in tasks:
             t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)    # pumps out of their streams
         for s in streams:
             await s.aclose()
 

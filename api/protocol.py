@@ -26,12 +26,23 @@ UNSUPPORTED_FIELDS = (
 )
 
 
-class UnsupportedFieldError(ValueError):
+MAX_STOP = 64            # stop strings, and stop token ids, per request (OpenAI allows 4)
+MAX_LOGIT_BIAS = 300     # logit_bias entries per request (OpenAI's limit)
+
+
+class RequestFieldError(ValueError):
+    """A request field's value is not allowed; `field` names it (the error's `param`)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class UnsupportedFieldError(RequestFieldError):
     """A known OpenAI field that Continuum does not implement was set."""
 
     def __init__(self, field: str) -> None:
-        super().__init__(f"'{field}' is not supported by this server")
-        self.field = field
+        super().__init__(field, f"'{field}' is not supported by this server")
 
 
 class StreamOptions(BaseModel):
@@ -65,9 +76,9 @@ class ChatMessage(BaseModel):
 
 
 class _SamplingFields(BaseModel):
-    """Fields shared by both endpoints."""
+    """Fields shared by both endpoints (NaN and infinity are refused in every float)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str
     n: int = Field(1, ge=1, le=16)
@@ -102,12 +113,23 @@ class _SamplingFields(BaseModel):
     def _check(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP:
+            raise RequestFieldError("stop", f"stop: at most {MAX_STOP} strings, got "
+                                            f"{len(self.stop)}")
+        if self.stop_token_ids is not None and len(self.stop_token_ids) > MAX_STOP:
+            raise RequestFieldError("stop_token_ids", f"stop_token_ids: at most {MAX_STOP} "
+                                                      f"ids, got {len(self.stop_token_ids)}")
         if self.logit_bias:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise RequestFieldError("logit_bias", f"logit_bias: at most {MAX_LOGIT_BIAS} "
+                                                      f"entries, got {len(self.logit_bias)}")
             for key, value in self.logit_bias.items():
-                if not key.lstrip("-").isdigit():
-                    raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+                if not (key.isascii() and key.isdigit()):
+                    raise RequestFieldError("logit_bias", f"logit_bias keys must be token ids, "
+                                                          f"got {key!r}")
                 if not -100 <= value <= 100:
-                    raise ValueError(f"logit_bias values must be in [-100, 100], got {value}")
+                    raise RequestFieldError("logit_bias", f"logit_bias values must be in "
+                                                          f"[-100, 100], got {value}")
         return self
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:

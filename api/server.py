@@ -26,10 +26,11 @@ from pydantic import BaseModel, ValidationError
 from sse_starlette.sse import EventSourceResponse
 
 from api.errors import APIError, bad_request, engine_error, error_response
+from api import openapi
 from api.lifecycle import InFlightGate, Lifecycle
 from api.metrics import Metrics
 from api.openai_serving import ResponseContext, merge, sse_events
-from api.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedFieldError
+from api.protocol import ChatCompletionRequest, CompletionRequest, RequestFieldError
 from engine.async_llm import ProcessAsyncLLM, RequestFailedError
 from engine.config import EngineConfig
 from scheduler.request import SamplingParams
@@ -143,7 +144,7 @@ class BearerAuth:
 def _validation_error(e: ValidationError) -> APIError:
     err = e.errors()[0]
     cause = (err.get("ctx") or {}).get("error")
-    if isinstance(cause, UnsupportedFieldError):
+    if isinstance(cause, RequestFieldError):
         return bad_request(str(cause), cause.field)
     param = ".".join(str(x) for x in err.get("loc", ())) or None
     msg = err.get("msg", "invalid request").removeprefix("Value error, ")
@@ -152,9 +153,26 @@ def _validation_error(e: ValidationError) -> APIError:
     return bad_request(f"{param}: {msg}" if param else msg, param)
 
 
-async def _parse(request: Request, model: type[BaseModel]):
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body; 413 past `limit` bytes (`--http-max-input-size`), without reading
+    more than that."""
+    too_large = APIError(413, f"request body is larger than {limit} bytes "
+                              "(--http-max-input-size)", "invalid_request_error")
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _parse(request: Request, model: type[BaseModel], limit: int):
     try:
-        data = json.loads(await request.body())
+        data = json.loads(await _read_body(request, limit))
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise bad_request(f"request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
@@ -243,7 +261,7 @@ def build_app(state: ServerState, load_in_background: bool = True) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await _parse(request, ChatCompletionRequest)
+        body = await _parse(request, ChatCompletionRequest, state.http_max_input_size)
         check_model(body.model)
         llm = engine_or_503()
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
@@ -260,7 +278,7 @@ def build_app(state: ServerState, load_in_background: bool = True) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await _parse(request, CompletionRequest)
+        body = await _parse(request, CompletionRequest, state.http_max_input_size)
         check_model(body.model)
         llm = engine_or_503()
         try:
@@ -270,6 +288,10 @@ def build_app(state: ServerState, load_in_background: bool = True) -> FastAPI:
         prompts = [state.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in raw]
         if any(not p for p in prompts):
             raise bad_request("prompt must not be empty", "prompt")
+        queue = state.engine_config.max_waiting_requests
+        if len(prompts) * body.n > queue:
+            raise bad_request(f"{len(prompts)} prompts x n={body.n} is more sequences than the "
+                              f"server queues (--max-waiting-requests {queue})", "prompt")
         echo = None
         if body.echo:
             echo = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in raw]
@@ -279,15 +301,34 @@ def build_app(state: ServerState, load_in_background: bool = True) -> FastAPI:
         params = _params(body, min(prompts, key=len), state)
         return await _respond(request, llm, ctx, body, prompts, params, "prompt", state)
 
+    schemas: dict = {"ChatCompletionRequest": ChatCompletionRequest,
+                     "CompletionRequest": CompletionRequest}
+    bodies = {("post", "/v1/chat/completions"): "ChatCompletionRequest",
+              ("post", "/v1/completions"): "CompletionRequest"}
+    if state.repository_args is not None:
+        from triton_compat.openapi_schemas import BODIES, SCHEMAS
+        schemas |= SCHEMAS
+        bodies |= BODIES
+    def model_names() -> dict[str, list[str]]:
+        repo = state.repository
+        return {"/v1": [state.served_model_name] if state.engine_config else [],
+                "/v2": [m["name"] for m in repo.index()] if repo is not None else []}
+
+    openapi.install(app, schemas, bodies, model_names)
     return app
 
 
 def _params(body, prompt: list[int], state: ServerState) -> SamplingParams:
+    vocab = state.info["vocab_size"]
+    bad = next((k for k in body.logit_bias or {} if int(k) >= vocab), None)
+    if bad is not None:
+        raise bad_request(f"invalid key in logit_bias: {bad}; maximum value is {vocab - 1}",
+                          "logit_bias")
     default_max = max(1, state.info["max_model_len"] - len(prompt))
     try:
         return body.to_sampling_params(default_max)
     except ValueError as e:
-        raise bad_request(str(e)) from None
+        raise bad_request(str(e), getattr(e, "param", None)) from None
 
 
 async def _respond(request: Request, llm: ProcessAsyncLLM, ctx: ResponseContext, body,

@@ -22,8 +22,21 @@ class QueueFullError(RuntimeError):
     """The waiting queue is at `max_waiting_requests`; the request was not admitted (HTTP 503)."""
 
 
+class ParamError(ValueError):
+    """A sampling parameter is out of range; `param` names it (HTTP 400 with that `param`)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class RequestTooLongError(ValueError):
-    """Prompt (plus `max_tokens`) does not fit in `max_model_len` (HTTP 400)."""
+    """Prompt (plus `max_tokens`) does not fit in `max_model_len` (HTTP 400). `param` says which
+    part is at fault: "prompt" (no room for any output) or "max_tokens"."""
+
+    def __init__(self, message: str, param: str = "prompt") -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class RequestStatus(enum.IntEnum):
@@ -65,7 +78,7 @@ class SamplingParams:
     `max_model_len`". `seed=None` means non-reproducible sampling. `n` choices are produced by
     forking the request after its prompt is computed (blocks shared, copy-on-write).
 
-    Raises: ValueError naming the parameter on any out-of-range value.
+    Raises: ParamError (a ValueError) naming the parameter on any out-of-range value.
     """
 
     n: int = 1
@@ -88,7 +101,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         def bad(name: str, value, why: str) -> None:
-            raise ValueError(f"{name} {why}, got {value!r}")
+            raise ParamError(f"{name} {why}, got {value!r}", name)
 
         if self.n < 1:
             bad("n", self.n, "must be at least 1")

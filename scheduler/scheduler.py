@@ -99,7 +99,7 @@ class Scheduler:
             raise RequestTooLongError(
                 f"This model's maximum context length is {cfg.max_model_len} tokens. However, you "
                 f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, "
-                f"{max_tokens} in the completion).")
+                f"{max_tokens} in the completion).", "max_tokens")
         if request.sampling_params.n > cfg.max_num_seqs:
             raise ValueError(f"n ({request.sampling_params.n}) exceeds max_num_seqs "
                              f"({cfg.max_num_seqs})")

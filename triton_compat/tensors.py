@@ -64,9 +64,7 @@ def parse_request(body: bytes, header_length: int | None) -> ParsedRequest:
         raise TensorError("failed to parse the request JSON buffer: nested too deeply") from None
     if not isinstance(req, dict) or not isinstance(req.get("inputs"), list):
         raise TensorError("the request must be a JSON object with an 'inputs' array")
-    params = req.get("parameters") or {}
-    if not isinstance(params, dict):
-        raise TensorError("'parameters' must be a JSON object")
+    params = _parameters(req, "the request")
     inputs, datatypes, offset = {}, {}, 0
     for spec in req["inputs"]:
         name, array, used = _parse_input(spec, binary[offset:])
@@ -79,10 +77,19 @@ def parse_request(body: bytes, header_length: int | None) -> ParsedRequest:
                           "claimed by any input's binary_data_size")
     outputs = None
     if req.get("outputs") is not None:
+        if not isinstance(req["outputs"], list):
+            raise TensorError("'outputs' must be a JSON array")
         outputs = [_parse_output(o, bool(params.get("binary_data_output", False)))
                    for o in req["outputs"]]
     return ParsedRequest(str(req.get("id", "")), inputs, datatypes, outputs,
                          bool(params.get("binary_data_output", False)), params)
+
+
+def _parameters(obj: dict, where: str) -> dict:
+    params = obj.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise TensorError(f"'parameters' of {where} must be a JSON object")
+    return params
 
 
 def _parse_input(spec, binary: memoryview) -> tuple[str, np.ndarray, int]:
@@ -99,9 +106,9 @@ def _parse_input(spec, binary: memoryview) -> tuple[str, np.ndarray, int]:
     if count > MAX_ELEMENTS:
         raise TensorError(f"input '{name}' has {count} elements (shape {shape}), more than "
                           f"the {MAX_ELEMENTS} allowed")
-    size = (spec.get("parameters") or {}).get("binary_data_size")
+    size = _parameters(spec, f"input '{name}'").get("binary_data_size")
     if size is not None:
-        if not isinstance(size, int) or size < 0 or size > len(binary):
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0 or size > len(binary):
             raise TensorError(f"input '{name}': binary_data_size {size} is larger than the "
                               f"{len(binary)} bytes of binary data left")
         return name, _from_binary(name, datatype, dtype, shape, bytes(binary[:size])), size
@@ -169,7 +176,7 @@ def _from_json(name, datatype, dtype, shape, data) -> np.ndarray:
 def _parse_output(spec, binary_default: bool) -> RequestedOutput:
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
         raise TensorError("each requested output must be an object with a 'name'")
-    binary = (spec.get("parameters") or {}).get("binary_data", binary_default)
+    binary = _parameters(spec, f"output '{spec['name']}'").get("binary_data", binary_default)
     return RequestedOutput(spec["name"], bool(binary))
 
 

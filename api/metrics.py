@@ -50,6 +50,8 @@ class Metrics:
         self.swapped = gauge("continuum_num_requests_swapped", "Requests swapped to the CPU pool.")
         self.kv_usage = gauge("continuum_kv_cache_usage_perc",
                               "KV-cache usage: 1 means every block is in use.")
+        self.cpu_kv_usage = gauge("continuum_cpu_kv_cache_usage_perc",
+                                  "CPU swap-pool usage: 1 means every swap block is in use.")
         self.success = Counter("continuum_request_success", "Finished requests by reason.",
                                labels + ["finished_reason"], registry=r)
         self.ttft = hist("continuum_time_to_first_token_seconds", "Time to first token.",
@@ -99,6 +101,7 @@ class Metrics:
         self.waiting.set(snapshot["num_waiting"])
         self.swapped.set(snapshot["num_swapped"])
         self.kv_usage.set(snapshot["kv_cache_usage"])
+        self.cpu_kv_usage.set(snapshot.get("cpu_kv_cache_usage", 0.0))
         for key, value in snapshot["counters"].items():
             if key in self.scheduler_counters and value > self._last_counters[key]:
                 self.scheduler_counters[key].inc(value - self._last_counters[key])
@@ -119,6 +122,6 @@ METRIC_NAMES = (
     "continuum_generation_tokens_total", "continuum_num_preemptions_total",
     "continuum_swap_in_blocks_total", "continuum_swap_out_blocks_total",
     "continuum_prefix_cache_queries_total", "continuum_prefix_cache_hits_total",
-    "continuum_kv_cache_usage_perc", "continuum_batch_size",
+    "continuum_kv_cache_usage_perc", "continuum_cpu_kv_cache_usage_perc", "continuum_batch_size",
     "continuum_step_duration_seconds", "continuum_scheduler_overhead_seconds",
 )

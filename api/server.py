@@ -33,7 +33,7 @@ from api.openai_serving import ResponseContext, merge, sse_events
 from api.protocol import ChatCompletionRequest, CompletionRequest, RequestFieldError
 from engine.async_llm import ProcessAsyncLLM, RequestFailedError
 from engine.config import EngineConfig
-from scheduler.request import SamplingParams
+from scheduler.request import QueueFullError, SamplingParams
 
 logger = logging.getLogger("continuum.api")
 VERSION = "0.1.0"
@@ -259,8 +259,17 @@ def build_app(state: ServerState, load_in_background: bool = True) -> FastAPI:
             "owned_by": "continuum", "root": state.info.get("model_dir"),
             "max_model_len": state.info.get("max_model_len")}]}
 
+    def refuse_if_full() -> None:
+        """Overload: refuse before reading the body (a refusal must cost next to nothing)."""
+        if state.ready and state.llm is not None:
+            try:
+                state.llm.check_capacity()
+            except QueueFullError as e:
+                raise engine_error(e, None) from None
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
+        refuse_if_full()
         body = await _parse(request, ChatCompletionRequest, state.http_max_input_size)
         check_model(body.model)
         llm = engine_or_503()
@@ -278,6 +287,7 @@ def build_app(state: ServerState, load_in_background: bool = True) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
+        refuse_if_full()
         body = await _parse(request, CompletionRequest, state.http_max_input_size)
         check_model(body.model)
         llm = engine_or_503()

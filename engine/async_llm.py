@@ -31,7 +31,7 @@ from concurrent.futures import Future
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from scheduler.request import SamplingParams
+from scheduler.request import QueueFullError, SamplingParams
 
 logger = logging.getLogger("continuum.async")
 
@@ -47,9 +47,12 @@ class EngineDeadError(RuntimeError):
 class _StreamRouter:
     """Per-request asyncio queues fed from a background thread; `generate` and `abort`."""
 
-    def __init__(self) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.dead_error: BaseException | None = None
+        # Requests the engine can hold (running + waiting): past it `generate` refuses at once,
+        # without a round trip to the engine, which reads commands only between steps.
+        self.capacity = config.max_num_seqs + config.max_waiting_requests
 
     def _submit_add(self, args: tuple, fut: Future) -> None:
         raise NotImplementedError
@@ -87,10 +90,12 @@ class _StreamRouter:
         """Stream `RequestOutput` deltas until the request finishes.
 
         Raises (before the first output): whatever `LLMEngine.add_request` raises;
-        EngineDeadError if the loop is gone. Later: RequestFailedError if the request fails.
+        QueueFullError at once if `capacity` requests are in flight; EngineDeadError if the
+        loop is gone. Later: RequestFailedError if the request fails.
         """
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine is not running: {self.dead_error}")
+        self.check_capacity()
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, q)
@@ -120,6 +125,13 @@ class _StreamRouter:
             if not finished:
                 self.abort(request_id)
 
+    def check_capacity(self) -> None:
+        """Raise QueueFullError if `capacity` requests are in flight (cheap: a server calls it
+        before parsing a request, so that refusals cost next to nothing under overload)."""
+        if len(self._streams) >= self.capacity:
+            raise QueueFullError(f"the queue is full: the server holds {self.capacity} requests "
+                                 "(--max-num-seqs + --max-waiting-requests); retry later")
+
     def abort(self, request_id: str) -> None:
         """Abort a request (any state); safe to call from any thread, idempotent."""
         self._streams.pop(request_id, None)
@@ -130,7 +142,7 @@ class AsyncLLM(_StreamRouter):
     """The engine loop in a background thread of this process (see the module docstring)."""
 
     def __init__(self, engine: LLMEngine) -> None:
-        super().__init__()
+        super().__init__(engine.config)
         self.engine = engine
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stopped = threading.Event()
@@ -195,6 +207,7 @@ def engine_snapshot(engine: LLMEngine) -> dict:
     s = engine.scheduler
     return {"num_running": s.num_running, "num_waiting": s.num_waiting,
             "num_swapped": s.num_swapped, "kv_cache_usage": s.kv.usage(),
+            "cpu_kv_cache_usage": s.kv.cpu_pool.usage() if s.kv.cpu_pool is not None else 0.0,
             "counters": dataclasses.asdict(s.counters)}
 
 
@@ -273,7 +286,7 @@ class ProcessAsyncLLM(_StreamRouter):
         exits without `shutdown()` (killed, out of memory), after every stream has failed.
         Raises EngineDeadError if the engine cannot start (message says why).
         """
-        super().__init__()
+        super().__init__(config)
         self.on_stats, self.on_dead = on_stats, on_dead
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()

@@ -68,6 +68,12 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                              "names at start, then on /v2/repository requests (default: none)")
     triton.add_argument("--load-model", action="append", default=[], metavar="NAME",
                         help="explicit mode: model to load at start, repeatable; '*' = all")
+    triton.add_argument("--http-restricted-api", action="append", default=[],
+                        metavar="API[,API...]:KEY=VALUE",
+                        help="Triton's endpoint restriction, repeatable: requests to these v2 "
+                             "API categories (health, metadata, inference, shared-memory, "
+                             "model-config, model-repository, statistics, trace, logging) need "
+                             "header KEY: VALUE, else 403")
     triton.add_argument("--no-llm", action="store_true",
                         help="serve only the model repository, no language model")
 
@@ -128,6 +134,10 @@ def main(argv: list[str] | None = None) -> None:
         if args.http_max_input_size < 1:
             raise ValueError(f"--http-max-input-size must be >= 1, got "
                              f"{args.http_max_input_size}")
+        from triton_compat.restricted import parse_restrictions
+        args.restrictions = parse_restrictions(args.http_restricted_api)
+        if args.restrictions and args.model_repository is None:
+            raise ValueError("--http-restricted-api needs --model-repository (it guards /v2)")
         if args.no_llm and args.model_repository is None:
             raise ValueError("--no-llm needs --model-repository (there would be nothing to "
                              "serve)")
@@ -160,6 +170,7 @@ def serve(args: argparse.Namespace, config) -> None:
     if args.model_repository is not None:
         state.repository_args = (args.model_repository, args.model_control_mode,
                                  args.load_model)
+        state.restricted_apis = args.restrictions
     uv_config = uvicorn.Config(build_app(state), host=args.host, port=args.port,
                                log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5)
     Server(uv_config, lifecycle).run()

@@ -57,7 +57,8 @@ class ServerState:
     repository_args: tuple | None = None      # (dir, control mode, --load-model names)
     repository: object = None                 # triton_compat ModelRepository once loaded
     repository_error: str | None = None
-    http_max_input_size: int = 64 << 20       # bytes, largest /v2 infer request body
+    http_max_input_size: int = 64 << 20       # bytes, largest request body (/v1 and /v2)
+    restricted_apis: dict = field(default_factory=dict)   # v2 category -> (header, value)
     lifecycle: Lifecycle = field(default_factory=Lifecycle)
 
     def __post_init__(self) -> None:
@@ -208,6 +209,9 @@ def build_app(state: ServerState, load_in_background: bool = True) -> FastAPI:
 
     if state.api_key:
         app.add_middleware(BearerAuth, api_key=state.api_key)
+    if state.restricted_apis:
+        from triton_compat.restricted import RestrictedAPI
+        app.add_middleware(RestrictedAPI, restrictions=state.restricted_apis)
     app.add_middleware(InFlightGate, lifecycle=state.lifecycle)      # outermost
     if state.repository_args is not None:
         from triton_compat import routes

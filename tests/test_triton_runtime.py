@@ -163,3 +163,46 @@ def test_control_mode_none_loads_everything_and_refuses_load_unload(tmp_path):
             explicit.runtime("zzz")
     finally:
         explicit.close()
+
+
+MISBEHAVING = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        x = pb_utils.get_input_tensor_by_name(requests[0], "IN").as_numpy()
+        v = int(x[0, 0])
+        if v == 1:                                   # one response too few
+            return []
+        if v == 2:                                   # not a response
+            return ["oops"] * len(requests)
+        if v == 3:                                   # OUT with the wrong number of rows
+            return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.zeros((5, 1), np.int32))])
+                    for _ in requests]
+        if v == 4:                                   # OUT of the wrong datatype
+            return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([["a"]], object))])
+                    for _ in requests]
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", x)]) for _ in requests]
+"""
+
+
+@pytest.mark.parametrize("value,words", [(1, "returned 0 responses for 1 requests"),
+                                         (2, "not an InferenceResponse"),
+                                         (3, r"shape \[5, 1\] for a batch of 1"),
+                                         (4, "dtype object, but its config says INT32")])
+def test_a_misbehaving_python_model_fails_only_its_own_request(tmp_path, value, words):
+    (tmp_path / "m" / "1").mkdir(parents=True)
+    (tmp_path / "m" / "1" / "model.py").write_text(MISBEHAVING)
+    (tmp_path / "m" / "config.pbtxt").write_text(
+        'backend: "python" max_batch_size: 4 input [ { name: "IN" data_type: TYPE_INT32 '
+        'dims: [ 1 ] } ] output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]')
+    repo = ModelRepository(tmp_path)
+    try:
+        rt = repo.runtime("m")
+        with pytest.raises(InferError, match=words) as e:
+            rt.submit(request(value), {"IN": "INT32"}).result(5)
+        assert e.value.status == 500
+        assert rt.submit(request(7), {"IN": "INT32"}).result(5)["OUT"][0, 0] == 7
+    finally:
+        repo.close()

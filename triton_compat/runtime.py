@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from tritonclient.utils import triton_to_np_dtype
 
 from scheduler.dynamic_batcher import Pending, QueueFullError, RequestQueue, decide
 from triton_compat.backends import BackendRequest, create_instance
@@ -97,13 +98,31 @@ def check_outputs(config, names: list[str] | None) -> list[str]:
     return list(names)
 
 
-def _checked(model: str, request: BackendRequest, result):
-    """The result, or an InferError(500) when a requested output is missing from it."""
+def _checked(config, request: BackendRequest, result, batch_size: int):
+    """The result, or an InferError(500) when a requested output is missing from it or an
+    output disagrees with the config: not an array, another datatype, or (batching models)
+    other than `batch_size` rows. A misbehaving model thus fails only its own request."""
     if isinstance(result, Exception):
         return result
+    model = config.name
     missing = [n for n in request.outputs if n not in result]
     if missing:
         return InferError(f"model '{model}' did not return output '{missing[0]}'", 500)
+    for t in config.output:
+        if t.name not in result:
+            continue
+        array, wire = result[t.name], wire_datatype(t.data_type)
+        if not isinstance(array, np.ndarray):
+            return InferError(f"model '{model}' returned output '{t.name}' as a "
+                              f"{type(array).__name__}, not an array", 500)
+        ok = (array.dtype.kind in "OSU" if wire == "BYTES" else
+              wire == "BF16" or array.dtype == triton_to_np_dtype(wire))
+        if not ok:
+            return InferError(f"model '{model}' returned output '{t.name}' of dtype "
+                              f"{array.dtype}, but its config says {wire}", 500)
+        if config.max_batch_size > 0 and (array.ndim == 0 or array.shape[0] != batch_size):
+            return InferError(f"model '{model}' returned output '{t.name}' of shape "
+                              f"{list(array.shape)} for a batch of {batch_size}", 500)
     return result
 
 
@@ -206,7 +225,8 @@ class ModelRuntime:
             results, times = instance.execute([j.request for j in jobs])
         except Exception as e:       # a backend bug: fail this batch only
             results, times = [InferError(f"{type(e).__name__}: {e}", 500)] * len(batch), None
-        results = [_checked(self.config.name, j.request, r) for j, r in zip(jobs, results)]
+        results = [_checked(self.config, j.request, r, p.batch_size)
+                   for p, j, r in zip(batch, jobs, results)]
         self.stats.record_execution([j.enqueued_ns for j in jobs],
                                     [p.batch_size for p in batch], results, start,
                                     time.perf_counter_ns(), times)

@@ -302,10 +302,10 @@ def build_app(state: ServerState, load_in_background: bool = True) -> FastAPI:
         prompts = [state.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in raw]
         if any(not p for p in prompts):
             raise bad_request("prompt must not be empty", "prompt")
-        queue = state.engine_config.max_waiting_requests
-        if len(prompts) * body.n > queue:
-            raise bad_request(f"{len(prompts)} prompts x n={body.n} is more sequences than the "
-                              f"server queues (--max-waiting-requests {queue})", "prompt")
+        if len(prompts) > llm.capacity:
+            raise bad_request(f"{len(prompts)} prompts are more requests than the server holds "
+                              f"(--max-num-seqs + --max-waiting-requests = {llm.capacity})",
+                              "prompt")
         echo = None
         if body.echo:
             echo = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in raw]

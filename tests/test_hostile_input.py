@@ -77,7 +77,7 @@ CASES = {   # name: (path, JSON body or raw bytes, status, param, words in the m
         400, "temperature", ""),
     "10,000 prompts": (
         "/v1/completions", {"model": MODEL, "prompt": [[1, 2]] * 10_000}, 400, "prompt",
-        "--max-waiting-requests"),
+        "--max-num-seqs + --max-waiting-requests"),
     "min_tokens above max_tokens": (
         "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "min_tokens": 5},
         400, "min_tokens", ""),

@@ -43,7 +43,8 @@ def test_completion_prompt_forms(prompt, expected):
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"top_p": 0}, "top_p"),
     ({"frobnicate": 1}, "frobnicate"),
-    ({"logit_bias": {"abc": 1}}, None),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"stop": ["x"] * 65}, "stop"),
 ])
 def test_rejections_name_the_parameter(body, param):
     with pytest.raises(ValidationError) as e:

@@ -26,7 +26,7 @@ import queue
 import signal
 import threading
 from collections.abc import AsyncIterator
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -103,8 +103,10 @@ class _StreamRouter:
         self._submit_add((request_id, list(prompt_token_ids), params, None, priority), fut)
         try:
             await asyncio.wrap_future(fut)
-        except BaseException:
+        except BaseException as e:
             self._streams.pop(request_id, None)
+            if isinstance(e, asyncio.CancelledError):   # the client left before the engine
+                self._submit_abort(request_id)         # acknowledged: abort (after the add)
             raise
         finished = False
         try:
@@ -180,9 +182,9 @@ class AsyncLLM(_StreamRouter):
                 args, fut = payload
                 try:
                     self.engine.add_request(*args)
-                    fut.set_result(None)
+                    _resolve(fut, None)
                 except Exception as e:
-                    fut.set_exception(e)
+                    _resolve(fut, e)
             elif kind == "abort":
                 self.engine.abort_request(payload)
             elif kind == "abort_all":
@@ -327,7 +329,10 @@ class ProcessAsyncLLM(_StreamRouter):
             fut.set_exception(EngineDeadError(f"the engine is not running: {e}"))
 
     def _submit_abort(self, request_id: str) -> None:
-        self._send(("abort", request_id))
+        try:
+            self._send(("abort", request_id))
+        except OSError:             # the engine is gone: nothing left to abort
+            pass
 
     def abort_all(self) -> None:
         try:
@@ -345,10 +350,10 @@ class ProcessAsyncLLM(_StreamRouter):
                     if self.on_stats is not None:
                         self.on_stats(step_stats, snapshot)
                 elif kind == "added":
-                    self._pending.pop(payload).set_result(None)
+                    _resolve(self._pending.pop(payload), None)
                 elif kind == "add_error":
                     rid, err = payload
-                    self._pending.pop(rid).set_exception(err)
+                    _resolve(self._pending.pop(rid), err)
         except (EOFError, OSError) as e:  # the pipe closed: shutdown, or the child died
             if self._stopping:
                 self._fail_all(EngineDeadError("the engine was shut down"))
@@ -378,6 +383,17 @@ class ProcessAsyncLLM(_StreamRouter):
         self._proc.join(timeout)
         if self._proc.is_alive():
             self._proc.terminate()
+
+
+def _resolve(fut: Future, error: BaseException | None) -> None:
+    """Settle an add's future unless its waiter has gone (cancelled: the client left)."""
+    try:
+        if error is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(error)
+    except InvalidStateError:
+        pass
 
 
 def _deliver(items: list) -> None:

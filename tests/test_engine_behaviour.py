@@ -4,10 +4,11 @@ incremental detokenization, stop strings, the async layer, one failing request f
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
-from engine.async_llm import AsyncLLM, RequestFailedError
+from engine.async_llm import AsyncLLM, ProcessAsyncLLM, RequestFailedError
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.output_processor import OutputProcessor
@@ -260,3 +261,43 @@ def test_decode_groups_bound_padding_and_gather_size():
     assert decode_groups([200] * 64, 16) == [(0, 25), (25, 64)]        # 13 x 39 <= 512 < 13 x 40
     assert decode_groups([100] * 5, 16) == [(0, 5)]
     assert decode_groups([], 16) == []
+
+
+def test_clients_leaving_before_the_engine_acknowledges_leave_nothing_behind(tokenizer):
+    """A consumer cancelled while its add is in flight to the engine process (a client that
+    disconnects at once) must neither kill the reader thread nor leave its request running."""
+    snapshots: list[dict] = []
+    llm = ProcessAsyncLLM(EngineConfig(kv_cache_memory=0.05, max_model_len=256, device="cpu"),
+                          on_stats=lambda _stats, snap: snapshots.append(snap))
+    p = prompt(tokenizer, "Tell me a story.")
+
+    async def drain(rid, params):
+        text = ""
+        async for out in llm.generate(rid, p, params):
+            text += out.outputs[0].text
+        return text
+
+    async def main():
+        tasks = []
+        for i in range(120):
+            t = asyncio.create_task(drain(f"gone-{i}", SamplingParams(max_tokens=60,
+                                                                      ignore_eos=True)))
+            for _ in range(i % 4):                    # cancel at different points
+                await asyncio.sleep(0)
+            t.cancel()
+            tasks.append(t)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return await drain("kept", SamplingParams(max_tokens=5, temperature=0))
+
+    try:
+        assert asyncio.run(main())
+        assert llm.is_alive
+        deadline = time.time() + 10
+        while time.time() < deadline and not (
+                snapshots and snapshots[-1]["num_running"] == snapshots[-1]["num_waiting"] == 0
+                and snapshots[-1]["kv_cache_usage"] == 0):
+            time.sleep(0.05)
+        last = snapshots[-1]
+        assert last["num_running"] == last["num_waiting"] == 0 and last["kv_cache_usage"] == 0
+    finally:
+        llm.shutdown()

@@ -89,10 +89,14 @@ def _step_ms(m0: dict, m1: dict) -> float:
 
 
 async def _post(s: aiohttp.ClientSession, url: str, body: dict):
+    """(status, seconds, JSON body, Retry-After); status 0 if the connection failed."""
     t0 = time.perf_counter()
-    async with s.post(url, json=body) as r:
-        data = await r.json()
-        return r.status, time.perf_counter() - t0, data, r.headers.get("Retry-After")
+    try:
+        async with s.post(url, json=body) as r:
+            data = await r.json()
+            return r.status, time.perf_counter() - t0, data, r.headers.get("Retry-After")
+    except aiohttp.ClientError as e:
+        return 0, time.perf_counter() - t0, {"error": repr(e)}, None
 
 
 async def overload(base: str, burst: int, capacity: int, max_tokens: int = 16,

@@ -38,9 +38,9 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 def engine_error(exc: Exception, param: str) -> APIError:
     """Map an exception from `generate` (before the first output) to an APIError."""
     from engine.async_llm import EngineDeadError, RequestFailedError
-    from scheduler.request import QueueFullError, RequestTooLongError
+    from scheduler.request import ParamError, QueueFullError
 
-    if isinstance(exc, RequestTooLongError):
+    if isinstance(exc, ParamError):         # "prompt" stands for the route's prompt field
         return bad_request(str(exc), param if exc.param == "prompt" else exc.param)
     if isinstance(exc, QueueFullError):
         return APIError(503, str(exc), "service_unavailable", None, "queue_full",

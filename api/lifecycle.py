@@ -4,7 +4,8 @@ Owns: `Lifecycle` (the draining flag, the count of requests in flight, the exit 
 `InFlightGate` (pure ASGI middleware: counts every `/v1` and `/v2` request while it runs,
 streams included, and refuses new ones with 503 in the protocol's own error shape once the
 server drains) and `Server` (a `uvicorn.Server` whose first SIGTERM / SIGINT starts a drain,
-whose second stops at once (a third: without waiting for connections), and which never re-raises the signal, so a drained server exits 0).
+whose second stops at once (a third: without waiting for connections), and which never
+re-raises the signal, so a drained server exits 0).
 
 A drain (vLLM's `--shutdown-timeout`, Triton's `--exit-timeout-secs`): readiness answers 503 and
 new requests get 503; requests in flight run for up to `timeout` seconds; then the engine aborts

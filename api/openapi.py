@@ -58,18 +58,18 @@ def install(app: FastAPI, schemas: dict[str, type[BaseModel] | dict],
 
 def _name_models(doc: dict, names: dict[str, list[str]]) -> None:
     """Restrict the `model` body fields (/v1) and path parameters (/v2) to the served names."""
-    for prefix, values in names.items():
-        if not values:
+    schemas = doc["components"]["schemas"]
+    for path, ops in doc["paths"].items():
+        values = next((v for prefix, v in names.items() if path.startswith(prefix) and v), None)
+        if values is None:
             continue
-        for path, ops in doc["paths"].items():
-            if not path.startswith(prefix):
-                continue
-            for op in ops.values():
-                for param in op.get("parameters", []):
-                    if param["name"] == "model":
-                        param["schema"] = {"type": "string", "enum": list(values)}
-                ref = (op.get("requestBody", {}).get("content", {}).get("application/json", {})
-                       .get("schema", {}).get("$ref", ""))
-                schema = doc["components"]["schemas"].get(ref.rsplit("/", 1)[-1], {})
-                if "model" in schema.get("properties", {}):
-                    schema["properties"]["model"] = {"type": "string", "enum": list(values)}
+        enum = {"type": "string", "enum": list(values)}
+        for op in ops.values():
+            for param in op.get("parameters", []):
+                if param["name"] == "model":
+                    param["schema"] = enum
+            ref = (op.get("requestBody", {}).get("content", {}).get("application/json", {})
+                   .get("schema", {}).get("$ref", ""))
+            props = schemas.get(ref.rsplit("/", 1)[-1], {}).get("properties", {})
+            if "model" in props:
+                props["model"] = enum

@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from scheduler.request import SamplingParams
+from scheduler.request import ParamError, SamplingParams
 
 # OpenAI request fields that exist in the API but are not implemented here: a request that sets
 # one gets a 400 naming it.
@@ -30,19 +30,11 @@ MAX_STOP = 64            # stop strings, and stop token ids, per request (OpenAI
 MAX_LOGIT_BIAS = 300     # logit_bias entries per request (OpenAI's limit)
 
 
-class RequestFieldError(ValueError):
-    """A request field's value is not allowed; `field` names it (the error's `param`)."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(message)
-        self.field = field
-
-
-class UnsupportedFieldError(RequestFieldError):
+class UnsupportedFieldError(ParamError):
     """A known OpenAI field that Continuum does not implement was set."""
 
     def __init__(self, field: str) -> None:
-        super().__init__(field, f"'{field}' is not supported by this server")
+        super().__init__(f"'{field}' is not supported by this server", field)
 
 
 class StreamOptions(BaseModel):
@@ -114,22 +106,21 @@ class _SamplingFields(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         if isinstance(self.stop, list) and len(self.stop) > MAX_STOP:
-            raise RequestFieldError("stop", f"stop: at most {MAX_STOP} strings, got "
-                                            f"{len(self.stop)}")
+            raise ParamError(f"stop: at most {MAX_STOP} strings, got {len(self.stop)}", "stop")
         if self.stop_token_ids is not None and len(self.stop_token_ids) > MAX_STOP:
-            raise RequestFieldError("stop_token_ids", f"stop_token_ids: at most {MAX_STOP} "
-                                                      f"ids, got {len(self.stop_token_ids)}")
+            raise ParamError(f"stop_token_ids: at most {MAX_STOP} ids, got "
+                             f"{len(self.stop_token_ids)}", "stop_token_ids")
         if self.logit_bias:
             if len(self.logit_bias) > MAX_LOGIT_BIAS:
-                raise RequestFieldError("logit_bias", f"logit_bias: at most {MAX_LOGIT_BIAS} "
-                                                      f"entries, got {len(self.logit_bias)}")
+                raise ParamError(f"logit_bias: at most {MAX_LOGIT_BIAS} entries, got "
+                                 f"{len(self.logit_bias)}", "logit_bias")
             for key, value in self.logit_bias.items():
                 if not (key.isascii() and key.isdigit()):
-                    raise RequestFieldError("logit_bias", f"logit_bias keys must be token ids, "
-                                                          f"got {key!r}")
+                    raise ParamError(f"logit_bias keys must be token ids, got {key!r}",
+                                     "logit_bias")
                 if not -100 <= value <= 100:
-                    raise RequestFieldError("logit_bias", f"logit_bias values must be in "
-                                                          f"[-100, 100], got {value}")
+                    raise ParamError(f"logit_bias values must be in [-100, 100], got {value}",
+                                     "logit_bias")
         return self
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:

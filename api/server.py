@@ -30,10 +30,10 @@ from api import openapi
 from api.lifecycle import InFlightGate, Lifecycle
 from api.metrics import Metrics
 from api.openai_serving import ResponseContext, merge, sse_events
-from api.protocol import ChatCompletionRequest, CompletionRequest, RequestFieldError
+from api.protocol import ChatCompletionRequest, CompletionRequest
 from engine.async_llm import ProcessAsyncLLM, RequestFailedError
 from engine.config import EngineConfig
-from scheduler.request import QueueFullError, SamplingParams
+from scheduler.request import ParamError, QueueFullError, SamplingParams
 
 logger = logging.getLogger("continuum.api")
 VERSION = "0.1.0"
@@ -145,8 +145,8 @@ class BearerAuth:
 def _validation_error(e: ValidationError) -> APIError:
     err = e.errors()[0]
     cause = (err.get("ctx") or {}).get("error")
-    if isinstance(cause, RequestFieldError):
-        return bad_request(str(cause), cause.field)
+    if isinstance(cause, ParamError):
+        return bad_request(str(cause), cause.param)
     param = ".".join(str(x) for x in err.get("loc", ())) or None
     msg = err.get("msg", "invalid request").removeprefix("Value error, ")
     if param is None and "stream_options" in msg:
@@ -323,6 +323,7 @@ def build_app(state: ServerState, load_in_background: bool = True) -> FastAPI:
         from triton_compat.openapi_schemas import BODIES, SCHEMAS
         schemas |= SCHEMAS
         bodies |= BODIES
+
     def model_names() -> dict[str, list[str]]:
         repo = state.repository
         return {"/v1": [state.served_model_name] if state.engine_config else [],
@@ -333,11 +334,6 @@ def build_app(state: ServerState, load_in_background: bool = True) -> FastAPI:
 
 
 def _params(body, prompt: list[int], state: ServerState) -> SamplingParams:
-    vocab = state.info["vocab_size"]
-    bad = next((k for k in body.logit_bias or {} if int(k) >= vocab), None)
-    if bad is not None:
-        raise bad_request(f"invalid key in logit_bias: {bad}; maximum value is {vocab - 1}",
-                          "logit_bias")
     default_max = max(1, state.info["max_model_len"] - len(prompt))
     try:
         return body.to_sampling_params(default_max)

@@ -225,8 +225,8 @@ def _engine_core_main(config: EngineConfig, conn) -> None:
     """Child process of `ProcessAsyncLLM`: build the engine, then serve commands and step.
 
     Messages to the parent: ("ready", info) once; ("added", id) / ("add_error", (id, exc));
-    ("outputs", (outputs, step_stats, snapshot)) per step and after "abort_all"; ("stats", ([], [], snapshot)) after
-    commands that changed state without a step (aborts).
+    ("outputs", (outputs, step_stats, snapshot)) per step and after "abort_all";
+    ("stats", ([], [], snapshot)) after commands that changed state without a step (aborts).
     """
     if not logging.getLogger().handlers:     # a spawned child starts without logging config
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -313,8 +313,8 @@ class ProcessAsyncLLM(_StreamRouter):
         super()._fail_all(error)
         for rid in list(self._pending):        # adds the engine never acknowledged
             fut = self._pending.pop(rid, None)
-            if fut is not None and not fut.done():
-                fut.set_exception(EngineDeadError(f"the engine is not running: {error}"))
+            if fut is not None:
+                _resolve(fut, EngineDeadError(f"the engine is not running: {error}"))
 
     def _send(self, msg: tuple) -> None:
         with self._send_lock:
@@ -354,7 +354,7 @@ class ProcessAsyncLLM(_StreamRouter):
                 elif kind == "add_error":
                     rid, err = payload
                     _resolve(self._pending.pop(rid), err)
-        except (EOFError, OSError) as e:  # the pipe closed: shutdown, or the child died
+        except (EOFError, OSError):       # the pipe closed: shutdown, or the child died
             if self._stopping:
                 self._fail_all(EngineDeadError("the engine was shut down"))
                 return

@@ -25,7 +25,7 @@ from engine.models.llama import ModelConfig, load_model
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput, StepStats
 from scheduler.config import CacheConfig, SchedulerConfig
-from scheduler.request import Request, RequestStatus, SamplingParams
+from scheduler.request import ParamError, Request, RequestStatus, SamplingParams
 from scheduler.scheduler import Scheduler
 
 logger = logging.getLogger("continuum.engine")
@@ -109,13 +109,19 @@ class LLMEngine:
                     arrival_time: float | None = None, priority: int = 0) -> None:
         """Queue a request.
 
-        Raises: ValueError (empty prompt, token id outside the vocabulary, duplicate id),
-        RequestTooLongError (→ HTTP 400), QueueFullError (→ HTTP 503).
+        Raises: ParamError naming the field (a prompt or logit_bias token id outside the
+        vocabulary), ValueError (empty prompt, duplicate id), RequestTooLongError (→ HTTP 400),
+        QueueFullError (→ HTTP 503).
         """
         vocab = self.model_config.vocab_size
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+            raise ParamError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})",
+                             "prompt")
+        bad = next((t for t in params.logit_bias or {} if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ParamError(f"invalid key in logit_bias: {bad}; maximum value is {vocab - 1}",
+                             "logit_bias")
         if self.extra_eos_ids and not params.ignore_eos:
             params = dataclasses.replace(
                 params, stop_token_ids=tuple(params.stop_token_ids) + self.extra_eos_ids)

@@ -23,20 +23,19 @@ class QueueFullError(RuntimeError):
 
 
 class ParamError(ValueError):
-    """A sampling parameter is out of range; `param` names it (HTTP 400 with that `param`)."""
+    """A request parameter is not allowed; `param` names it (HTTP 400 with that `param`)."""
 
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
 
 
-class RequestTooLongError(ValueError):
+class RequestTooLongError(ParamError):
     """Prompt (plus `max_tokens`) does not fit in `max_model_len` (HTTP 400). `param` says which
     part is at fault: "prompt" (no room for any output) or "max_tokens"."""
 
     def __init__(self, message: str, param: str = "prompt") -> None:
-        super().__init__(message)
-        self.param = param
+        super().__init__(message, param)
 
 
 class RequestStatus(enum.IntEnum):

@@ -66,6 +66,41 @@ def start_server(args: list[str], ready_path: str, log_path, timeout: float = 30
         raise RuntimeError(f"server not ready: {f.read().decode(errors='replace')[-3000:]}")
 
 
+def greedy(base: str, key: str | None = None, max_tokens: int = 8) -> str:
+    """A greedy completion of a fixed prompt from the server at `base` (the check that a server
+    still serves the same output after an ordeal). Fails the test on a non-200."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    r = httpx.post(f"{base}/v1/completions", headers=headers, timeout=60, json={
+        "model": MODEL, "prompt": "The capital of France is", "max_tokens": max_tokens,
+        "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def metric(base: str, name: str) -> float:
+    """The first sample of metric `name` on `base`'s /metrics."""
+    import re
+
+    import httpx
+
+    text = httpx.get(f"{base}/metrics", timeout=5).text
+    m = re.search(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
+    assert m, f"{name} not in /metrics"
+    return float(m.group(1))
+
+
+def simple_repository(tmp_path) -> str:
+    """A model repository under `tmp_path` holding only the example `simple` model; its path."""
+    import shutil
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = tmp_path / "repo"
+    shutil.copytree(os.path.join(root, "examples/model_repository/simple"), repo / "simple")
+    return str(repo)
+
+
 def stop_server(proc) -> None:
     """Terminate a server started by `start_server` and wait for it."""
     proc.terminate()

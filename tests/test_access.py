@@ -6,8 +6,6 @@ reaches the engine — and Triton's `--http-restricted-api` guards the chosen v2
 from __future__ import annotations
 
 import os
-import re
-import shutil
 import subprocess
 import sys
 
@@ -17,7 +15,7 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from tests.conftest import MODEL, start_server, stop_server
+from tests.conftest import MODEL, metric, simple_repository, start_server, stop_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEY = "env-key"
@@ -27,14 +25,13 @@ ADMIN = {"admin-key": "s3cret"}
 @pytest.fixture(scope="module")
 def guarded(tmp_path_factory, request):
     tmp = tmp_path_factory.mktemp("access")
-    shutil.copytree(os.path.join(ROOT, "examples/model_repository/simple"),
-                    tmp / "repo" / "simple")
+    repo = simple_repository(tmp)
     mp = pytest.MonkeyPatch()
     mp.setenv("CONTINUUM_API_KEY", KEY)
     try:
         proc, base = start_server(
             ["--max-model-len", "256", "--kv-cache-memory", "0.05", "--model-repository",
-             str(tmp / "repo"), "--model-control-mode", "explicit", "--load-model", "simple",
+             repo, "--model-control-mode", "explicit", "--load-model", "simple",
              "--http-restricted-api", "model-repository,statistics:admin-key=s3cret",
              "--uvicorn-log-level", "warning"], "/health/ready", tmp / "server.log")
     finally:
@@ -44,9 +41,7 @@ def guarded(tmp_path_factory, request):
 
 
 def _prompt_tokens(base: str) -> float:
-    text = httpx.get(f"{base}/metrics", timeout=5).text
-    m = re.search(r"^continuum_prompt_tokens_total(?:{[^}]*})? (\S+)$", text, re.M)
-    return float(m.group(1))
+    return metric(base, "continuum_prompt_tokens_total")
 
 
 def _complete(base: str, key: str | None):

@@ -14,18 +14,9 @@ import sys
 import httpx
 import pytest
 
-from tests.conftest import KEY, MODEL, start_server, stop_server
+from tests.conftest import KEY, greedy, simple_repository, start_server, stop_server
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEED = os.environ.get("CONTINUUM_FUZZ_SEED", "20261123")    # fixed: CI runs the same cases
-
-
-def _greedy(base: str) -> str:
-    r = httpx.post(f"{base}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
-                   timeout=60, json={"model": MODEL, "prompt": "The capital of France is",
-                                     "max_tokens": 8, "temperature": 0})
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["text"]
 
 
 @pytest.mark.stress
@@ -33,15 +24,14 @@ def test_schemathesis_finds_no_server_error(tmp_path):
     st = shutil.which("st", path=os.path.dirname(sys.executable))
     if st is None:
         pytest.skip("schemathesis is not installed (pip install -e '.[test]')")
-    repo = tmp_path / "repo"
-    shutil.copytree(os.path.join(ROOT, "examples/model_repository/simple"), repo / "simple")
+    repo = simple_repository(tmp_path)
     log = tmp_path / "server.log"
     # A short max_model_len keeps each generated request's generation short.
     proc, base = start_server(["--api-key", KEY, "--max-model-len", "64", "--kv-cache-memory",
-                               "0.1", "--model-repository", str(repo),
+                               "0.1", "--model-repository", repo,
                                "--uvicorn-log-level", "warning"], "/health/ready", log)
     try:
-        before = _greedy(base)
+        before = greedy(base, KEY)
         run = subprocess.run(
             [st, "run", f"{base}/openapi.json", "--checks", "not_a_server_error",
              "--max-examples", "30", "--seed", SEED, "--request-timeout", "60",
@@ -52,7 +42,7 @@ def test_schemathesis_finds_no_server_error(tmp_path):
         generated = int(re.search(r"(\d+) generated", out).group(1))
         assert generated >= 1000, out[-2000:]
         assert httpx.get(f"{base}/health", timeout=5).status_code == 200
-        assert _greedy(base) == before
+        assert greedy(base, KEY) == before
     finally:
         stop_server(proc)
     text = log.read_text(errors="replace")

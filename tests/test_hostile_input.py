@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.conftest import KEY, MAX_LEN, MODEL
+from tests.conftest import KEY, MAX_LEN, MODEL, greedy
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 LIMIT = 64 << 20            # --http-max-input-size's default (bytes)
@@ -23,10 +23,7 @@ def _post(server: str, path: str, body=None, content: bytes | None = None, **kw)
 
 
 def _greedy(server: str) -> str:
-    r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "The capital of France is",
-                                          "max_tokens": 12, "temperature": 0})
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["text"]
+    return greedy(server, KEY, max_tokens=12)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ and disconnect → blocks freed (read from /metrics). Each negative test ends wi
 from __future__ import annotations
 
 import json
-import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -13,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import KEY, MAX_LEN, MODEL
+from tests.conftest import KEY, MAX_LEN, MODEL, metric
 
 
 @pytest.fixture(scope="module")
@@ -26,13 +25,6 @@ def alive(server):
     r = httpx.post(f"{server}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
                    json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, timeout=60)
     assert r.status_code == 200, r.text
-
-
-def metric(server, name: str) -> float:
-    text = httpx.get(f"{server}/metrics", timeout=5).text
-    m = re.search(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M)
-    assert m, f"{name} not in /metrics"
-    return float(m.group(1))
 
 
 CHAT = [{"role": "system", "content": "You are terse."},

@@ -13,8 +13,6 @@ process. Real server processes, real clients:
 
 import json
 import os
-import re
-import shutil
 import signal
 import threading
 import time
@@ -22,22 +20,15 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import MODEL, start_server
+from tests.conftest import MODEL, metric, simple_repository, start_server
 
 ARGS = ["--max-model-len", "512", "--kv-cache-memory", "0.1", "--uvicorn-log-level", "warning"]
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _complete(base: str) -> None:
     r = httpx.post(f"{base}/v1/completions", timeout=60, json={
         "model": MODEL, "prompt": "Hello", "max_tokens": 4})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
-
-
-def _running(base: str) -> float:
-    text = httpx.get(f"{base}/metrics", timeout=5).text
-    return float(re.search(r"^continuum_num_requests_running(?:{[^}]*})? (\S+)$", text,
-                           re.M).group(1))
 
 
 class InFlight(threading.Thread):
@@ -84,7 +75,8 @@ def _start(base: str, specs: list[tuple[int, bool]]) -> list[InFlight]:
     reqs = [InFlight(base, n, stream) for n, stream in specs]
     deadline = time.time() + 60
     while time.time() < deadline:
-        if _running(base) >= len(reqs) and all(len(r.events) > 2 for r in reqs if r.stream):
+        running = metric(base, "continuum_num_requests_running")
+        if running >= len(reqs) and all(len(r.events) > 2 for r in reqs if r.stream):
             return reqs
         time.sleep(0.05)
     raise AssertionError("the requests did not start")
@@ -95,12 +87,6 @@ def _finish_reason(req: InFlight) -> str:
         reasons = [c["choices"][0]["finish_reason"] for c in req.chunks() if c.get("choices")]
         return [r for r in reasons if r][-1]
     return req.response.json()["choices"][0]["finish_reason"]
-
-
-def _repository(tmp_path) -> str:
-    repo = tmp_path / "repo"
-    shutil.copytree(os.path.join(ROOT, "examples/model_repository/simple"), repo / "simple")
-    return str(repo)
 
 
 def _no_traceback(log) -> str:
@@ -131,7 +117,8 @@ def test_stop_exits_0_without_traceback(tmp_path, how):
 def test_drain_finishes_in_flight_requests_and_refuses_new_ones(tmp_path):
     log = tmp_path / "server.log"
     proc, base = start_server([*ARGS, "--shutdown-timeout", "60", "--model-repository",
-                               _repository(tmp_path)], "/health/ready", log, new_session=True)
+                               simple_repository(tmp_path)], "/health/ready", log,
+                              new_session=True)
     try:
         stream, plain = _start(base, [(80, True), (60, False)])
         proc.send_signal(signal.SIGTERM)

@@ -18,16 +18,9 @@ import httpx
 import pytest
 
 from benchmarks.stress_bench import overload, overload_v2, rss_mib, slow_v2_repository, storm
-from tests.conftest import MODEL, start_server, stop_server
+from tests.conftest import greedy, start_server, stop_server
 
 RSS_BOUND_MIB = 100       # growth allowed across a burst / a storm after a warm-up
-
-
-def _greedy(base: str) -> str:
-    r = httpx.post(f"{base}/v1/completions", timeout=60, json={
-        "model": MODEL, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0})
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["text"]
 
 
 @pytest.mark.slow
@@ -37,7 +30,7 @@ def test_overload_burst_is_refused_fast_and_the_accepted_are_exact(tmp_path):
                                "--uvicorn-log-level", "warning"], "/health/ready",
                               tmp_path / "server.log")
     try:
-        before_out = _greedy(base)
+        before_out = greedy(base)
         asyncio.run(overload(base, 120, 12, probes=5))          # warm-up
         rss0 = rss_mib(proc.pid)
         r = asyncio.run(overload(base, 120, 12))
@@ -51,7 +44,7 @@ def test_overload_burst_is_refused_fast_and_the_accepted_are_exact(tmp_path):
         assert r["probe_refusal_ms_p50"] < 0.25 * r["mean_step_ms_full"], r
         assert r["idle_after_s"] is not None
         assert rss1 - rss0 < RSS_BOUND_MIB
-        assert _greedy(base) == before_out
+        assert greedy(base) == before_out
     finally:
         stop_server(proc)
 
@@ -83,7 +76,7 @@ def test_disconnect_storm_leaves_nothing_behind(tmp_path):
                                "--max-num-seqs", "16", "--max-waiting-requests", "64",
                                "--uvicorn-log-level", "warning"], "/health/ready", log)
     try:
-        before_out = _greedy(base)
+        before_out = greedy(base)
         asyncio.run(storm(base, 200, seed=1))                    # warm-up
         rss0 = rss_mib(proc.pid)
         r = asyncio.run(storm(base, 1000))
@@ -93,7 +86,7 @@ def test_disconnect_storm_leaves_nothing_behind(tmp_path):
         assert r["left"] >= 100 and r["completed"] > 0
         assert r["idle_after_s"] is not None and r["idle_after_s"] < 5
         assert rss1 - rss0 < RSS_BOUND_MIB
-        assert _greedy(base) == before_out
+        assert greedy(base) == before_out
     finally:
         stop_server(proc)
     assert "Traceback" not in log.read_text(errors="replace")

@@ -146,6 +146,7 @@ class Server(uvicorn.Server):
         lifecycle.server = self
 
     def handle_exit(self, sig: int, frame) -> None:
+        """Signal handler (main thread): the first signal drains, later ones `force`."""
         if self.lifecycle.draining or self.should_exit:
             self.lifecycle.force()
             return
@@ -153,6 +154,7 @@ class Server(uvicorn.Server):
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
+        """uvicorn's, without re-raising the captured signal once the server has stopped."""
         if threading.current_thread() is not threading.main_thread():
             yield
             return

@@ -60,6 +60,15 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-max-input-size", type=int, default=64 << 20, metavar="BYTES",
                    help="largest request body on /v1 and /v2 (v2 infer: compressed or "
                         "inflated); larger ones get 413 (default: %(default)s)")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="Jinja chat template (a file, or the template itself) used instead of "
+                        "the model's own, e.g. examples/tool_chat_template_smollm2.jinja")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model decide when to call tools (tool_choice "auto"); needs '
+                        "--tool-call-parser")
+    p.add_argument("--tool-call-parser", default=None, choices=["hermes"],
+                   help="how tool calls are found in the model's text (hermes: <tool_call> "
+                        "JSON blocks)")
     triton = p.add_argument_group("Triton / KServe v2 (non-LLM models)")
     triton.add_argument("--model-repository", default=None, metavar="DIR",
                         help="serve the Triton model repository DIR on /v2 (default: none)")
@@ -143,6 +152,9 @@ def main(argv: list[str] | None = None) -> None:
                              "serve)")
         if args.model_repository is not None and not Path(args.model_repository).is_dir():
             raise ValueError(f"--model-repository {args.model_repository}: not a directory")
+        if args.enable_auto_tool_choice and args.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        args.chat_template_text = _chat_template(args.chat_template)
         if args.model is not None and not Path(args.model).exists():
             raise ValueError(f"model {args.model!r} is not a local path "
                              "(Continuum never downloads weights)")
@@ -150,6 +162,19 @@ def main(argv: list[str] | None = None) -> None:
         print(f"continuum: error: {e}", file=sys.stderr)
         sys.exit(2)
     serve(args, config)
+
+
+def _chat_template(value: str | None) -> str | None:
+    """`--chat-template`: a file's text, or the value itself when it is a template (vLLM's
+    rule). Raises ValueError for a path that does not exist."""
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file():
+        return path.read_text()
+    if "{" in value:
+        return value
+    raise ValueError(f"--chat-template {value}: no such file")
 
 
 def serve(args: argparse.Namespace, config) -> None:
@@ -166,7 +191,9 @@ def serve(args: argparse.Namespace, config) -> None:
     lifecycle = Lifecycle(args.shutdown_timeout)
     state = ServerState(None if args.no_llm else config, name, api_key or None,
                         base_url=f"http://{args.host}:{args.port}/v1", lifecycle=lifecycle,
-                        http_max_input_size=args.http_max_input_size)
+                        http_max_input_size=args.http_max_input_size,
+                        chat_template=args.chat_template_text,
+                        enable_auto_tool_choice=args.enable_auto_tool_choice)
     if args.model_repository is not None:
         state.repository_args = (args.model_repository, args.model_control_mode,
                                  args.load_model)

@@ -8,6 +8,10 @@ after the stream started becomes an error chunk, and `data: [DONE]` always ends 
 
 In: an async iterator of `(group, RequestOutput)` — group is the prompt's index for multi-prompt
 completions. Out: dicts (JSON bodies) or SSE `data:` payload strings.
+
+Tool calls (`tool_parsing`): each chat choice's text goes through an `api.tools.HermesToolParser`,
+streamed or not, so `tool_calls` arrive in OpenAI's shape and a choice that called a tool ends
+with finish_reason "tool_calls".
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from api.tools import HermesToolParser
 from engine.outputs import RequestOutput, TokenLogprob
 
 
@@ -29,6 +34,7 @@ class _Choice:
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     started: bool = False
+    parser: HermesToolParser | None = None     # streamed tool-call parsing
 
 
 @dataclass
@@ -45,6 +51,7 @@ class ResponseContext:
     continuous_usage: bool = False
     want_logprobs: bool = False
     echo_texts: list[str] | None = None          # completions with echo: prompt text per group
+    tool_parsing: bool = False                   # chat: parse hermes tool calls
     created: int = field(default_factory=lambda: int(time.time()))
     prompt_tokens: list[int] = field(default_factory=list)   # per group
     choices: dict[int, _Choice] = field(default_factory=dict)
@@ -124,6 +131,9 @@ class ResponseContext:
         """SSE chunks for one RequestOutput."""
         chunks = []
         for i, ch, text, lps, finish in self._apply(group, out):
+            if self.chat and self.tool_parsing:
+                chunks += self._tool_chunks(i, ch, text, lps, finish)
+                continue
             if self.chat:
                 delta: dict = {}
                 if not ch.started:
@@ -145,15 +155,59 @@ class ResponseContext:
                 chunks.append(self._chunk([body]))
         return chunks
 
+    def _tool_chunks(self, i: int, ch: _Choice, text: str, lps: list, finish) -> list[dict]:
+        """Chunks of one chat choice's delta through its tool-call parser: one chunk per parser
+        delta (content or tool_calls), the logprobs on the first, finish_reason on the last."""
+        if ch.parser is None:
+            ch.parser = HermesToolParser()
+        deltas = ch.parser.feed(text) + (ch.parser.finish() if finish is not None else [])
+        if finish is not None:
+            deltas = deltas or [{}]
+            finish = self._tool_finish(ch, finish)
+        elif not deltas and (lps or not ch.started):
+            deltas = [{"content": ""}]
+        chunks = []
+        for k, delta in enumerate(deltas):
+            if not ch.started:
+                delta = {"role": "assistant", **delta}
+                ch.started = True
+            last = k == len(deltas) - 1
+            body = {"index": i, "delta": delta,
+                    "logprobs": self.chat_logprobs(lps) if k == 0 else None,
+                    "finish_reason": finish if last else None}
+            if last and finish is not None:
+                body["stop_reason"] = ch.stop_reason
+            chunks.append(self._chunk([body]))
+        return chunks
+
+    @staticmethod
+    def _tool_finish(ch: _Choice, finish: str) -> str:
+        """"tool_calls" for a choice that stopped after calling a tool."""
+        return "tool_calls" if finish == "stop" and ch.parser and ch.parser.calls else finish
+
+    def _chat_message(self, ch: _Choice) -> tuple[dict, str | None]:
+        """The non-streamed message of a chat choice, and its finish_reason."""
+        if not self.tool_parsing:
+            return {"role": "assistant", "content": ch.text}, ch.finish_reason
+        ch.parser = HermesToolParser()
+        deltas = ch.parser.feed(ch.text) + ch.parser.finish()
+        content = "".join(d.get("content", "") for d in deltas)
+        message = {"role": "assistant",
+                   "content": content if content.strip() or not ch.parser.calls else None}
+        if ch.parser.calls:
+            message["tool_calls"] = ch.parser.calls
+        return message, self._tool_finish(ch, ch.finish_reason)
+
     def final_body(self) -> dict:
         """The non-streamed response after every output was folded in with `absorb`."""
         choices = []
         for i in sorted(self.choices):
             ch = self.choices[i]
             if self.chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": ch.text},
+                message, finish = self._chat_message(ch)
+                choices.append({"index": i, "message": message,
                                 "logprobs": self.chat_logprobs(ch.logprobs),
-                                "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason})
+                                "finish_reason": finish, "stop_reason": ch.stop_reason})
             else:
                 prefix = self.echo_texts[i // self.n] if self.echo_texts is not None else ""
                 choices.append({"index": i, "text": prefix + ch.text,

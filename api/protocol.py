@@ -2,26 +2,29 @@
 
 Owns: the request bodies of `/v1/chat/completions` and `/v1/completions` — OpenAI's fields plus
 vLLM's extras (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`,
-`stop_token_ids`, `priority`) — with their validation. Unknown fields are rejected (HTTP 400
-naming the field), and so are OpenAI fields Continuum accepts in the schema but does not
-implement (tools, response formats, ...), never silently ignored.
+`stop_token_ids`, `priority`, `structured_outputs`) — with their validation, and the
+translation of `response_format` / `structured_outputs` into one `StructuredOutputs`
+constraint. Unknown fields are rejected (HTTP 400 naming the field), and so are OpenAI fields
+Continuum accepts in the schema but does not implement (audio, predictions, ...), never
+silently ignored. Tools (`tools`, `tool_choice`) are declared here; `api.tools` gives them
+meaning.
 
-Responses are built as plain dicts by `api.server` in OpenAI's shapes.
+Responses are built as plain dicts by `api.openai_serving` in OpenAI's shapes.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from scheduler.request import ParamError, SamplingParams
+from scheduler.request import ParamError, SamplingParams, StructuredOutputs
 
 # OpenAI request fields that exist in the API but are not implemented here: a request that sets
 # one gets a 400 naming it.
 UNSUPPORTED_FIELDS = (
-    "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls",
-    "response_format", "audio", "modalities", "prediction", "web_search_options",
+    "functions", "function_call", "audio", "modalities", "prediction", "web_search_options",
     "reasoning_effort", "service_tier", "store", "metadata", "suffix", "best_of",
 )
 
@@ -51,12 +54,30 @@ class TextPart(BaseModel):
     text: str
 
 
-class ChatMessage(BaseModel):
-    """One chat message; `content` is a string or a list of text parts."""
+class FunctionCall(BaseModel):
+    """A function call in an assistant message of the history (`arguments`: JSON text)."""
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """One entry of an assistant message's `tool_calls`."""
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(BaseModel):
+    """One chat message; `content` is a string or a list of text parts. Assistant messages may
+    carry `tool_calls`; `tool` messages answer one, named by `tool_call_id`."""
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         """The message's text (parts joined, None as empty)."""
@@ -65,6 +86,60 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema`: the schema is always enforced (`strict` or not), as vLLM
+    does."""
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI `response_format`: `text`, `json_object` (any JSON object) or `json_schema`."""
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ParamError("response_format of type json_schema needs 'json_schema'",
+                             "response_format")
+        return self
+
+
+class StructuredOutputsParams(BaseModel):
+    """vLLM's `structured_outputs`: exactly one of `json` (a schema, object or JSON text),
+    `regex`, `choice`, `grammar` (Lark or GBNF), `json_object`."""
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        self.constraint()
+        return self
+
+    def constraint(self) -> StructuredOutputs:
+        """The one constraint given. Raises ParamError when none or several are set."""
+        given = {k: v for k, v in (("json", self.json_), ("regex", self.regex),
+                                   ("choice", self.choice), ("grammar", self.grammar),
+                                   ("json_object", self.json_object or None)) if v is not None}
+        if len(given) != 1:
+            raise ParamError("structured_outputs needs exactly one of json, regex, choice, "
+                             f"grammar, json_object; got {sorted(given) or 'none'}",
+                             "structured_outputs")
+        (kind, value), = given.items()
+        if kind in ("choice",) or (kind == "json" and not isinstance(value, str)):
+            value = json.dumps(value)
+        return StructuredOutputs(kind, "" if kind == "json_object" else value)
 
 
 class _SamplingFields(BaseModel):
@@ -92,6 +167,8 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     priority: int = 0
+    structured_outputs: StructuredOutputsParams | None = None
+    response_format: ResponseFormat | None = None
     @model_validator(mode="before")
     @classmethod
     def _reject_unsupported(cls, data):
@@ -123,8 +200,28 @@ class _SamplingFields(BaseModel):
                                      "logit_bias")
         return self
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """Translate to engine `SamplingParams` (raises ValueError on a bad combination)."""
+    def constraint(self) -> tuple[StructuredOutputs | None, str | None]:
+        """(the output constraint, the field it came from), or (None, None).
+        Raises ParamError when `response_format` and `structured_outputs` both constrain."""
+        fmt = self.response_format
+        from_format = None
+        if fmt is not None and fmt.type == "json_object":
+            from_format = StructuredOutputs("json_object")
+        elif fmt is not None and fmt.type == "json_schema":
+            from_format = StructuredOutputs("json", json.dumps(fmt.json_schema.schema_ or {}))
+        if from_format is not None and self.structured_outputs is not None:
+            raise ParamError("give response_format or structured_outputs, not both",
+                             "structured_outputs")
+        if from_format is not None:
+            return from_format, "response_format"
+        if self.structured_outputs is not None:
+            return self.structured_outputs.constraint(), "structured_outputs"
+        return None, None
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        structured: StructuredOutputs | None = None) -> SamplingParams:
+        """Translate to engine `SamplingParams` (raises ValueError on a bad combination);
+        `structured` is the output constraint, if any."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(
             n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens,
@@ -133,7 +230,35 @@ class _SamplingFields(BaseModel):
             repetition_penalty=self.repetition_penalty,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()} or None,
             seed=self.seed, stop=stop, stop_token_ids=tuple(self.stop_token_ids or ()),
-            ignore_eos=self.ignore_eos, logprobs=logprobs)
+            ignore_eos=self.ignore_eos, logprobs=logprobs, structured_outputs=structured)
+
+
+class FunctionDefinition(BaseModel):
+    """A tool's function: its name and the JSON schema of its arguments."""
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    """One entry of `tools` (only function tools exist in the Chat Completions API)."""
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class _FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """`tool_choice` naming one function: `{"type": "function", "function": {"name": ...}}`."""
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: _FunctionName
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -145,18 +270,30 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _check_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ParamError("tool_choice is set but no tools are given", "tool_choice")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            name = self.tool_choice.function.name
+            if name not in {t.function.name for t in self.tools}:
+                raise ParamError(f"tool_choice names {name!r}, which is not in tools",
+                                 "tool_choice")
         return self
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """Engine parameters; `default_max_tokens` (tokens) applies when the request gives none."""
+    def to_sampling_params(self, default_max_tokens: int,
+                           structured: StructuredOutputs | None = None) -> SamplingParams:
+        """Engine parameters; `default_max_tokens` (tokens) applies when the request gives none;
+        `structured` is the output constraint (see `constraint` and `api.tools`)."""
         max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.sampling_params(max_tokens, logprobs)
+        return self.sampling_params(max_tokens, logprobs, structured)
 
 
 class CompletionRequest(_SamplingFields):
@@ -178,6 +315,9 @@ class CompletionRequest(_SamplingFields):
             return [list(p)]
         return list(p)
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """Engine parameters; `default_max_tokens` (tokens) applies when the request gives none."""
-        return self.sampling_params(self.max_tokens or default_max_tokens, self.logprobs)
+    def to_sampling_params(self, default_max_tokens: int,
+                           structured: StructuredOutputs | None = None) -> SamplingParams:
+        """Engine parameters; `default_max_tokens` (tokens) applies when the request gives none;
+        `structured` is the output constraint (see `constraint`)."""
+        return self.sampling_params(self.max_tokens or default_max_tokens, self.logprobs,
+                                    structured)

@@ -25,8 +25,9 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from sse_starlette.sse import EventSourceResponse
 
+from api.chat import prepare_chat, request_constraint
 from api.errors import APIError, bad_request, engine_error, error_response
-from api import openapi
+from api import embeddings, openapi
 from api.lifecycle import InFlightGate, Lifecycle
 from api.metrics import Metrics
 from api.openai_serving import ResponseContext, merge, sse_events
@@ -58,6 +59,9 @@ class ServerState:
     repository: object = None                 # triton_compat ModelRepository once loaded
     repository_error: str | None = None
     http_max_input_size: int = 64 << 20       # bytes, largest request body (/v1 and /v2)
+    chat_template: str | None = None          # --chat-template (text), else the model's own
+    enable_auto_tool_choice: bool = False     # --enable-auto-tool-choice (hermes parser)
+    grammars: object = None                   # engine.structured GrammarCompiler (validation)
     restricted_apis: dict = field(default_factory=dict)   # v2 category -> (header, value)
     lifecycle: Lifecycle = field(default_factory=Lifecycle)
 
@@ -102,6 +106,8 @@ class ServerState:
                                   on_dead=self.engine_died)
             from transformers import AutoTokenizer
             self.tokenizer = AutoTokenizer.from_pretrained(llm.info["model_dir"])
+            from engine.structured.grammar import GrammarCompiler
+            self.grammars = GrammarCompiler(self.tokenizer, llm.info.get("vocab_size"))
             self.info, self.llm = llm.info, llm
 
             async def warm_up():
@@ -257,11 +263,11 @@ def build_app(state: ServerState, load_in_background: bool = True) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         if state.engine_config is None:
-            return {"object": "list", "data": []}
+            return {"object": "list", "data": embeddings.model_cards(state)}
         return {"object": "list", "data": [{
             "id": state.served_model_name, "object": "model", "created": int(state.started),
             "owned_by": "continuum", "root": state.info.get("model_dir"),
-            "max_model_len": state.info.get("max_model_len")}]}
+            "max_model_len": state.info.get("max_model_len")}, *embeddings.model_cards(state)]}
 
     def refuse_if_full() -> None:
         """Overload: refuse before reading the body (a refusal must cost next to nothing)."""
@@ -277,16 +283,11 @@ def build_app(state: ServerState, load_in_background: bool = True) -> FastAPI:
         body = await _parse(request, ChatCompletionRequest, state.http_max_input_size)
         check_model(body.model)
         llm = engine_or_503()
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            ids = state.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=body.add_generation_prompt)
-        except Exception as e:       # a template that rejects the conversation
-            raise bad_request(f"chat template failed: {e}", "messages") from None
-        prompt = list(ids if isinstance(ids, list) else ids["input_ids"])
+        prompt, so, tool_parsing = await prepare_chat(state, body)
         ctx = ResponseContext(f"chatcmpl-{uuid.uuid4().hex}", state.served_model_name, True,
-                              body.n, 1, state.tokenizer, want_logprobs=body.logprobs)
-        params = _params(body, prompt, state)
+                              body.n, 1, state.tokenizer, want_logprobs=body.logprobs,
+                              tool_parsing=tool_parsing)
+        params = _params(body, prompt, state, so)
         return await _respond(request, llm, ctx, body, [prompt], params, "messages", state)
 
     @app.post("/v1/completions")
@@ -312,9 +313,11 @@ def build_app(state: ServerState, load_in_background: bool = True) -> FastAPI:
         ctx = ResponseContext(f"cmpl-{uuid.uuid4().hex}", state.served_model_name, False,
                               body.n, len(prompts), state.tokenizer,
                               want_logprobs=body.logprobs is not None, echo_texts=echo)
-        params = _params(body, min(prompts, key=len), state)
+        params = _params(body, min(prompts, key=len), state,
+                         await request_constraint(state, body))
         return await _respond(request, llm, ctx, body, prompts, params, "prompt", state)
 
+    embeddings.install(app, state, _parse)
     schemas: dict = {"ChatCompletionRequest": ChatCompletionRequest,
                      "CompletionRequest": CompletionRequest}
     bodies = {("post", "/v1/chat/completions"): "ChatCompletionRequest",
@@ -333,10 +336,10 @@ def build_app(state: ServerState, load_in_background: bool = True) -> FastAPI:
     return app
 
 
-def _params(body, prompt: list[int], state: ServerState) -> SamplingParams:
+def _params(body, prompt: list[int], state: ServerState, so=None) -> SamplingParams:
     default_max = max(1, state.info["max_model_len"] - len(prompt))
     try:
-        return body.to_sampling_params(default_max)
+        return body.to_sampling_params(default_max, so)
     except ValueError as e:
         raise bad_request(str(e), getattr(e, "param", None)) from None
 

@@ -5,6 +5,9 @@ physical cache), the output processor, and start-up: resolve device and dtype, f
 the model, size the KV cache in blocks, load weights and tokenizer.
 
 In: `add_request(request_id, prompt_token_ids, SamplingParams)`, `abort_request(ids)`.
+A request with structured outputs whose grammar is not compiled yet waits in the scheduler
+(`grammar_pending`) while a worker thread compiles it, so one slow compile never stalls the
+step loop; a grammar that fails to compile finishes its request with finish_reason "error".
 Out: `step() -> list[RequestOutput]` (deltas), and a `StepStats` per step to each stat logger.
 Not thread-safe: `AsyncLLM` drives it from one thread.
 """
@@ -15,6 +18,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 from engine.config import GIB, EngineConfig
 from engine.device import resolve_device, resolve_dtype
@@ -23,6 +27,7 @@ from engine.loader import resolve_model
 from engine.model_runner import ModelRunner
 from engine.models.llama import ModelConfig, load_model
 from engine.output_processor import OutputProcessor
+from engine.structured.grammar import GrammarCompiler, grammar_text
 from engine.outputs import RequestOutput, StepStats
 from scheduler.config import CacheConfig, SchedulerConfig
 from scheduler.request import ParamError, Request, RequestStatus, SamplingParams
@@ -66,9 +71,12 @@ class LLMEngine:
                             max_waiting_requests=config.max_waiting_requests),
             CacheConfig(config.block_size, num_gpu_blocks, num_cpu_blocks,
                         config.enable_prefix_caching))
+        self.grammars = GrammarCompiler(self.tokenizer, mcfg.vocab_size)
+        self._compile_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self._compiling: dict[str, Future] = {}
         self.runner = ModelRunner(self.model, self.device, config.block_size, num_gpu_blocks,
                                   num_cpu_blocks, (self.eos_token_id,) + self.extra_eos_ids,
-                                  config.seed)
+                                  config.seed, self.grammars)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_loggers: list[Callable[[StepStats], None]] = []
         self.load_time = time.perf_counter() - t0
@@ -122,6 +130,9 @@ class LLMEngine:
         if bad is not None:
             raise ParamError(f"invalid key in logit_bias: {bad}; maximum value is {vocab - 1}",
                              "logit_bias")
+        so = params.structured_outputs
+        if so is not None:
+            grammar_text(so)             # a malformed spec fails here; compiling comes later
         if self.extra_eos_ids and not params.ignore_eos:
             params = dataclasses.replace(
                 params, stop_token_ids=tuple(params.stop_token_ids) + self.extra_eos_ids)
@@ -130,10 +141,33 @@ class LLMEngine:
                       priority)
         self.scheduler.add_request(req)
         self.output_processor.add_request(request_id, req.prompt_token_ids, params, arrival)
+        if so is not None and not self.grammars.cached(so):
+            req.grammar_pending = True
+            self._compiling[request_id] = self._compile_pool.submit(self.grammars.compile, so)
+
+    def _grammars_ready(self) -> list[RequestOutput]:
+        """Release requests whose grammar compiled; fail those whose grammar did not."""
+        failed = []
+        for rid, fut in list(self._compiling.items()):
+            if not fut.done():
+                continue
+            del self._compiling[rid]
+            req = self.scheduler.requests.get(rid)
+            if fut.exception() is not None:
+                failed.append((rid, str(fut.exception())))
+            elif req is not None:
+                req.grammar_pending = False
+        outputs = []
+        for rid, message in failed:
+            self.scheduler.finish_requests([rid], RequestStatus.FINISHED_ERROR)
+            outputs += self.output_processor.finish([rid], "error", message)
+        return outputs
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Finish requests as aborted (any state); their blocks are free when this returns."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for rid in ids:
+            self._compiling.pop(rid, None)
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
         for rid in ids:
             self.output_processor.remove(rid)
@@ -142,6 +176,7 @@ class LLMEngine:
         """Abort every unfinished request (a server shutting down); their blocks are free when
         this returns. Returns each request's final output, finish_reason "abort"."""
         ids = list(self.output_processor.requests)
+        self._compiling.clear()
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
         return self.output_processor.finish(ids, "abort")
 
@@ -153,13 +188,16 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, execute, update, process outputs."""
         t0 = time.perf_counter()
+        released = self._grammars_ready() if self._compiling else []
         sched_out = self.scheduler.schedule()
+        if sched_out.is_empty and self._compiling:      # only compiles pending: do not spin
+            wait(list(self._compiling.values()), timeout=0.05, return_when=FIRST_COMPLETED)
         t1 = time.perf_counter()
         try:
             runner_out = self.runner.execute(sched_out)
         except Exception as e:       # the step's requests fail; the engine keeps serving
             logger.exception("model runner failed")
-            return self._fail(sched_out, e)
+            return released + self._fail(sched_out, e)
         t2 = time.perf_counter()
         updates = self.scheduler.update_from_output(sched_out, runner_out)
         t3 = time.perf_counter()
@@ -168,7 +206,7 @@ class LLMEngine:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED,
                                            include_forks=False)
         self._record(sched_out, outputs, t0, t3 - t2 + t1 - t0)
-        return outputs
+        return released + outputs
 
     def _fail(self, sched_out, error: Exception) -> list[RequestOutput]:
         ids = [s.request_id for s in sched_out.scheduled]

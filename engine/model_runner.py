@@ -11,7 +11,8 @@ Per step: drop finished / preempted requests' state → swap out, swap in, copy-
 apply block-table diffs → build the flat batch (decode-like requests first, then prefill
 chunks; no padding between requests for the dense layers), the slot mapping and the attention
 metadata (a block table per token for the kernels; decode groups and prefill chunks for the
-torch path) → forward → logits only for the requests that sample → sampler.
+torch path) → forward → logits only for the requests that sample → grammar masks for the
+rows with structured outputs (`engine.structured`) → sampler → each matcher consumes its token.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from engine.attention import (SMALL_DECODE_BATCH, AttentionMetadata, DecodeGroup
 from engine.device import Device
 from engine.models.llama import LlamaForCausalLM
 from engine.sampler import Sampler, SamplingRow
+from engine.structured.mask import fill_bitmask
 from scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 
@@ -77,7 +79,7 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, device: Device, block_size: int,
                  num_gpu_blocks: int, num_cpu_blocks: int, eos_token_ids: tuple[int, ...],
-                 seed: int = 0) -> None:
+                 seed: int = 0, grammars=None) -> None:
         cfg = model.cfg
         self.model, self.device, self.block_size = model, device, block_size
         shape = (cfg.num_layers, 2, cfg.num_kv_heads, num_gpu_blocks, block_size, cfg.head_dim)
@@ -91,6 +93,7 @@ class ModelRunner:
         self.kernels = device.kernels(model.dtype)
         model.set_kernels(self.kernels)
         self.states: dict[str, _RequestState] = {}
+        self.grammars = grammars      # engine.structured.grammar.GrammarCompiler, or None
 
     # ------------------------------------------------------------------ block movement
     def _move_blocks(self, out: SchedulerOutput) -> None:
@@ -109,9 +112,12 @@ class ModelRunner:
     def _update_state(self, s: ScheduledRequest) -> _RequestState:
         if s.is_new:
             stop_ids = tuple(self.eos_token_ids) + tuple(s.sampling_params.stop_token_ids)
+            so = s.sampling_params.structured_outputs
+            matcher = (self.grammars.matcher(so, s.output_token_ids)
+                       if so is not None and self.grammars is not None else None)
             state = _RequestState(list(s.new_block_ids), SamplingRow(
                 s.sampling_params, s.prompt_token_ids, list(s.output_token_ids),
-                s.choice_index, stop_ids))
+                s.choice_index, stop_ids, matcher))
             self.states[s.request_id] = state
             return state
         state = self.states[s.request_id]
@@ -144,12 +150,20 @@ class ModelRunner:
         rows_at, idx = zip(*sample_idx)
         logits = self.model.compute_logits(hidden[list(idx)])
         rows = [states[i].row for i in rows_at]
-        result = self.sampler(logits, rows)
+        constrained = [k for k, r in enumerate(rows) if r.matcher is not None]
+        grammar = None
+        if constrained:
+            grammar = (constrained, fill_bitmask([rows[k].matcher for k in constrained],
+                                                 logits.shape[1]))
+        result = self.sampler(logits, rows, grammar)
         sampled, logprobs = {}, {}
         for i, tok, lp in zip(rows_at, result.token_ids, result.logprobs):
             rid = ordered[i].request_id
             sampled[rid] = [tok]
-            states[i].row.output_token_ids.append(tok)
+            row = states[i].row
+            row.output_token_ids.append(tok)
+            if row.matcher is not None:
+                row.matcher.consume_token(tok)
             if lp is not None:
                 logprobs[rid] = [(tok,) + lp]
         return ModelRunnerOutput(sampled, logprobs or None)

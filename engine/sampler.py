@@ -4,6 +4,9 @@ Owns: the order of logits processing, which follows vLLM v1's sampler —
 logit_bias and min_tokens masking → repetition / frequency / presence penalties → greedy argmax,
 or temperature → min_p → top_k / top_p → sampling — and per-request randomness.
 
+Structured outputs: rows with a grammar get its token mask first (`engine.structured.mask`), so
+every later step — penalties, filters, sampling — only sees allowed tokens.
+
 Sampling is inverse-CDF: one uniform draw per row, located in the row's cumulative
 distribution with `searchsorted` (inverse transform sampling; Devroye, "Non-Uniform Random
 Variate Generation", 1986, ch. III.2). Not `torch.multinomial`: for one sample it runs the
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.structured.mask import apply_bitmask
 from scheduler.request import SamplingParams
 
 _MASK = float("-inf")
@@ -38,6 +42,7 @@ class SamplingRow:
     output_token_ids: list[int]
     choice_index: int
     stop_ids_for_min_tokens: tuple[int, ...]   # EOS + stop_token_ids, masked until min_tokens
+    matcher: object = None          # llguidance.LLMatcher of a structured-output request
 
 
 @dataclass
@@ -59,11 +64,16 @@ class Sampler:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
-        """Sample one token per row of `logits` `[N, vocab]` float32 (modified in place)."""
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
+                 grammar: tuple[list[int], torch.Tensor] | None = None) -> SampleResult:
+        """Sample one token per row of `logits` `[N, vocab]` float32 (modified in place).
+        `grammar` = (row indices, their bitmask `[R, ceil(vocab / 32)]` int32) masks the rows of
+        structured-output requests; logprobs stay the model's own (before the mask)."""
         want_logprobs = [r.params.logprobs for r in rows]
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
                         if any(k is not None for k in want_logprobs) else None)
+        if grammar is not None:
+            apply_bitmask(logits, *grammar)
         self._apply_bias_and_min_tokens(logits, rows)
         self._apply_penalties(logits, rows)
 

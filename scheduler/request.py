@@ -61,6 +61,28 @@ class RequestStatus(enum.IntEnum):
         return _FINISH_REASONS.get(self)
 
 
+STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """A constraint on the generated text (vLLM's `structured_outputs` kinds).
+
+    `kind` is one of STRUCTURED_OUTPUT_KINDS; `spec` is text: a JSON schema ("json"), ignored
+    ("json_object": any JSON object), a regular expression ("regex"), a JSON list of strings
+    ("choice"), or a Lark / GBNF grammar ("grammar"). Pure data: the engine's
+    `engine.structured` turns it into a token mask. Raises ParamError for an unknown kind.
+    """
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_OUTPUT_KINDS:
+            raise ParamError(f"unknown structured output kind {self.kind!r}; expected one of "
+                             f"{', '.join(STRUCTURED_OUTPUT_KINDS)}", "structured_outputs")
+
+
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
@@ -97,6 +119,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None    # number of top logprobs per token (0 = sampled token only)
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputs | None = None   # constrains the output (grammar)
 
     def __post_init__(self) -> None:
         def bad(name: str, value, why: str) -> None:
@@ -169,6 +192,7 @@ class Request:
     stop_reason: int | str | None = None   # the stop token id (or stop string) that finished it
     num_preemptions: int = 0
     forked: bool = False                   # True once the n-way fork happened (or n == 1)
+    grammar_pending: bool = False          # its structured-output grammar is still compiling
     seq: int = field(init=False)           # tie-breaker: admission order among equal arrivals
 
     def __post_init__(self) -> None:

@@ -22,6 +22,10 @@ victim was never scheduled in the same step.
 n > 1: the request is computed once up to its last prompt token, then forked into n sequences
 that share its blocks by reference count; each computes the last prompt token itself (so
 each samples from the same logits), copying the shared partial block first (copy-on-write).
+
+Structured outputs: a waiting request with `grammar_pending` (its grammar still compiling off
+the step loop, vLLM's WAITING_FOR_FSM) is passed over, keeping its place, until the engine
+clears the flag.
 """
 
 from __future__ import annotations
@@ -208,8 +212,12 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, seats: int) -> None:
         kv, cfg = self.kv, self.config
+        deferred = []               # requests whose grammar is still compiling keep their place
         while self.waiting and budget > 0:
             req = self.waiting[0][1]
+            if req.grammar_pending:
+                deferred.append(heapq.heappop(self.waiting))
+                continue
             if seats + self._seats(req) > cfg.max_num_seqs:
                 break
             hit_blocks, num_hit = kv.get_computed_blocks(req.request_id, req.all_token_ids,
@@ -229,6 +237,8 @@ class Scheduler:
             seats += self._seats(req)
             self._start_running(out, req, num_new)
             budget -= num_new
+        for entry in deferred:
+            heapq.heappush(self.waiting, entry)
 
     def _start_running(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
         req.status = RUNNING

@@ -38,8 +38,12 @@ def test_completion_prompt_forms(prompt, expected):
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"tools": []}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"functions": []}, "functions"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"top_p": 0}, "top_p"),
     ({"frobnicate": 1}, "frobnicate"),
@@ -54,7 +58,7 @@ def test_rejections_name_the_parameter(body, param):
 
 
 def test_unsupported_field_error_message():
-    assert "'tools' is not supported" in str(UnsupportedFieldError("tools"))
+    assert "'audio' is not supported" in str(UnsupportedFieldError("audio"))
 
 
 def test_top_logprobs_requires_logprobs():

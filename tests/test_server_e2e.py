@@ -33,7 +33,8 @@ CHAT = [{"role": "system", "content": "You are terse."},
 
 # ----------------------------------------------------------------------------- happy paths
 def test_models_lists_the_served_model(client):
-    assert [m.id for m in client.models.list()] == [MODEL]
+    # the LLM first, then the repository's embedding models (/v1/embeddings; api/embeddings.py)
+    assert [m.id for m in client.models.list()] == [MODEL, "text_embedding"]
 
 
 def test_chat_streamed_equals_non_streamed_with_exact_usage(client, server):
@@ -135,7 +136,7 @@ def test_malformed_json_is_400(server):
     ({"model": MODEL, "messages": CHAT, "temperature": 5}, "temperature"),
     ({"model": MODEL, "messages": CHAT, "n": 0}, "n"),
     ({"model": MODEL, "messages": []}, "messages"),
-    ({"model": MODEL, "messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
+    ({"model": MODEL, "messages": CHAT, "tools": [{"type": "function"}]}, "tools.0.function"),
     ({"model": MODEL, "messages": CHAT, "bogus_field": 1}, "bogus_field"),
     ({"model": MODEL, "messages": CHAT, "stream_options": {"include_usage": True}},
      "stream_options"),

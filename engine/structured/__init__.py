@@ -1,0 +1,1 @@
+"""Structured outputs: grammar compilation (`grammar`) and token masks (`mask`), via llguidance."""

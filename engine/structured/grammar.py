@@ -1,0 +1,122 @@
+"""Structured-output grammars: `StructuredOutputs` → a compiled llguidance matcher, cached.
+
+Owns: the translation of each constraint kind into an llguidance grammar (JSON schema, any JSON
+object, regex, choice, Lark / GBNF grammar), its validation (a bad spec is a ParamError naming
+`structured_outputs`, or the OpenAI field it came from), and a cache of compiled matchers keyed
+by the constraint, so each distinct schema is compiled once and every request gets a cheap
+`deep_copy` of the compiled matcher.
+
+The grammar engine is llguidance (Microsoft, PyPI `llguidance`; vLLM's `guidance` backend): an
+Earley parser over the tokenizer's token trie that yields, per step, the set of allowed next
+tokens as a bitmask (see `engine.structured.mask`). JSON is generated without free whitespace
+(`whitespace_flexible: false`): a small model given the freedom loops on blank lines.
+
+In: `StructuredOutputs` (pure data from `scheduler.request`) and an HF tokenizer.
+Out: `LLMatcher` objects, one per sequence, advanced by the model runner with each sampled token.
+Thread-safe: the engine compiles on a worker thread while the step loop creates matchers.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict
+
+import llguidance
+import llguidance.hf
+
+from scheduler.request import ParamError, StructuredOutputs
+
+JSON_OPTIONS = {"whitespace_flexible": False}
+_ANY_OBJECT = '{"type": "object"}'
+
+
+def grammar_text(so: StructuredOutputs, param: str = "structured_outputs") -> str:
+    """The llguidance grammar (a JSON string) for a constraint.
+
+    Raises: ParamError naming `param` when the spec is not even well-formed (JSON that does not
+    parse, a choice list that is not a non-empty list of strings, an empty regex or grammar).
+    Deeper problems (an unsupported schema keyword, a bad regex) surface in `compile`.
+    """
+    if so.kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema(_ANY_OBJECT, defaults=JSON_OPTIONS)
+    if so.kind == "json":
+        try:
+            schema = json.loads(so.spec)
+        except ValueError as e:
+            raise ParamError(f"the JSON schema is not valid JSON: {e}", param) from None
+        if not isinstance(schema, (dict, bool)):
+            raise ParamError("the JSON schema must be an object", param)
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+    if so.kind == "choice":
+        try:
+            choices = json.loads(so.spec)
+        except ValueError:
+            choices = None
+        if (not isinstance(choices, list) or not choices
+                or not all(isinstance(c, str) for c in choices)):
+            raise ParamError("choice must be a non-empty list of strings", param)
+        return llguidance.grammar_from("choice", json.dumps(choices))
+    if not so.spec:
+        raise ParamError(f"the {so.kind} must not be empty", param)
+    if so.kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(so.spec)
+    return llguidance.grammar_from("grammar", so.spec)      # Lark, or GBNF (converted)
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer and caches the compiled matchers (LRU).
+
+    Args: `tokenizer` an HF fast tokenizer; `vocab_size` the model's logits width (tokens; may
+    exceed the tokenizer's size); `cache_size` distinct constraints kept compiled.
+    Counters: `compiles`, `hits`, `compile_seconds` (total wall time spent compiling).
+    """
+
+    def __init__(self, tokenizer, vocab_size: int | None = None, cache_size: int = 256) -> None:
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+        self.vocab_size = vocab_size or self.tokenizer.vocab_size
+        self.cache_size = cache_size
+        self._cache: OrderedDict[StructuredOutputs, llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()
+        self.compiles = self.hits = 0
+        self.compile_seconds = 0.0
+
+    def cached(self, so: StructuredOutputs) -> bool:
+        """Whether `so` is compiled already (a request using it needs no wait)."""
+        with self._lock:
+            return so in self._cache
+
+    def compile(self, so: StructuredOutputs, param: str = "structured_outputs"
+                ) -> llguidance.LLMatcher:
+        """The compiled matcher for `so` (shared: copy it before use; see `matcher`).
+
+        Raises: ParamError naming `param` with llguidance's message when the constraint is
+        invalid or unsupported (e.g. "Invalid type: strin", a regex parse error).
+        """
+        with self._lock:
+            m = self._cache.get(so)
+            if m is not None:
+                self._cache.move_to_end(so)
+                self.hits += 1
+                return m
+        t0 = time.perf_counter()
+        grammar = grammar_text(so, param)
+        m = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if m.is_error():
+            raise ParamError(f"invalid {so.kind} constraint: {m.get_error().strip()}", param)
+        with self._lock:
+            self.compiles += 1
+            self.compile_seconds += time.perf_counter() - t0
+            self._cache[so] = m
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return m
+
+    def matcher(self, so: StructuredOutputs, consumed: list[int] = ()) -> llguidance.LLMatcher:
+        """A fresh matcher for one sequence, advanced past `consumed` token ids (a sequence
+        resumed after recompute preemption). Raises ParamError as `compile` does."""
+        m = self.compile(so).deep_copy()
+        if consumed:
+            m.consume_tokens(list(consumed))
+        return m

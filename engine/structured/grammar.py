@@ -33,6 +33,18 @@ _ANY_OBJECT = '{"type": "object"}'
 
 
 def grammar_text(so: StructuredOutputs, param: str = "structured_outputs") -> str:
+    """The llguidance grammar (a JSON string) for a constraint; see `_grammar_text`.
+
+    Raises: ParamError naming `param` (llguidance's own errors are wrapped)."""
+    try:
+        return _grammar_text(so, param)
+    except ParamError:
+        raise
+    except Exception as e:
+        raise ParamError(f"invalid {so.kind} constraint: {e}", param) from None
+
+
+def _grammar_text(so: StructuredOutputs, param: str) -> str:
     """The llguidance grammar (a JSON string) for a constraint.
 
     Raises: ParamError naming `param` when the spec is not even well-formed (JSON that does not
@@ -102,7 +114,10 @@ class GrammarCompiler:
                 return m
         t0 = time.perf_counter()
         grammar = grammar_text(so, param)
-        m = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        try:
+            m = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        except Exception as e:         # llguidance raises ValueError (and others) on bad input
+            raise ParamError(f"invalid {so.kind} constraint: {e}", param) from None
         if m.is_error():
             raise ParamError(f"invalid {so.kind} constraint: {m.get_error().strip()}", param)
         with self._lock:

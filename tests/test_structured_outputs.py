@@ -163,6 +163,7 @@ def test_regex_and_grammar_on_completions(client):
      "response_format", "strin"),
     ({"structured_outputs": {"regex": "[a-z"}}, "structured_outputs", "regex"),
     ({"structured_outputs": {"grammar": "start: undefined_rule"}}, "structured_outputs", ""),
+    ({"structured_outputs": {"grammar": "start: start"}}, "structured_outputs", "no text"),
     ({"structured_outputs": {"choice": []}}, "structured_outputs", "choice"),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
      "structured_outputs", "not both"),

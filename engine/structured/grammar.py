@@ -25,6 +25,7 @@ from collections import OrderedDict
 
 import llguidance
 import llguidance.hf
+import llguidance.torch
 
 from scheduler.request import ParamError, StructuredOutputs
 
@@ -118,8 +119,15 @@ class GrammarCompiler:
             m = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         except Exception as e:         # llguidance raises ValueError (and others) on bad input
             raise ParamError(f"invalid {so.kind} constraint: {e}", param) from None
+        probe = m.deep_copy()        # the first mask finds grammars that can match nothing
+        llguidance.torch.fill_next_token_bitmask(
+            probe, llguidance.torch.allocate_token_bitmask(1, self.vocab_size), 0)
         if m.is_error():
             raise ParamError(f"invalid {so.kind} constraint: {m.get_error().strip()}", param)
+        if probe.is_error():
+            reason = probe.get_error().strip().splitlines()[0]
+            raise ParamError(f"invalid {so.kind} constraint: it can match no text ({reason})",
+                             param)
         with self._lock:
             self.compiles += 1
             self.compile_seconds += time.perf_counter() - t0

@@ -11,12 +11,14 @@ Per step: drop finished / preempted requests' state → swap out, swap in, copy-
 apply block-table diffs → build the flat batch (decode-like requests first, then prefill
 chunks; no padding between requests for the dense layers), the slot mapping and the attention
 metadata (a block table per token for the kernels; decode groups and prefill chunks for the
-torch path) → forward → logits only for the requests that sample → grammar masks for the
-rows with structured outputs (`engine.structured`) → sampler → each matcher consumes its token.
+torch path) → forward (meanwhile, on a worker thread, the grammar masks of the rows with
+structured outputs, `engine.structured`) → logits only for the requests that sample → sampler →
+each matcher consumes its token.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -94,6 +96,7 @@ class ModelRunner:
         model.set_kernels(self.kernels)
         self.states: dict[str, _RequestState] = {}
         self.grammars = grammars      # engine.structured.grammar.GrammarCompiler, or None
+        self._mask_pool: ThreadPoolExecutor | None = None
 
     # ------------------------------------------------------------------ block movement
     def _move_blocks(self, out: SchedulerOutput) -> None:
@@ -144,18 +147,14 @@ class ModelRunner:
         ordered = decodes + prefills
         states = [self._update_state(s) for s in ordered]
         input_ids, positions, meta, sample_idx = self._prepare(ordered, states, len(decodes))
+        rows_at = [i for i, _ in sample_idx]
+        rows = [states[i].row for i in rows_at]
+        masks = self._start_masks(rows)         # computed while the forward pass runs
         hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
         if not sample_idx:
             return ModelRunnerOutput()
-        rows_at, idx = zip(*sample_idx)
-        logits = self.model.compute_logits(hidden[list(idx)])
-        rows = [states[i].row for i in rows_at]
-        constrained = [k for k, r in enumerate(rows) if r.matcher is not None]
-        grammar = None
-        if constrained:
-            grammar = (constrained, fill_bitmask([rows[k].matcher for k in constrained],
-                                                 logits.shape[1]))
-        result = self.sampler(logits, rows, grammar)
+        logits = self.model.compute_logits(hidden[[i for _, i in sample_idx]])
+        result = self.sampler(logits, rows, masks.result() if masks is not None else None)
         sampled, logprobs = {}, {}
         for i, tok, lp in zip(rows_at, result.token_ids, result.logprobs):
             rid = ordered[i].request_id
@@ -167,6 +166,19 @@ class ModelRunner:
             if lp is not None:
                 logprobs[rid] = [(tok,) + lp]
         return ModelRunnerOutput(sampled, logprobs or None)
+
+    def _start_masks(self, rows: list[SamplingRow]) -> Future | None:
+        """Grammar masks of the constrained rows, (row indices, bitmask), computed on a worker
+        thread (llguidance releases the GIL) so that they overlap the forward pass; None when no
+        row is constrained."""
+        constrained = [k for k, r in enumerate(rows) if r.matcher is not None]
+        if not constrained:
+            return None
+        if self._mask_pool is None:
+            self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+        matchers = [rows[k].matcher for k in constrained]
+        return self._mask_pool.submit(
+            lambda: (constrained, fill_bitmask(matchers, self.model.cfg.vocab_size)))
 
     def _prepare(self, ordered: list[ScheduledRequest], states: list[_RequestState],
                  num_decodes: int):

@@ -395,6 +395,14 @@ def seq_body(**overrides) -> bytes:
     ("pair", seq_body(shape=[4294967296, 4294967296]), 400, "more than the"),
     ("pair", seq_body(data=[1, 2]), 400, "2 elements in 'data' for shape [1, 1]"),
     ("nope", seq_body(), 404, "Request for unknown model: 'nope' is not found"),
+    ("pair", json.dumps({"inputs": [
+        {"name": "IN", "datatype": "INT32", "shape": [1, 1], "data": [1]},
+        {"name": "IN", "datatype": "INT32", "shape": [1, 1], "data": [2]}]}).encode(), 400,
+     "input 'IN' already exists in request"),
+    ("pair", json.dumps({"inputs": [{"name": "IN", "datatype": "INT32", "shape": [1, 1],
+                                     "data": [1]}],
+                         "outputs": [{"name": "OUT"}, {"name": "OUT"}]}).encode(), 400,
+     "output 'OUT' already exists in request"),
 ])
 def test_bad_requests_get_v2_errors_and_the_server_lives(triton, model, body, status, message):
     base, client = triton

@@ -69,7 +69,7 @@ def parse_request(body: bytes, header_length: int | None) -> ParsedRequest:
     for spec in req["inputs"]:
         name, array, used = _parse_input(spec, binary[offset:])
         if name in inputs:
-            raise TensorError(f"input '{name}' is given more than once")
+            raise TensorError(f"input '{name}' already exists in request")   # Triton's text
         inputs[name], datatypes[name] = array, spec["datatype"]
         offset += used
     if offset != len(binary):
@@ -81,6 +81,14 @@ def parse_request(body: bytes, header_length: int | None) -> ParsedRequest:
             raise TensorError("'outputs' must be a JSON array")
         outputs = [_parse_output(o, bool(params.get("binary_data_output", False)))
                    for o in req["outputs"]]
+        # Triton's core refuses a repeated output (InferenceRequest::AddOriginalRequestedOutput,
+        # current source); tritonserver 2.51's HTTP frontend instead answers one copy (measured).
+        # The current source wins.
+        seen: set[str] = set()
+        for o in outputs:
+            if o.name in seen:
+                raise TensorError(f"output '{o.name}' already exists in request")
+            seen.add(o.name)
     return ParsedRequest(str(req.get("id", "")), inputs, datatypes, outputs,
                          bool(params.get("binary_data_output", False)), params)
 

@@ -352,30 +352,6 @@ def check_dimensions(model: EmbeddingModel, dimensions: int | None) -> None:
                           "dimensions")
 
 
-def _settled(future) -> asyncio.Future:
-    """An asyncio future resolved from a runtime's concurrent future. Unlike
-    `asyncio.wrap_future`, cancelling it never cancels the runtime's future (whose worker
-    thread would then fail to set the result)."""
-    loop = asyncio.get_running_loop()
-    waiter = loop.create_future()
-
-    def copy(f) -> None:
-        if waiter.done():
-            return
-        error = f.exception()
-        if error is None:
-            waiter.set_result(f.result())
-        else:
-            waiter.set_exception(error)
-
-    def on_done(f) -> None:
-        if not loop.is_closed():
-            loop.call_soon_threadsafe(copy, f)
-
-    future.add_done_callback(on_done)
-    return waiter
-
-
 def _from_infer_error(e, model: str) -> APIError:
     if e.status == 404:
         return _not_found(model)
@@ -397,7 +373,7 @@ async def embed_one(model: EmbeddingModel, text: bytes) -> np.ndarray:
     try:
         future = model.runtime.submit(BackendRequest({model.input: array}, [model.output]),
                                       {model.input: "BYTES"})
-        outputs = await _settled(future)
+        outputs = await asyncio.wrap_future(future)   # as the v2 route
     except InferError as e:
         raise _from_infer_error(e, model.name) from None
     except Exception as e:                 # a model bug: a 500 in OpenAI's shape

@@ -17,7 +17,7 @@ from concurrent.futures import Future
 
 from triton_compat.backends import BackendRequest
 from triton_compat.errors import InferError
-from triton_compat.runtime import check_inputs, check_outputs
+from triton_compat.runtime import check_inputs, check_outputs, settle
 from triton_compat.stats import ModelStats
 
 
@@ -112,13 +112,13 @@ class _EnsembleRun:
                                   f"output '{missing[0]}'", 500))
             return
         self._settle(True)
-        self.future.set_result({n: self.tensors[n] for n in self.wanted})
+        settle(self.future, {n: self.tensors[n] for n in self.wanted})
 
     def _fail(self, error: InferError) -> None:
         with self.lock:
             if self.future.done():
                 return
-            self.future.set_exception(error)
+            settle(self.future, error)
         self._settle(False)
 
     def _settle(self, ok: bool) -> None:

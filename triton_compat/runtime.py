@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +26,19 @@ from triton_compat.backends import BackendRequest, create_instance
 from triton_compat.config import batcher_config, wire_datatype
 from triton_compat.errors import InferError
 from triton_compat.stats import ModelStats
+
+
+def settle(future: Future, result) -> None:
+    """Resolve a request's future with `result`, or fail it when `result` is an exception. A
+    future its caller cancelled is left as it is: `asyncio.wrap_future` cancels it when the
+    HTTP client goes away, and the request still runs (Triton finishes it too)."""
+    try:
+        if isinstance(result, BaseException):
+            future.set_exception(result)
+        else:
+            future.set_result(result)
+    except InvalidStateError:          # cancelled meanwhile
+        pass
 
 
 def _now_us() -> int:
@@ -246,14 +259,11 @@ class ModelRuntime:
                     self._release_seq += 1
             self.cond.notify_all()
         for job, result in ready:
-            if isinstance(result, Exception):
-                job.future.set_exception(result)
-            else:
-                job.future.set_result(result)
+            settle(job.future, result)
 
     def _fail(self, p: Pending, error: InferError) -> None:
         self.stats.record_failure(time.perf_counter_ns() - p.key.enqueued_ns)
-        p.key.future.set_exception(error)
+        settle(p.key.future, error)
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop accepting, let queued and running requests finish, then finalize instances."""

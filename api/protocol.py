@@ -137,7 +137,7 @@ class StructuredOutputsParams(BaseModel):
                              f"grammar, json_object; got {sorted(given) or 'none'}",
                              "structured_outputs")
         (kind, value), = given.items()
-        if kind in ("choice",) or (kind == "json" and not isinstance(value, str)):
+        if kind == "choice" or (kind == "json" and not isinstance(value, str)):
             value = json.dumps(value)
         return StructuredOutputs(kind, "" if kind == "json_object" else value)
 

@@ -106,6 +106,17 @@ def _loads_or_text(text: str):
         return text
 
 
+def _parse_call(text: str) -> tuple[str | None, object]:
+    """(name, arguments) of a hermes call's JSON text; (None, None) when it is not one."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None, None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None, None
+    return obj["name"], obj.get("arguments", {})
+
+
 def _partial_suffix(text: str, marker: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
     for k in range(min(len(marker) - 1, len(text)), 0, -1):
@@ -126,8 +137,7 @@ class HermesToolParser:
     def __init__(self) -> None:
         self.buf = ""             # undecided text outside a call
         self.call = None          # text of the open call, or None
-        self.name_sent = False
-        self.args_sent = 0        # characters of the open call's arguments already emitted
+        self.name_sent = False    # the open call's first delta (id, name) is out
         self.calls: list[dict] = []
 
     def feed(self, text: str) -> list[dict]:
@@ -144,7 +154,7 @@ class HermesToolParser:
                     return deltas
                 self._content(deltas, self.buf[:i])
                 self.buf, self.call = self.buf[i + len(START):], ""
-                self.name_sent, self.args_sent = False, 0
+                self.name_sent = False
             self.call += self.buf
             self.buf = ""
             j = self.call.find(END)
@@ -185,30 +195,25 @@ class HermesToolParser:
             return
         raw = self.call[m.end():]
         raw = raw[:len(raw) - _partial_suffix(raw, END)].rstrip(" \t\r\n}")
-        if len(raw) > self.args_sent:
-            self._args(deltas, raw[self.args_sent:])
-            self.args_sent = len(raw)
+        sent = len(self.calls[-1]["function"]["arguments"])
+        if len(raw) > sent:
+            self._args(deltas, raw[sent:])
 
     def _close(self, deltas: list[dict], text: str) -> None:
-        try:
-            obj = json.loads(text)
-            name, args = obj["name"], obj.get("arguments", {})
-            assert isinstance(name, str)
-        except (ValueError, KeyError, TypeError, AssertionError):
-            if not self.name_sent:      # not a call after all: it was text
-                self._content(deltas, START + text)
-                return
-            name, args = None, None
+        name, args = _parse_call(text)
+        if name is None and not self.name_sent:      # not a call after all: it was text
+            self._content(deltas, START + text)
+            return
         if not self.name_sent:
             self._start_call(deltas, name)
         final = self._arguments_text(text, args)
-        if final.startswith(self._sent_args()):
-            rest = final[self.args_sent:]
-        else:                           # cannot happen for hermes blocks; keep the JSON valid
-            rest = final
-        if rest:
-            self._args(deltas, rest)
-        self.calls[-1]["function"]["arguments"] = final
+        sent = self.calls[-1]["function"]["arguments"]
+        # What was streamed is a prefix of `final` for every complete hermes block; a call cut
+        # short (max_tokens) keeps the text streamed so far, so both response shapes agree.
+        if sent and not final.startswith(sent):
+            return
+        if final[len(sent):]:
+            self._args(deltas, final[len(sent):])
 
     def _arguments_text(self, text: str, args) -> str:
         """The arguments as the model wrote them, if that is their JSON; else re-serialised."""
@@ -222,9 +227,6 @@ class HermesToolParser:
             except ValueError:
                 pass
         return json.dumps(args if args is not None else {})
-
-    def _sent_args(self) -> str:
-        return self.calls[-1]["function"]["arguments"] if self.calls else ""
 
     def _start_call(self, deltas: list[dict], name: str | None) -> None:
         call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",

@@ -131,7 +131,8 @@ class LLMEngine:
             raise ParamError(f"invalid key in logit_bias: {bad}; maximum value is {vocab - 1}",
                              "logit_bias")
         so = params.structured_outputs
-        if so is not None:
+        compile_ = so is not None and not self.grammars.cached(so)
+        if compile_:
             grammar_text(so)             # a malformed spec fails here; compiling comes later
         if self.extra_eos_ids and not params.ignore_eos:
             params = dataclasses.replace(
@@ -141,7 +142,7 @@ class LLMEngine:
                       priority)
         self.scheduler.add_request(req)
         self.output_processor.add_request(request_id, req.prompt_token_ids, params, arrival)
-        if so is not None and not self.grammars.cached(so):
+        if compile_:
             req.grammar_pending = True
             self._compiling[request_id] = self._compile_pool.submit(self.grammars.compile, so)
 

@@ -31,7 +31,7 @@ from triton_compat.stats import ModelStats
 def settle(future: Future, result) -> None:
     """Resolve a request's future with `result`, or fail it when `result` is an exception. A
     future its caller cancelled is left as it is: `asyncio.wrap_future` cancels it when the
-    HTTP client goes away, and the request still runs (Triton finishes it too)."""
+    HTTP client goes away, and the request still runs to the end."""
     try:
         if isinstance(result, BaseException):
             future.set_exception(result)

@@ -83,6 +83,20 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                              "API categories (health, metadata, inference, shared-memory, "
                              "model-config, model-repository, statistics, trace, logging) need "
                              "header KEY: VALUE, else 403")
+    triton.add_argument("--grpc-port", type=int, default=8001, metavar="PORT",
+                        help="KServe v2 gRPC (Triton's GRPCInferenceService) port when a model "
+                             "repository is served; 0 turns gRPC off (default: %(default)s)")
+    triton.add_argument("--grpc-address", default=None, metavar="HOST",
+                        help="gRPC bind address (default: --host)")
+    triton.add_argument("--grpc-restricted-protocol", action="append", default=[],
+                        metavar="API[,API...]:KEY=VALUE",
+                        help="Triton's gRPC restriction, repeatable: RPCs of these API "
+                             "categories need metadata 'triton-grpc-protocol-KEY: VALUE', "
+                             "else UNAVAILABLE")
+    triton.add_argument("--allow-client-shm", nargs="?", const="true", default="false",
+                        metavar="BOOL",
+                        help="let clients register system / CUDA shared-memory regions and "
+                             "use them for inputs and outputs (Triton's flag; default: false)")
     triton.add_argument("--no-llm", action="store_true",
                         help="serve only the model repository, no language model")
 
@@ -145,8 +159,16 @@ def main(argv: list[str] | None = None) -> None:
                              f"{args.http_max_input_size}")
         from triton_compat.restricted import parse_restrictions
         args.restrictions = parse_restrictions(args.http_restricted_api)
-        if args.restrictions and args.model_repository is None:
-            raise ValueError("--http-restricted-api needs --model-repository (it guards /v2)")
+        args.grpc_restrictions = parse_restrictions(args.grpc_restricted_protocol,
+                                                    "--grpc-restricted-protocol")
+        args.allow_client_shm = _bool_flag("--allow-client-shm", args.allow_client_shm)
+        if not 0 <= args.grpc_port < 65536:
+            raise ValueError(f"--grpc-port must be in 0..65535, got {args.grpc_port}")
+        if args.model_repository is not None and args.grpc_port == args.port:
+            raise ValueError(f"--grpc-port {args.grpc_port} is also --port")
+        if (args.restrictions or args.grpc_restrictions) and args.model_repository is None:
+            raise ValueError("--http-restricted-api / --grpc-restricted-protocol need "
+                             "--model-repository (they guard the v2 endpoints)")
         if args.no_llm and args.model_repository is None:
             raise ValueError("--no-llm needs --model-repository (there would be nothing to "
                              "serve)")
@@ -162,6 +184,16 @@ def main(argv: list[str] | None = None) -> None:
         print(f"continuum: error: {e}", file=sys.stderr)
         sys.exit(2)
     serve(args, config)
+
+
+def _bool_flag(flag: str, value: str) -> bool:
+    """Triton's boolean flag values (true / false / 1 / 0 / on / off). Raises ValueError."""
+    lowered = value.lower()
+    if lowered in ("true", "1", "on", "yes"):
+        return True
+    if lowered in ("false", "0", "off", "no"):
+        return False
+    raise ValueError(f"{flag}: expected true or false, got {value!r}")
 
 
 def _chat_template(value: str | None) -> str | None:
@@ -198,6 +230,9 @@ def serve(args: argparse.Namespace, config) -> None:
         state.repository_args = (args.model_repository, args.model_control_mode,
                                  args.load_model)
         state.restricted_apis = args.restrictions
+        state.grpc_restrictions = args.grpc_restrictions
+        state.grpc_address = (args.grpc_address or args.host, args.grpc_port)
+        state.allow_client_shm = args.allow_client_shm
     uv_config = uvicorn.Config(build_app(state), host=args.host, port=args.port,
                                log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5)
     Server(uv_config, lifecycle).run()

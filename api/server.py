@@ -63,6 +63,10 @@ class ServerState:
     enable_auto_tool_choice: bool = False     # --enable-auto-tool-choice (hermes parser)
     grammars: object = None                   # engine.structured GrammarCompiler (validation)
     restricted_apis: dict = field(default_factory=dict)   # v2 category -> (header, value)
+    grpc_restrictions: dict = field(default_factory=dict)  # same, for gRPC RPCs
+    grpc_address: tuple | None = None         # (host, port) of KServe v2 gRPC; port 0: off
+    allow_client_shm: bool = False            # --allow-client-shm
+    v2: object = None                         # triton_compat V2Context (with a repository)
     lifecycle: Lifecycle = field(default_factory=Lifecycle)
 
     def __post_init__(self) -> None:
@@ -201,11 +205,16 @@ def build_app(state: ServerState, load_in_background: bool = True) -> FastAPI:
                              daemon=True).start()
         if load_in_background and state.llm is None and state.engine_config is not None:
             threading.Thread(target=state.load, name="continuum-load", daemon=True).start()
+        grpc_server = await _start_grpc(state)
         yield
+        if grpc_server is not None:
+            await grpc_server.stop(1.0)
         if state.llm is not None:
             state.llm.shutdown()
         if state.repository is not None:
             state.repository.close()
+        if state.v2 is not None:
+            state.v2.shm.close()
 
     app = FastAPI(title="Continuum", version=VERSION, lifespan=lifespan)
 
@@ -221,9 +230,13 @@ def build_app(state: ServerState, load_in_background: bool = True) -> FastAPI:
     app.add_middleware(InFlightGate, lifecycle=state.lifecycle)      # outermost
     if state.repository_args is not None:
         from triton_compat import routes
+        from triton_compat.context import V2Context
         from triton_compat.metrics import TritonCollector
-        routes.install(app, lambda: state.repository, state.all_ready, VERSION,
-                       state.http_max_input_size)
+        from triton_compat.shared_memory import SharedMemoryManager
+        state.v2 = V2Context(lambda: state.repository, state.all_ready, VERSION,
+                             SharedMemoryManager(state.allow_client_shm), state.lifecycle,
+                             state.grpc_restrictions)
+        routes.install(app, state.v2, state.http_max_input_size)
         state.metrics.registry.register(TritonCollector(lambda: state.repository))
 
     def engine_or_503() -> ProcessAsyncLLM:
@@ -334,6 +347,20 @@ def build_app(state: ServerState, load_in_background: bool = True) -> FastAPI:
 
     openapi.install(app, schemas, bodies, model_names)
     return app
+
+
+async def _start_grpc(state: ServerState):
+    """Start KServe v2 gRPC on the running loop when a repository is served and the port is
+    not 0. A port that cannot be bound stops the server (exit status 1) with one line."""
+    if state.v2 is None or state.grpc_address is None or not state.grpc_address[1]:
+        return None
+    from triton_compat.grpc.server import start
+    try:
+        return await start(state.v2, *state.grpc_address)
+    except RuntimeError as e:
+        logger.error("%s", e)
+        state.lifecycle.begin_drain("gRPC failed to start", 0.0, exit_code=1)
+        return None
 
 
 def _params(body, prompt: list[int], state: ServerState, so=None) -> SamplingParams:

@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None) -> dict:
         build_repository(repo)
         port = _free_port()
         proc = _start([sys.executable, "-m", "api", "serve", "--no-llm", "--port", str(port),
-                       "--model-repository", str(repo), "--uvicorn-log-level", "warning"],
+                       "--model-repository", str(repo), "--uvicorn-log-level", "warning",
+                       "--grpc-port", "0"],
                       f"http://127.0.0.1:{port}", "/v2/health/ready", timeout=180)
         try:
             for model in args.models.split(","):

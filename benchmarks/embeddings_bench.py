@@ -150,7 +150,8 @@ def main(argv: list[str] | None = None) -> dict:
         port = _free_port()
         base = f"http://127.0.0.1:{port}"
         proc = _start([sys.executable, "-m", "api", "serve", "--no-llm", "--port", str(port),
-                       "--model-repository", str(EXAMPLES), "--uvicorn-log-level", "warning"],
+                       "--model-repository", str(EXAMPLES), "--uvicorn-log-level", "warning",
+                       "--grpc-port", "0"],
                       base, "/health/ready", timeout=180)
     try:
         result = run(base, args)

@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         repo = slow_v2_repository(Path(tmp))
         result["overload_v2"] = _run_against_server(
-            ["--no-llm", "--model-repository", str(repo)],
+            ["--no-llm", "--model-repository", str(repo), "--grpc-port", "0"],
             lambda base, pid: asyncio.run(overload_v2(base, 10 * (1 + 8))))
     print(json.dumps(result, indent=2))
     if args.save_result:

@@ -48,6 +48,8 @@ def start_server(args: list[str], ready_path: str, log_path, timeout: float = 30
     import httpx
 
     port = free_port()
+    if "--model-repository" in args and "--grpc-port" not in args:
+        args = [*args, "--grpc-port", str(free_port())]     # never Triton's default 8001
     log = open(log_path, "wb")
     proc = subprocess.Popen([sys.executable, "-m", "api", "serve", "--port", str(port), *args],
                             stdout=log, stderr=log, env=dict(os.environ),
@@ -122,3 +124,16 @@ def server(tmp_path_factory):
         tmp_path_factory.mktemp("server") / "server.log")
     yield base
     stop_server(proc)
+
+
+@pytest.fixture(scope="session")
+def v2_servers(tmp_path_factory):
+    """{"main": (base URL, gRPC address), "locked": (...)}: two `--no-llm` servers over the same
+    small repository (tests/triton_servers.py): `main` allows client shared memory and explicit
+    model control, `locked` keeps client shared memory off and restricts the model-repository
+    and statistics RPCs."""
+    from tests.triton_servers import start_v2_servers
+    servers, procs = start_v2_servers(tmp_path_factory)
+    yield servers
+    for proc in procs:
+        stop_server(proc)

@@ -10,6 +10,7 @@ import pytest
 
 from triton_compat.config import (ConfigError, batcher_config, config_to_json, load_config,
                                   select_versions)
+from triton_compat.infer import OutputRequest, OutputTensor
 from triton_compat.tensors import TensorError, encode_response, parse_request
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "model_repository"
@@ -100,8 +101,9 @@ def test_request_codec_json_and_binary_round_trip():
     parsed = parse_request(body, len(raw))
     assert np.array_equal(parsed.inputs["I"], ints) and list(parsed.inputs["S"]) == list(strs)
     assert parsed.outputs[0].binary and parsed.id == "7"
-    payload, n = encode_response("m", "1", "7", [("O", "FP32", np.ones(2, np.float32), True),
-                                                 ("P", "BYTES", strs, False)])
+    payload, n = encode_response("m", "1", "7", [
+        OutputTensor("O", "FP32", np.ones(2, np.float32), OutputRequest("O", True)),
+        OutputTensor("P", "BYTES", strs, OutputRequest("P", False))])
     head = json.loads(payload[:n])
     assert head["outputs"][0]["parameters"]["binary_data_size"] == 8
     assert head["outputs"][1]["data"] == ["a", "\u00e9"]
@@ -162,7 +164,8 @@ def test_every_datatype_round_trips_with_the_official_client_codec(datatype, bin
     got = parsed.inputs["X"]
     assert parsed.datatypes["X"] == datatype and got.shape == array.shape
     assert got.tolist() == array.tolist()
-    payload, n = encode_response("m", "1", "", [("Y", datatype, got, binary)])
+    payload, n = encode_response("m", "1", "", [OutputTensor("Y", datatype, got, None)],
+                                 binary_default=binary)
     result = httpclient.InferResult.from_response_body(payload, header_length=n)
     back = result.as_numpy("Y")
     if datatype == "BYTES" and not binary:      # JSON BYTES come back as str

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from google.protobuf import text_format
+from google.protobuf import json_format, text_format
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 from tritonclient.grpc import model_config_pb2 as mc
@@ -40,17 +40,26 @@ def wire_datatype(config_type: int) -> str:
     return "BYTES" if name == "STRING" else name
 
 
-def load_config(model_dir: Path) -> mc.ModelConfig:
-    """Parse and complete `model_dir/config.pbtxt`. Raises ConfigError."""
+def load_config(model_dir: Path, override: str | None = None) -> mc.ModelConfig:
+    """Parse and complete `model_dir/config.pbtxt`, or `override` instead of the file: the
+    model's configuration as JSON (the repository load's `config` parameter, Triton's model
+    configuration override). Raises ConfigError."""
     path = model_dir / "config.pbtxt"
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read the model configuration: {e}") from None
-    try:
-        config = text_format.Parse(text, mc.ModelConfig())
-    except text_format.ParseError as e:
-        raise ConfigError(f"{path}: {e}") from None
+    if override is not None:
+        try:
+            config = json_format.Parse(override, mc.ModelConfig())
+        except json_format.ParseError as e:
+            raise ConfigError(f"Invalid config override: {e}") from None
+        path = Path("the 'config' parameter")
+    else:
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read the model configuration: {e}") from None
+        try:
+            config = text_format.Parse(text, mc.ModelConfig())
+        except text_format.ParseError as e:
+            raise ConfigError(f"{path}: {e}") from None
     if not config.name:
         config.name = model_dir.name
     elif config.name != model_dir.name:

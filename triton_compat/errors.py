@@ -1,18 +1,23 @@
-"""The one error type of the v2 layer: a message and the HTTP status it is sent with.
+"""The one error type of the v2 layer: a message, the HTTP status it is sent with, and, where
+HTTP's status does not say it, Triton's error code for gRPC.
 
 KServe v2 errors are `{"error": "<message>"}`; the status follows Triton's mapping of its
-error codes (INVALID_ARG 400, NOT_FOUND 404, UNAVAILABLE 503, INTERNAL 500).
+error codes (HttpCodeFromError: INVALID_ARG and ALREADY_EXISTS 400, NOT_FOUND 404,
+UNSUPPORTED 501, UNAVAILABLE 503, INTERNAL 500); gRPC maps the same codes one to one
+(UNSUPPORTED → UNIMPLEMENTED).
 """
 
 from __future__ import annotations
 
 
 class InferError(Exception):
-    """An error answered to one request. `status`: HTTP status code."""
+    """An error answered to one request. `status`: HTTP status code; `code`: Triton's error
+    code name when the status alone does not give it (e.g. "ALREADY_EXISTS", sent as 400 over
+    HTTP and ALREADY_EXISTS over gRPC)."""
 
-    def __init__(self, message: str, status: int = 400) -> None:
+    def __init__(self, message: str, status: int = 400, code: str | None = None) -> None:
         super().__init__(message)
-        self.message, self.status = message, status
+        self.message, self.status, self.code = message, status, code
 
     def __str__(self) -> str:
         return self.message

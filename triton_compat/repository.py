@@ -84,8 +84,11 @@ class ModelRepository:
                     out.append({"name": name, "state": entry.state, "reason": entry.reason})
         return out
 
-    def load(self, name: str, _startup: bool = False) -> None:
-        """(Re)load `name` and, for an ensemble, its composing models.
+    def load(self, name: str, config_override: str | None = None,
+             _startup: bool = False) -> None:
+        """(Re)load `name` and, for an ensemble, its composing models. `config_override`: the
+        model's configuration as JSON, used instead of its config.pbtxt (Triton's `config`
+        load parameter).
 
         Raises InferError: 400 in control mode none (after start-up) or for a load failure,
         404 for a name not in the repository."""
@@ -99,7 +102,7 @@ class ModelRepository:
             self._unload(name)
             entry = self.models[name] = ModelEntry(name)
             try:
-                entry.config = config = load_config(self.root / name)
+                entry.config = config = load_config(self.root / name, config_override)
                 versions = select_versions(config, self.root / name)
                 if config.backend == "ensemble":
                     for step in config.ensemble_scheduling.step:

@@ -32,8 +32,10 @@ _ROUTES = [   # (path regex, category); the first match wins
 ]
 
 
-def parse_restrictions(specs: list[str]) -> dict[str, tuple[str, str]]:
-    """`--http-restricted-api` values → {category: (header key, value)}.
+def parse_restrictions(specs: list[str], flag: str = "--http-restricted-api"
+                       ) -> dict[str, tuple[str, str]]:
+    """`--http-restricted-api` (or `--grpc-restricted-protocol`, named by `flag`) values →
+    {category: (header key, value)}.
 
     Raises ValueError naming the flag on a bad group, an unknown category or a category given
     in two groups."""
@@ -42,14 +44,14 @@ def parse_restrictions(specs: list[str]) -> dict[str, tuple[str, str]]:
         apis, sep, header = spec.partition(":")
         key, eq, value = header.partition("=")
         if not sep or not eq or not apis or not key:
-            raise ValueError(f"--http-restricted-api {spec!r}: expected "
+            raise ValueError(f"{flag} {spec!r}: expected "
                              "<API>[,<API>...]:<key>=<value>")
         for api in apis.split(","):
             if api not in CATEGORIES:
-                raise ValueError(f"--http-restricted-api: unknown API {api!r} (one of "
+                raise ValueError(f"{flag}: unknown API {api!r} (one of "
                                  f"{', '.join(CATEGORIES)})")
             if api in out:
-                raise ValueError(f"--http-restricted-api: {api!r} is given in more than one "
+                raise ValueError(f"{flag}: {api!r} is given in more than one "
                                  "group")
             out[api] = (key.lower(), value)
     return out

@@ -3,8 +3,8 @@
 Owns: the `/v2` endpoints (server and model metadata, health, config, infer, statistics,
 repository index / load / unload) and the mapping of every failure to `{"error": "..."}` with
 Triton's status codes. Data flow of an infer: body (JSON header + binary tensors, possibly
-gzip / deflate encoded) → `tensors.parse_request` → `runtime.submit` (validation, queue) →
-awaited future → `tensors.encode_response`. Parsing and encoding run on the event loop; the
+gzip / deflate encoded) → `tensors.parse_request` → `infer.run` (shared-memory inputs,
+`runtime.submit`, awaited future, shared-memory outputs) → `tensors.encode_response`. Parsing and encoding run on the event loop; the
 model runs on its runtime's worker threads, so a slow model never blocks other routes.
 Reference: KServe v2 protocol (required_api.md) and Triton's HTTP extensions
 (server/docs/protocol/extension_*.md).
@@ -15,52 +15,43 @@ from __future__ import annotations
 import asyncio
 import json
 import zlib
-from typing import Callable
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from triton_compat.backends import BackendRequest
+from triton_compat import shm_routes
 from triton_compat.config import config_to_json, wire_datatype
+from triton_compat.context import EXTENSIONS, SERVER_NAME, V2Context
 from triton_compat.errors import InferError
+from triton_compat.infer import InferRequest, run
 from triton_compat.tensors import TensorError, encode_response, parse_request
-
-SERVER_NAME = "continuum"
-EXTENSIONS = ["binary_tensor_data", "parameters", "model_configuration", "model_repository",
-              "model_repository(unload_dependents)", "schedule_policy", "statistics"]
 
 
 def _error(e: InferError) -> JSONResponse:
     return JSONResponse({"error": e.message}, status_code=e.status)
 
 
-def install(app, get_repository: Callable, server_ready: Callable[[], bool],
-            version: str, max_input_size: int = 64 << 20) -> None:
+def install(app, ctx: V2Context, max_input_size: int = 64 << 20) -> None:
     """Add the `/v2` routes and the InferError → `{"error": ...}` handler to a FastAPI app.
 
-    `get_repository()` returns the ModelRepository (None while it loads); `server_ready()`
-    says whether everything this server serves is ready; `max_input_size` (bytes, Triton's
-    `--http-max-input-size`) bounds an infer request body, compressed or not."""
+    `ctx` is the v2 layer's shared state (repository, readiness, shared-memory regions);
+    `max_input_size` (bytes, Triton's `--http-max-input-size`) bounds an infer request body,
+    compressed or not."""
     async def handler(_request, e: InferError):
         return _error(e)
 
     app.add_exception_handler(InferError, handler)
-    app.include_router(_router(get_repository, server_ready, version, max_input_size))
+    app.include_router(_router(ctx, max_input_size))
+    app.include_router(shm_routes.router(ctx.shm, _json_object))
 
 
-def _router(get_repository: Callable, server_ready: Callable[[], bool],
-            version: str, max_input_size: int) -> APIRouter:
+def _router(ctx: V2Context, max_input_size: int) -> APIRouter:
     router = APIRouter()
-
-    def repo():
-        r = get_repository()
-        if r is None:
-            raise InferError("the model repository is still loading", 503)
-        return r
+    repo = ctx.repository
 
     @router.get("/v2")
     async def server_metadata():
-        return {"name": SERVER_NAME, "version": version, "extensions": EXTENSIONS}
+        return {"name": SERVER_NAME, "version": ctx.version, "extensions": EXTENSIONS}
 
     @router.get("/v2/health/live")
     async def live():
@@ -68,7 +59,7 @@ def _router(get_repository: Callable, server_ready: Callable[[], bool],
 
     @router.get("/v2/health/ready")
     async def ready():
-        return Response(status_code=200 if server_ready() else 503)
+        return Response(status_code=200 if ctx.server_ready() else 503)
 
     @router.get("/v2/models/stats")
     @router.get("/v2/models/{model}/stats")
@@ -111,7 +102,7 @@ def _router(get_repository: Callable, server_ready: Callable[[], bool],
     @router.post("/v2/models/{model}/infer")
     @router.post("/v2/models/{model}/versions/{version}/infer")
     async def infer(model: str, request: Request, version: str = ""):
-        rt = repo().runtime(model, version)
+        repo().runtime(model, version)       # unknown model: 404 before the body is read
         body = _decode(await _read_body(request, max_input_size),
                        request.headers.get("content-encoding"), max_input_size)
         header_length = request.headers.get("inference-header-content-length")
@@ -120,24 +111,12 @@ def _router(get_repository: Callable, server_ready: Callable[[], bool],
         except ValueError as e:            # TensorError, or a bad header value
             raise InferError(str(e) if isinstance(e, TensorError) else
                              f"invalid Inference-Header-Content-Length: {header_length}")
-        priority, timeout = _int_param(parsed.parameters, "priority"), \
-            _int_param(parsed.parameters, "timeout")
-        names = [o.name for o in parsed.outputs] if parsed.outputs is not None else None
-        future = rt.submit(BackendRequest(parsed.inputs, names, parsed.id, parsed.parameters),
-                           parsed.datatypes, priority or 0, timeout)
+        version_ran, outputs = await run(repo(), ctx.shm, InferRequest(
+            model, version, parsed.id, parsed.inputs, parsed.datatypes, parsed.outputs,
+            parsed.parameters))
         try:
-            outputs = await asyncio.wrap_future(future)
-        except InferError:
-            raise
-        except Exception as e:              # a model bug still answers in the v2 error shape
-            raise InferError(f"{type(e).__name__}: {e}", 500) from None
-        binary = {o.name: o.binary for o in parsed.outputs or []}
-        types = {t.name: wire_datatype(t.data_type) for t in rt.config.output}
-        order = names if names is not None else [t.name for t in rt.config.output]
-        try:
-            payload, header_len = encode_response(
-                model, str(rt.version), parsed.id,
-                [(n, types[n], outputs[n], binary.get(n, parsed.binary_default)) for n in order])
+            payload, header_len = encode_response(model, version_ran, parsed.id, outputs,
+                                                  parsed.binary_default)
         except Exception as e:           # an output the model filled with the wrong kind of data
             raise InferError(f"model '{model}' returned an output that cannot be sent: "
                              f"{type(e).__name__}: {e}", 500) from None
@@ -155,8 +134,20 @@ def _router(get_repository: Callable, server_ready: Callable[[], bool],
         return JSONResponse(repo().index(ready_only))
 
     @router.post("/v2/repository/models/{model}/load")
-    async def load(model: str):
-        await asyncio.to_thread(repo().load, model)
+    async def load(model: str, request: Request):
+        config = None
+        if raw := await request.body():
+            params = _json_object(raw).get("parameters") or {}
+            if not isinstance(params, dict):
+                raise InferError("'parameters' must be a JSON object")
+            config = params.get("config")
+            if config is not None and not isinstance(config, str):
+                raise InferError("parameter 'config' must be a string holding the model's "
+                                 "configuration as JSON")
+            if any(k.startswith("file:") for k in params):
+                raise InferError("file: overrides of a model's files are not supported by this "
+                                 "server; give the model's config as parameter 'config'")
+        await asyncio.to_thread(repo().load, model, config)
         return Response(status_code=200)
 
     @router.post("/v2/repository/models/{model}/unload")
@@ -198,15 +189,6 @@ def _decode(body: bytes, encoding: str | None, limit: int) -> bytes:
     if len(out) > limit:
         raise _too_large(len(out), limit)
     return out
-
-
-def _int_param(params: dict, key: str) -> int | None:
-    value = params.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise InferError(f"parameter '{key}' must be a non-negative integer, got {value!r}")
-    return value
 
 
 def _json_object(raw: bytes) -> dict:

@@ -18,7 +18,9 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor, triton_to_np_dtype
+from tritonclient.utils import deserialize_bytes_tensor, triton_to_np_dtype
+
+from triton_compat.infer import OutputRequest, OutputTensor, ShmInput, ShmRef, tensor_bytes
 
 MAX_ELEMENTS = 1 << 31          # larger tensors are refused before any allocation
 
@@ -28,21 +30,14 @@ class TensorError(ValueError):
 
 
 @dataclass
-class RequestedOutput:
-    """An output the client asked for and how it wants it."""
-
-    name: str
-    binary: bool
-
-
-@dataclass
 class ParsedRequest:
-    """An infer request body, decoded. `inputs` keeps the client's order."""
+    """An infer request body, decoded. `inputs` keeps the client's order; an input in a
+    shared-memory region is a `ShmInput`, read when the request runs."""
 
     id: str
-    inputs: dict[str, np.ndarray]
+    inputs: dict[str, np.ndarray | ShmInput]
     datatypes: dict[str, str]
-    outputs: list[RequestedOutput] | None     # None: every output of the model
+    outputs: list[OutputRequest] | None       # None: every output of the model
     binary_default: bool                      # `binary_data_output` request parameter
     parameters: dict
 
@@ -65,6 +60,9 @@ def parse_request(body: bytes, header_length: int | None) -> ParsedRequest:
     if not isinstance(req, dict) or not isinstance(req.get("inputs"), list):
         raise TensorError("the request must be a JSON object with an 'inputs' array")
     params = _parameters(req, "the request")
+    if any(isinstance(k, str) and k.startswith("triton_") for k in params):
+        raise TensorError("parameter keys starting with 'triton_' are reserved for Triton usage "
+                          "and should not be specified.")
     inputs, datatypes, offset = {}, {}, 0
     for spec in req["inputs"]:
         name, array, used = _parse_input(spec, binary[offset:])
@@ -102,7 +100,7 @@ def _parameters(obj: dict, where: str) -> dict:
     return params
 
 
-def _parse_input(spec, binary: memoryview) -> tuple[str, np.ndarray, int]:
+def _parse_input(spec, binary: memoryview) -> tuple[str, np.ndarray | ShmInput, int]:
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
         raise TensorError("each input must be an object with a 'name'")
     name, datatype, shape = spec["name"], spec.get("datatype"), spec.get("shape")
@@ -116,14 +114,26 @@ def _parse_input(spec, binary: memoryview) -> tuple[str, np.ndarray, int]:
     if count > MAX_ELEMENTS:
         raise TensorError(f"input '{name}' has {count} elements (shape {shape}), more than "
                           f"the {MAX_ELEMENTS} allowed")
-    size = _parameters(spec, f"input '{name}'").get("binary_data_size")
+    params = _parameters(spec, f"input '{name}'")
+    size = params.get("binary_data_size")
+    ref = _shm_ref(params)
+    given = [f for f, on in (("'data'", "data" in spec), ("'binary_data_size'", size is not None),
+                              ("'shared_memory_region'", ref is not None)) if on]
+    if len(given) > 1:                   # Triton's ValidateInputContentType text
+        raise TensorError("Input must set only one of the following fields: 'data', "
+                          "'binary_data_size' in 'parameters', 'shared_memory_region' in "
+                          "'parameters'. But set " + " ".join(given))
+    if ref is not None:
+        return name, ShmInput(ref, datatype, shape), 0
     if size is not None:
         if not isinstance(size, int) or isinstance(size, bool) or size < 0 or size > len(binary):
             raise TensorError(f"input '{name}': binary_data_size {size} is larger than the "
                               f"{len(binary)} bytes of binary data left")
         return name, _from_binary(name, datatype, dtype, shape, bytes(binary[:size])), size
     if "data" not in spec:
-        raise TensorError(f"input '{name}' has neither 'data' nor binary_data_size")
+        raise TensorError("Input must set only one of the following fields: 'data', "
+                          "'binary_data_size' in 'parameters', 'shared_memory_region' in "
+                          "'parameters'. But no field is set")
     return name, _from_json(name, datatype, dtype, shape, spec["data"]), 0
 
 
@@ -183,27 +193,57 @@ def _from_json(name, datatype, dtype, shape, data) -> np.ndarray:
         raise TensorError(f"input '{name}': {e}") from None
 
 
-def _parse_output(spec, binary_default: bool) -> RequestedOutput:
+def _parse_output(spec, binary_default: bool) -> OutputRequest:
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
         raise TensorError("each requested output must be an object with a 'name'")
-    binary = _parameters(spec, f"output '{spec['name']}'").get("binary_data", binary_default)
-    return RequestedOutput(spec["name"], bool(binary))
+    params = _parameters(spec, f"output '{spec['name']}'")
+    ref = _shm_ref(params)
+    if ref is not None and params.get("binary_data") is True:      # Triton's text
+        raise TensorError("Output can't set both 'shared_memory_region' and 'binary_data'")
+    if ref is not None and "classification" in params:
+        raise TensorError("Output can't set both 'shared_memory_region' and 'classification'")
+    return OutputRequest(spec["name"], bool(params.get("binary_data", binary_default)), ref)
 
 
-def encode_response(model: str, version: str, request_id: str,
-                    outputs: list[tuple[str, str, np.ndarray, bool]]) -> tuple[bytes, int | None]:
+def _shm_ref(params: dict) -> ShmRef | None:
+    """The `shared_memory_*` parameters of an input or output (HTTP: offset and byte size
+    default to 0, as Triton's), or None without `shared_memory_region`."""
+    if "shared_memory_region" not in params:
+        return None
+    values = [params["shared_memory_region"], params.get("shared_memory_offset", 0),
+              params.get("shared_memory_byte_size", 0)]
+    # Not as Triton 2.51, on purpose: a mistyped value is its 500 "Unable to parse ..."; here
+    # bad input is a 400, never a 5xx.
+    if not isinstance(values[0], str):
+        raise TensorError("Unable to parse 'shared_memory_region': attempt to access JSON "
+                          "non-string as string")
+    for key, value in zip(("shared_memory_offset", "shared_memory_byte_size"), values[1:]):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise TensorError(f"Unable to parse '{key}': attempt to access JSON "
+                              "non-unsigned-integer as unsigned-integer")
+    return ShmRef(*values)
+
+
+def encode_response(model: str, version: str, request_id: str, outputs: list[OutputTensor],
+                    binary_default: bool = False) -> tuple[bytes, int | None]:
     """Response body and its JSON header length (None when the body is only JSON).
 
-    `outputs`: (name, wire datatype, array, binary?) in the order to send."""
+    `outputs` in the order to send; each is sent as JSON `data`, as binary (its request's
+    `binary_data`, else `binary_default`), or, when it went into a shared-memory region,
+    with no data (name, datatype and shape only, as Triton)."""
     entries, chunks = [], []
-    for name, datatype, array, binary in outputs:
-        entry = {"name": name, "datatype": datatype, "shape": list(array.shape)}
-        if binary:
-            raw = _to_binary(datatype, array)
+    for t in outputs:
+        entry = {"name": t.name, "datatype": t.datatype, "shape": list(t.array.shape)}
+        request = t.request or OutputRequest(t.name)
+        binary = binary_default if request.binary is None else request.binary
+        if request.shm is not None:
+            pass                 # Triton sends only name, datatype and shape for these
+        elif binary:
+            raw = tensor_bytes(t.datatype, t.array)
             entry["parameters"] = {"binary_data_size": len(raw)}
             chunks.append(raw)
         else:
-            entry["data"] = _to_json(datatype, array)
+            entry["data"] = _to_json(t.datatype, t.array)
         entries.append(entry)
     body = {"model_name": model, "model_version": version, "outputs": entries}
     if request_id:
@@ -212,17 +252,6 @@ def encode_response(model: str, version: str, request_id: str,
     if not chunks:
         return header, None
     return header + b"".join(chunks), len(header)
-
-
-def _to_binary(datatype: str, array: np.ndarray) -> bytes:
-    if datatype == "BYTES":
-        flat = array.reshape(-1)
-        if flat.dtype.kind == "U":          # numpy str arrays: encode each element as UTF-8
-            flat = np.array([x.encode() for x in flat], dtype=np.object_)
-        if flat.size == 0:
-            return b""
-        return serialize_byte_tensor(flat).item()     # a 0-d object array holding bytes
-    return np.ascontiguousarray(array, dtype=triton_to_np_dtype(datatype)).tobytes()
 
 
 def _to_json(datatype: str, array: np.ndarray) -> list:

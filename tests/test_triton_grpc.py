@@ -1,0 +1,281 @@
+"""KServe v2 over gRPC against a live server, through the official `tritonclient.grpc` (sync,
+aio, streaming) and Triton's generated stubs for what the client does not expose (typed
+contents, parameter kinds). Values, Triton's status codes and exact texts, and batching proven
+by the statistics extension; every negative test ends with a liveness check.
+
+Shared memory (system regions over both protocols, `tritonclient.utils.shared_memory`) is in
+test_shared_memory.py; this module owns the RPCs themselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as grpcaio
+import tritonclient.http as httpclient
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc import service_pb2_grpc
+from tritonclient.utils import InferenceServerException
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def client(v2_servers):
+    c = grpcclient.InferenceServerClient(v2_servers["main"][1])
+    yield c
+    c.close()
+
+
+def simple_inputs(a, b, mod=grpcclient):
+    ins = [mod.InferInput("INPUT0", list(a.shape), "INT32"),
+           mod.InferInput("INPUT1", list(b.shape), "INT32")]
+    ins[0].set_data_from_numpy(a)
+    ins[1].set_data_from_numpy(b)
+    return ins
+
+
+A = np.arange(16, dtype=np.int32).reshape(1, 16)
+B = np.full((1, 16), 3, dtype=np.int32)
+
+
+def alive(c) -> None:
+    """The liveness check that ends every negative test: a correct inference."""
+    r = c.infer("simple", simple_inputs(A, B))
+    assert (r.as_numpy("OUTPUT0") == A + B).all()
+
+
+def error_of(fn) -> InferenceServerException:
+    with pytest.raises(InferenceServerException) as info:
+        fn()
+    return info.value
+
+
+def stub(address: str):
+    return service_pb2_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(address))
+
+
+# -- health, metadata, config, statistics ------------------------------------------------------
+def test_server_and_model_metadata(client):
+    assert client.is_server_live() and client.is_server_ready()
+    meta = client.get_server_metadata()
+    assert {"system_shared_memory", "cuda_shared_memory", "statistics",
+            "model_repository"} <= set(meta.extensions)
+    m = client.get_model_metadata("simple")
+    assert m.platform == "python" and m.versions == ["1"]
+    assert [(t.name, t.datatype, list(t.shape)) for t in m.inputs] == \
+        [("INPUT0", "INT32", [-1, 16]), ("INPUT1", "INT32", [-1, 16])]
+    cfg = client.get_model_config("simple").config
+    assert cfg.name == "simple" and cfg.max_batch_size == 8
+    assert client.is_model_ready("simple")
+
+
+def test_unknown_model_is_not_found(client):
+    for call in (lambda: client.get_model_metadata("nosuch"),
+                 lambda: client.get_model_config("nosuch"),
+                 lambda: client.is_model_ready("nosuch"),
+                 lambda: client.infer("nosuch", simple_inputs(A, B))):
+        e = error_of(call)
+        assert e.status() == "StatusCode.NOT_FOUND"
+        assert e.message() == "Request for unknown model: 'nosuch' is not found"
+    alive(client)
+
+
+def test_infer_raw_and_statistics(client):
+    before = client.get_inference_statistics("simple").model_stats[0].inference_count
+    r = client.infer("simple", simple_inputs(np.vstack([A, A]), np.vstack([B, B])),
+                     request_id="r-1")
+    assert r.get_response().id == "r-1" and r.get_response().model_version == "1"
+    assert (r.as_numpy("OUTPUT0") == np.vstack([A, A]) + 3).all()
+    assert (r.as_numpy("OUTPUT1") == np.vstack([A, A]) - 3).all()
+    stats = client.get_inference_statistics("simple").model_stats[0]
+    assert stats.inference_count == before + 2 and stats.inference_stats.success.count >= 1
+
+
+def test_infer_typed_contents_equals_raw(v2_servers, client):
+    s = stub(v2_servers["main"][1])
+    req = pb.ModelInferRequest(model_name="simple")
+    for name, data in (("INPUT0", A), ("INPUT1", B)):
+        t = req.inputs.add(name=name, datatype="INT32", shape=[1, 16])
+        t.contents.int_contents.extend(data.ravel().tolist())
+    resp = s.ModelInfer(req)
+    assert [o.name for o in resp.outputs] == ["OUTPUT0", "OUTPUT1"]
+    assert (np.frombuffer(resp.raw_output_contents[0], np.int32) == (A + B).ravel()).all()
+    # BYTES through bytes_contents and through raw contents give the same ids
+    text = np.array([[b"hello world"]], dtype=np.object_)
+    typed = pb.ModelInferRequest(model_name="text_tokenizer")
+    typed.inputs.add(name="TEXT", datatype="BYTES", shape=[1, 1]).contents.bytes_contents.append(
+        b"hello world")
+    via_typed = s.ModelInfer(typed)
+    raw_in = grpcclient.InferInput("TEXT", [1, 1], "BYTES")
+    raw_in.set_data_from_numpy(text)
+    via_raw = client.infer("text_tokenizer", [raw_in])
+    assert np.frombuffer(via_typed.raw_output_contents[0], np.int64).tolist() == \
+        via_raw.as_numpy("input_ids").ravel().tolist()
+
+
+@pytest.mark.parametrize("mutate, code, text", [
+    (lambda r: r.inputs[0].contents.fp32_contents.extend([1.0] * 16), "INVALID_ARGUMENT",
+     "contents field must not be specified when using raw_input_contents for 'INPUT0' for "
+     "model 'simple'"),
+    (lambda r: r.raw_input_contents.pop(), "INVALID_ARGUMENT",
+     "unable to find data for input tensor 'INPUT1' for model 'simple' in request."),
+    (lambda r: r.raw_input_contents.__setitem__(1, b"\0" * 60), "INVALID_ARGUMENT",
+     "[request id: <id_unknown>] input byte size mismatch for input 'INPUT1' for model "
+     "'simple'. Expected 64, got 60"),
+    (lambda r: setattr(r.inputs[0], "datatype", "FP32"), "INVALID_ARGUMENT",
+     "inference input 'INPUT0' data-type is 'FP32', but model 'simple' expects 'INT32'"),
+    (lambda r: r.outputs.extend([pb.ModelInferRequest.InferRequestedOutputTensor(
+        name="OUTPUT0")] * 2), "INVALID_ARGUMENT", "output 'OUTPUT0' already exists in request"),
+    (lambda r: r.parameters["priority"].CopyFrom(pb.InferParameter(string_param="high")),
+     "INVALID_ARGUMENT", "invalid value type for 'priority' parameter, expected int64_param or "
+     "uint64_param."),
+    (lambda r: r.parameters["triton_x"].CopyFrom(pb.InferParameter(bool_param=True)),
+     "INVALID_ARGUMENT", "parameter keys starting with 'triton_' are reserved for Triton usage. "
+     "Only the following keys starting with 'triton_' are allowed: "
+     "triton_enable_empty_final_response"),
+    (lambda r: r.inputs.add(name="EXTRA", datatype="INT32", shape=[1, 16]), "INVALID_ARGUMENT",
+     "unable to find data for input tensor 'EXTRA' for model 'simple' in request."),
+])
+def test_bad_requests_get_triton_codes_and_texts(v2_servers, client, mutate, code, text):
+    req = pb.ModelInferRequest(model_name="simple")
+    for name, data in (("INPUT0", A), ("INPUT1", B)):
+        req.inputs.add(name=name, datatype="INT32", shape=[1, 16])
+        req.raw_input_contents.append(data.tobytes())
+    mutate(req)
+    with pytest.raises(grpc.RpcError) as info:
+        stub(v2_servers["main"][1]).ModelInfer(req)
+    assert info.value.code().name == code
+    assert info.value.details() == text
+    alive(client)
+
+
+def test_concurrent_grpc_and_http_requests_batch_together(v2_servers, client):
+    """16 gRPC (aio) and 8 HTTP requests at once on a 300 ms model with a 100 ms queue delay:
+    they are answered correctly and run in fewer executions than requests."""
+    before = client.get_inference_statistics("delayed").model_stats[0]
+
+    async def grpc_side():
+        c = grpcaio.InferenceServerClient(v2_servers["main"][1])
+        try:
+            async def one(i):
+                x = grpcaio.InferInput("IN", [1, 1], "INT32")
+                x.set_data_from_numpy(np.array([[i]], np.int32))
+                return (await c.infer("delayed", [x])).as_numpy("OUT")[0, 0]
+            return await asyncio.gather(*[one(i) for i in range(16)])
+        finally:
+            await c.close()
+
+    def http_one(i):
+        h = httpclient.InferenceServerClient(v2_servers["main"][0].removeprefix("http://"))
+        x = httpclient.InferInput("IN", [1, 1], "INT32")
+        x.set_data_from_numpy(np.array([[100 + i]], np.int32))
+        return h.infer("delayed", [x]).as_numpy("OUT")[0, 0]
+
+    with ThreadPoolExecutor(8) as pool:
+        http_results = pool.map(http_one, range(8))
+        grpc_results = asyncio.run(grpc_side())
+        assert list(http_results) == [100 + i for i in range(8)]
+    assert list(grpc_results) == list(range(16))
+    after = client.get_inference_statistics("delayed").model_stats[0]
+    requests = after.inference_count - before.inference_count
+    executions = after.execution_count - before.execution_count
+    assert requests == 24 and executions < requests
+
+
+# -- streaming -----------------------------------------------------------------------------------
+def test_stream_answers_in_order_and_survives_a_failed_request(client):
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        for i in range(6):
+            if i == 3:
+                client.async_stream_infer("nosuch", simple_inputs(A, B), request_id="bad")
+                continue
+            client.async_stream_infer("simple", simple_inputs(A + i, B), request_id=str(i))
+        got = [results.get(timeout=30) for _ in range(6)]
+    finally:
+        client.stop_stream()
+    assert [r.get_response().id if r else "bad" for r, _ in got] == ["0", "1", "2", "bad", "4",
+                                                                      "5"]
+    for i, (result, error) in enumerate(got):
+        if i == 3:
+            assert result is None and "Request for unknown model: 'nosuch' is not found" in \
+                error.message()
+            continue
+        assert error is None
+        assert (result.as_numpy("OUTPUT0") == A + i + B).all()
+        assert result.get_response().parameters["triton_final_response"].bool_param
+    alive(client)
+
+
+def test_stream_requests_batch_together(client):
+    before = client.get_inference_statistics("delayed").model_stats[0]
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    try:
+        for i in range(8):
+            x = grpcclient.InferInput("IN", [1, 1], "INT32")
+            x.set_data_from_numpy(np.array([[i]], np.int32))
+            client.async_stream_infer("delayed", [x], request_id=str(i))
+        got = [results.get(timeout=30) for _ in range(8)]
+    finally:
+        client.stop_stream()
+    assert [int(r.as_numpy("OUT")[0, 0]) for r, _ in got] == list(range(8))
+    after = client.get_inference_statistics("delayed").model_stats[0]
+    assert after.execution_count - before.execution_count < 8
+
+
+# -- repository, restrictions -------------------------------------------------------------------
+def test_repository_index_unload_and_load_with_config_override(client):
+    names = {m.name: m.state for m in client.get_model_repository_index().models}
+    assert names["simple"] == "READY"
+    config = json.loads(json.dumps({"name": "simple", "backend": "python", "max_batch_size": 2,
+                                    "input": [{"name": n, "data_type": "TYPE_INT32",
+                                               "dims": [16]} for n in ("INPUT0", "INPUT1")],
+                                    "output": [{"name": n, "data_type": "TYPE_INT32",
+                                                "dims": [16]} for n in ("OUTPUT0", "OUTPUT1")]}))
+    try:
+        client.unload_model("simple")
+        assert not client.is_model_ready("simple")
+        client.load_model("simple", config=json.dumps(config))
+        assert client.get_model_config("simple").config.max_batch_size == 2
+        e = error_of(lambda: client.infer("simple", simple_inputs(np.vstack([A] * 3),
+                                                                   np.vstack([B] * 3))))
+        assert e.message() == "inference request batch-size must be <= 2 for 'simple'"
+        e = error_of(lambda: client.load_model("simple", config="{not json"))
+        assert e.status() == "StatusCode.INVALID_ARGUMENT" and "Invalid config override" in \
+            e.message()
+    finally:
+        client.load_model("simple")
+    assert client.get_model_config("simple").config.max_batch_size == 8
+    alive(client)
+
+
+def test_restricted_protocol_and_client_shm_off(v2_servers):
+    c = grpcclient.InferenceServerClient(v2_servers["locked"][1])
+    try:
+        for call in (lambda h: c.get_model_repository_index(headers=h),
+                     lambda h: c.get_inference_statistics("simple", headers=h)):
+            e = error_of(lambda: call(None))
+            assert e.status() == "StatusCode.UNAVAILABLE"
+            assert e.message() == ("This protocol is restricted, expecting header "
+                                   "'triton-grpc-protocol-admin-key'")
+            e = error_of(lambda: call({"triton-grpc-protocol-admin-key": "wrong"}))
+            assert e.status() == "StatusCode.UNAVAILABLE"
+            call({"triton-grpc-protocol-admin-key": "s3cret"})
+        e = error_of(lambda: c.register_system_shared_memory("r", "/k", 64))
+        assert e.status() == "StatusCode.UNIMPLEMENTED"
+        assert e.message() == ("Client shared memory is disabled. Start the server with "
+                               "'--allow-client-shm=true' to enable.")
+        assert len(c.get_system_shared_memory_status().regions) == 0
+        alive(c)
+    finally:
+        c.close()

@@ -1,0 +1,40 @@
+"""What the v2 front-ends (HTTP routes, gRPC service) share: one object per server.
+
+Owns nothing of its own; it hands both protocols the same repository, readiness, shared-memory
+regions, lifecycle (drain) and restricted-API rules, so that a request behaves the same
+whichever wire it came over.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from triton_compat.errors import InferError
+
+SERVER_NAME = "continuum"
+# What this server implements of Triton's extensions (reported by GET /v2 and ServerMetadata).
+EXTENSIONS = ["binary_tensor_data", "parameters", "model_configuration",
+              "model_repository", "model_repository(unload_dependents)", "schedule_policy",
+              "statistics", "system_shared_memory", "cuda_shared_memory"]
+
+
+@dataclass
+class V2Context:
+    """The v2 layer's shared state. `get_repository()` is None while the repository loads;
+    `server_ready()` says whether everything served is ready; `lifecycle` (api.lifecycle) counts
+    requests in flight and says when the server drains."""
+
+    get_repository: Callable
+    server_ready: Callable[[], bool]
+    version: str
+    shm: object                                   # shared_memory.SharedMemoryManager
+    lifecycle: object = None
+    grpc_restrictions: dict = field(default_factory=dict)   # category -> (header, value)
+
+    def repository(self):
+        """The loaded repository. Raises InferError(503) while it loads."""
+        r = self.get_repository()
+        if r is None:
+            raise InferError("the model repository is still loading", 503)
+        return r

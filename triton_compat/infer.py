@@ -1,0 +1,176 @@
+"""One KServe v2 inference, whatever the wire: the part HTTP and gRPC share.
+
+Owns: `InferRequest` (what a front-end decoded: inputs as arrays or shared-memory references,
+the outputs asked for, id and parameters), `run()` (inputs read from their shared-memory
+regions in place, the request submitted to the model's runtime and awaited, outputs written
+into the regions that asked for them) and `OutputTensor` (what the front-end encodes).
+Data flow: routes.py / grpc/service.py decode → `run` → `ModelRuntime.submit` (validation,
+queue, batcher thread) → future → outputs → encode. Regions stay in use (unregister deferred)
+from the moment an input is read until the response is built.
+Reference: Triton's shared-memory extension (server/docs/protocol/extension_shared_memory.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor, triton_to_np_dtype
+
+from triton_compat.backends import BackendRequest
+from triton_compat.config import wire_datatype
+from triton_compat.errors import InferError
+
+@dataclass
+class ShmRef:
+    """A tensor's place in a registered region: name, offset and size in bytes."""
+
+    region: str
+    offset: int
+    byte_size: int
+
+
+@dataclass
+class ShmInput:
+    """An input whose data is in a shared-memory region (read at `run`)."""
+
+    ref: ShmRef
+    datatype: str
+    shape: list[int]
+
+
+@dataclass
+class OutputRequest:
+    """An output the client asked for: binary (HTTP only; None = the request's default) and
+    the region to write it into, if any."""
+
+    name: str
+    binary: bool | None = None
+    shm: ShmRef | None = None
+
+
+@dataclass
+class InferRequest:
+    """A decoded v2 infer request. `inputs` keeps the client's order; a value is an array or
+    a `ShmInput`. `outputs` None: every output of the model, as the protocol says."""
+
+    model: str
+    version: str
+    id: str
+    inputs: dict[str, np.ndarray | ShmInput]
+    datatypes: dict[str, str]
+    outputs: list[OutputRequest] | None
+    parameters: dict = field(default_factory=dict)
+
+
+@dataclass
+class OutputTensor:
+    """One response output: wire datatype, the array (its shape is the output's), and the
+    region it was written to (then the response carries no data for it)."""
+
+    name: str
+    datatype: str
+    array: np.ndarray
+    request: OutputRequest | None
+
+
+def int_param(params: dict, key: str) -> int | None:
+    """A non-negative integer request parameter (priority, timeout), or None when absent.
+
+    Raises InferError(400) for another value."""
+    value = params.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InferError(f"parameter '{key}' must be a non-negative integer, got {value!r}")
+    return value
+
+
+def array_from_bytes(name: str, datatype: str, shape: list[int], raw, model: str,
+                     request_id: str = "") -> np.ndarray:
+    """An input tensor from its raw bytes (a bytes-like; fixed-size types are not copied).
+
+    BYTES: 4-byte little-endian length before each element. Raises InferError(400) when the
+    size does not match the shape, with Triton core's texts (InferenceRequest::Normalize,
+    ValidateBytesInputs)."""
+    count = math.prod(shape)
+    log = f"[request id: {request_id or '<id_unknown>'}] "
+    if datatype == "BYTES":
+        try:
+            flat = deserialize_bytes_tensor(bytes(raw)) if len(raw) else \
+                np.empty(0, dtype=np.object_)
+        except Exception:
+            raise InferError(f"{log}incomplete string length indicator for inference input "
+                             f"'{name}' for model '{model}', expecting 4 bytes but only "
+                             f"{len(raw) % 4} bytes available. Please make sure the string "
+                             "length indicator is in one buffer.") from None
+        if flat.size != count:
+            raise InferError(f"{log}expected {count} string elements for inference input "
+                             f"'{name}' for model '{model}', got {flat.size}")
+        return flat.reshape(shape)
+    dtype = triton_to_np_dtype(datatype)
+    if dtype is None:
+        raise InferError(f"input '{name}' has an invalid datatype '{datatype}'")
+    expected = count * np.dtype(dtype).itemsize
+    if len(raw) != expected:
+        raise InferError(f"{log}input byte size mismatch for input '{name}' for model "
+                         f"'{model}'. Expected {expected}, got {len(raw)}")
+    return np.frombuffer(raw, dtype=dtype).reshape(shape)
+
+
+def tensor_bytes(datatype: str, array: np.ndarray) -> bytes:
+    """An output's raw bytes (BYTES elements length-prefixed, numpy str encoded as UTF-8)."""
+    if datatype == "BYTES":
+        flat = array.reshape(-1)
+        if flat.dtype.kind == "U":
+            flat = np.array([x.encode() for x in flat], dtype=np.object_)
+        if flat.size == 0:
+            return b""
+        return serialize_byte_tensor(flat).item()
+    return np.ascontiguousarray(array, dtype=triton_to_np_dtype(datatype)).tobytes()
+
+
+async def run(repository, shm, request: InferRequest) -> tuple[str, list[OutputTensor]]:
+    """Run `request` on its model: the version that ran it, and the outputs in the order to
+    send (the client's, else the config's), those asked into a region already written there.
+
+    Raises InferError with the status Triton gives: 400 bad input or region use, 404 unknown
+    model, 503 not ready / queue full / timeout, 500 model failure."""
+    rt = repository.runtime(request.model, request.version)
+    held: list = []
+    try:
+        inputs = {}
+        for name, value in request.inputs.items():
+            if isinstance(value, ShmInput):
+                region, view = shm.acquire(value.ref)
+                held.append(region)
+                value = array_from_bytes(name, value.datatype, value.shape, view,
+                                         request.model, request.id)
+            inputs[name] = value
+        for o in request.outputs or []:
+            if o.shm is not None:
+                held.append(shm.acquire(o.shm)[0])
+        params = request.parameters
+        priority, timeout = int_param(params, "priority"), int_param(params, "timeout")
+        names = [o.name for o in request.outputs] if request.outputs is not None else None
+        future = rt.submit(BackendRequest(inputs, names, request.id, params),
+                           request.datatypes, priority or 0, timeout)
+        try:
+            outputs = await asyncio.wrap_future(future)
+        except InferError:
+            raise
+        except Exception as e:              # a model bug still answers in the v2 error shape
+            raise InferError(f"{type(e).__name__}: {e}", 500) from None
+        types = {t.name: wire_datatype(t.data_type) for t in rt.config.output}
+        wanted = request.outputs if request.outputs is not None else \
+            [OutputRequest(t.name) for t in rt.config.output]
+        result = [OutputTensor(o.name, types[o.name], outputs[o.name], o) for o in wanted]
+        for t in result:
+            if t.request.shm is not None:
+                shm.write(t.request.shm, tensor_bytes(t.datatype, t.array), t.name)
+        return str(rt.version), result
+    finally:
+        for region in held:
+            shm.release(region)

@@ -222,13 +222,7 @@ def build_app(state: ServerState, load_in_background: bool = True) -> FastAPI:
     async def _api_error(_: Request, exc: APIError):
         return error_response(exc)
 
-    if state.api_key:
-        app.add_middleware(BearerAuth, api_key=state.api_key)
-    if state.restricted_apis:
-        from triton_compat.restricted import RestrictedAPI
-        app.add_middleware(RestrictedAPI, restrictions=state.restricted_apis)
-    app.add_middleware(InFlightGate, lifecycle=state.lifecycle)      # outermost
-    if state.repository_args is not None:
+    if state.repository_args is not None:     # first: its infer fast path is the innermost
         from triton_compat import routes
         from triton_compat.context import V2Context
         from triton_compat.metrics import TritonCollector
@@ -238,6 +232,12 @@ def build_app(state: ServerState, load_in_background: bool = True) -> FastAPI:
                              state.grpc_restrictions)
         routes.install(app, state.v2, state.http_max_input_size)
         state.metrics.registry.register(TritonCollector(lambda: state.repository))
+    if state.api_key:
+        app.add_middleware(BearerAuth, api_key=state.api_key)
+    if state.restricted_apis:
+        from triton_compat.restricted import RestrictedAPI
+        app.add_middleware(RestrictedAPI, restrictions=state.restricted_apis)
+    app.add_middleware(InFlightGate, lifecycle=state.lifecycle)      # outermost
 
     def engine_or_503() -> ProcessAsyncLLM:
         if state.engine_config is None:

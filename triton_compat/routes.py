@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import zlib
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -23,8 +22,7 @@ from triton_compat import shm_routes
 from triton_compat.config import config_to_json, wire_datatype
 from triton_compat.context import EXTENSIONS, SERVER_NAME, V2Context
 from triton_compat.errors import InferError
-from triton_compat.infer import InferRequest, run
-from triton_compat.tensors import TensorError, encode_response, parse_request
+from triton_compat.http_infer import InferFastPath, infer_http, too_large
 
 
 def _error(e: InferError) -> JSONResponse:
@@ -41,6 +39,7 @@ def install(app, ctx: V2Context, max_input_size: int = 64 << 20) -> None:
         return _error(e)
 
     app.add_exception_handler(InferError, handler)
+    app.add_middleware(InferFastPath, ctx=ctx, max_input_size=max_input_size)
     app.include_router(_router(ctx, max_input_size))
     app.include_router(shm_routes.router(ctx.shm, _json_object))
 
@@ -102,28 +101,12 @@ def _router(ctx: V2Context, max_input_size: int) -> APIRouter:
     @router.post("/v2/models/{model}/infer")
     @router.post("/v2/models/{model}/versions/{version}/infer")
     async def infer(model: str, request: Request, version: str = ""):
+        # Normally answered by http_infer.InferFastPath before routing; same code either way.
         repo().runtime(model, version)       # unknown model: 404 before the body is read
-        body = _decode(await _read_body(request, max_input_size),
-                       request.headers.get("content-encoding"), max_input_size)
-        header_length = request.headers.get("inference-header-content-length")
-        try:
-            parsed = parse_request(body, int(header_length) if header_length else None)
-        except ValueError as e:            # TensorError, or a bad header value
-            raise InferError(str(e) if isinstance(e, TensorError) else
-                             f"invalid Inference-Header-Content-Length: {header_length}")
-        version_ran, outputs = await run(repo(), ctx.shm, InferRequest(
-            model, version, parsed.id, parsed.inputs, parsed.datatypes, parsed.outputs,
-            parsed.parameters))
-        try:
-            payload, header_len = encode_response(model, version_ran, parsed.id, outputs,
-                                                  parsed.binary_default)
-        except Exception as e:           # an output the model filled with the wrong kind of data
-            raise InferError(f"model '{model}' returned an output that cannot be sent: "
-                             f"{type(e).__name__}: {e}", 500) from None
-        if header_len is None:
-            return Response(payload, media_type="application/json")
-        return Response(payload, media_type="application/octet-stream",
-                        headers={"Inference-Header-Content-Length": str(header_len)})
+        body = await _read_body(request, max_input_size)
+        payload, headers = await infer_http(ctx, model, version, dict(request.headers), body,
+                                            max_input_size)
+        return Response(payload, headers={k.decode(): v.decode() for k, v in headers})
 
     @router.get("/v2/repository/index")
     @router.post("/v2/repository/index")
@@ -158,37 +141,18 @@ def _router(ctx: V2Context, max_input_size: int) -> APIRouter:
     return router
 
 
-def _too_large(size: int, limit: int) -> InferError:
-    return InferError(f"request size {size} bytes exceeds the maximum allowed value of "
-                      f"{limit} bytes (--http-max-input-size)")
-
-
 async def _read_body(request: Request, limit: int) -> bytes:
     """The body, refused (400) once it passes `limit` bytes, before all of it is held."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
-        raise _too_large(int(declared), limit)
+        raise too_large(int(declared), limit)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise _too_large(size, limit)
+            raise too_large(size, limit)
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-def _decode(body: bytes, encoding: str | None, limit: int) -> bytes:
-    """Undo gzip / deflate Content-Encoding, never inflating past `limit` bytes."""
-    if encoding not in ("gzip", "deflate"):
-        return body
-    try:
-        inflater = zlib.decompressobj(wbits=31 if encoding == "gzip" else 15)
-        out = inflater.decompress(body, limit + 1)
-    except zlib.error as e:
-        raise InferError(f"failed to decompress the {encoding} request body: {e}") from None
-    if len(out) > limit:
-        raise _too_large(len(out), limit)
-    return out
 
 
 def _json_object(raw: bytes) -> dict:

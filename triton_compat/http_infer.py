@@ -1,0 +1,115 @@
+"""`POST /v2/models/{m}[/versions/{v}]/infer` over HTTP: the hot path, as pure ASGI.
+
+Owns: reading the body (bounded by `--http-max-input-size`, gzip / deflate undone),
+`tensors.parse_request` → `infer.run` → `tensors.encode_response`, and the response with
+`Inference-Header-Content-Length` when it carries binary tensors. `InferFastPath` answers these
+requests before FastAPI's routing and request objects (measured: they cost more than the
+model on small requests); it sits inside the drain gate and the restricted-API check, so both
+still apply. The FastAPI route in routes.py calls the same `infer_http`, for the OpenAPI
+document and any caller that reaches it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import zlib
+
+from triton_compat.context import V2Context
+from triton_compat.errors import InferError
+from triton_compat.infer import InferRequest, run
+from triton_compat.tensors import TensorError, encode_response, parse_request
+
+INFER_PATH = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")
+JSON = [(b"content-type", b"application/json")]
+
+
+def too_large(size: int, limit: int) -> InferError:
+    """The 400 for a body past `--http-max-input-size`."""
+    return InferError(f"request size {size} bytes exceeds the maximum allowed value of "
+                      f"{limit} bytes (--http-max-input-size)")
+
+
+def decode_body(body: bytes, encoding: str | None, limit: int) -> bytes:
+    """Undo gzip / deflate Content-Encoding, never inflating past `limit` bytes."""
+    if encoding not in ("gzip", "deflate"):
+        return body
+    try:
+        inflater = zlib.decompressobj(wbits=31 if encoding == "gzip" else 15)
+        out = inflater.decompress(body, limit + 1)
+    except zlib.error as e:
+        raise InferError(f"failed to decompress the {encoding} request body: {e}") from None
+    if len(out) > limit:
+        raise too_large(len(out), limit)
+    return out
+
+
+async def infer_http(ctx: V2Context, model: str, version: str, headers: dict, body: bytes,
+                     limit: int) -> tuple[bytes, list]:
+    """One infer: the response body and its headers. Raises InferError (v2 status)."""
+    repo = ctx.repository()
+    repo.runtime(model, version)           # unknown model: 404 before the body is parsed
+    body = decode_body(body, headers.get("content-encoding"), limit)
+    header_length = headers.get("inference-header-content-length")
+    try:
+        parsed = parse_request(body, int(header_length) if header_length else None)
+    except ValueError as e:                # TensorError, or a bad header value
+        raise InferError(str(e) if isinstance(e, TensorError) else
+                         f"invalid Inference-Header-Content-Length: {header_length}") from None
+    version_ran, outputs = await run(repo, ctx.shm, InferRequest(
+        model, version, parsed.id, parsed.inputs, parsed.datatypes, parsed.outputs,
+        parsed.parameters))
+    try:
+        payload, json_length = encode_response(model, version_ran, parsed.id, outputs,
+                                               parsed.binary_default)
+    except Exception as e:            # an output the model filled with the wrong kind of data
+        raise InferError(f"model '{model}' returned an output that cannot be sent: "
+                         f"{type(e).__name__}: {e}", 500) from None
+    if json_length is None:
+        return payload, JSON
+    return payload, [(b"content-type", b"application/octet-stream"),
+                     (b"inference-header-content-length", str(json_length).encode())]
+
+
+class InferFastPath:
+    """Pure ASGI middleware answering v2 infer requests (see the module docstring)."""
+
+    def __init__(self, app, ctx: V2Context, max_input_size: int) -> None:
+        self.app, self.ctx, self.limit = app, ctx, max_input_size
+
+    async def __call__(self, scope, receive, send) -> None:
+        match = (INFER_PATH.fullmatch(scope["path"])
+                 if scope["type"] == "http" and scope["method"] == "POST" else None)
+        if match is None:
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        status = 200
+        try:
+            body = await self._body(headers, receive)
+            payload, extra = await infer_http(self.ctx, match[1], match[2] or "", headers, body,
+                                              self.limit)
+        except InferError as e:
+            status, payload, extra = e.status, json.dumps({"error": e.message}).encode(), JSON
+        except ConnectionError:            # the client left while sending its body
+            return
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-length", str(len(payload)).encode()), *extra]})
+        await send({"type": "http.response.body", "body": payload})
+
+    async def _body(self, headers: dict, receive) -> bytes:
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.limit:
+            raise too_large(int(declared), self.limit)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ConnectionError("client disconnected")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                raise too_large(size, self.limit)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)

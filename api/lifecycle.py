@@ -48,11 +48,22 @@ class Lifecycle:
         self.shutdown_timeout = shutdown_timeout
         self.draining = False
         self.in_flight = 0
+        self._count_lock = threading.Lock()     # gRPC worker threads count too
         self.exit_code = 0
         self.server: uvicorn.Server | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.abort_all: Callable[[], None] = lambda: None
         self._task: asyncio.Task | None = None
+
+    def enter(self) -> None:
+        """One more request in flight (any thread)."""
+        with self._count_lock:
+            self.in_flight += 1
+
+    def leave(self) -> None:
+        """One request fewer in flight (any thread)."""
+        with self._count_lock:
+            self.in_flight -= 1
 
     def begin_drain(self, reason: str, timeout: float, exit_code: int = 0) -> None:
         """Start a drain (idempotent; any thread). `timeout` in seconds; `exit_code` is the
@@ -129,11 +140,11 @@ class InFlightGate:
         if self.lifecycle.draining:
             await _refusal(path)(scope, receive, send)
             return
-        self.lifecycle.in_flight += 1
+        self.lifecycle.enter()
         try:
             await self.app(scope, receive, send)
         finally:
-            self.lifecycle.in_flight -= 1
+            self.lifecycle.leave()
 
 
 class Server(uvicorn.Server):

@@ -208,7 +208,7 @@ def build_app(state: ServerState, load_in_background: bool = True) -> FastAPI:
         grpc_server = await _start_grpc(state)
         yield
         if grpc_server is not None:
-            await grpc_server.stop(1.0)
+            await asyncio.to_thread(lambda: grpc_server.stop(1.0).wait())
         if state.llm is not None:
             state.llm.shutdown()
         if state.repository is not None:
@@ -356,7 +356,7 @@ async def _start_grpc(state: ServerState):
         return None
     from triton_compat.grpc.server import start
     try:
-        return await start(state.v2, *state.grpc_address)
+        return start(state.v2, *state.grpc_address)
     except RuntimeError as e:
         logger.error("%s", e)
         state.lifecycle.begin_drain("gRPC failed to start", 0.0, exit_code=1)

@@ -26,9 +26,10 @@ def test_schemathesis_finds_no_server_error(tmp_path):
         pytest.skip("schemathesis is not installed (pip install -e '.[test]')")
     repo = simple_repository(tmp_path)
     log = tmp_path / "server.log"
-    # A short max_model_len keeps each generated request's generation short.
+    # A short max_model_len keeps each generated request's generation short. Client shared
+    # memory is on so that the shared-memory routes are fuzzed past Triton's 501 "disabled".
     proc, base = start_server(["--api-key", KEY, "--max-model-len", "64", "--kv-cache-memory",
-                               "0.1", "--model-repository", repo,
+                               "0.1", "--model-repository", repo, "--allow-client-shm",
                                "--uvicorn-log-level", "warning"], "/health/ready", log)
     try:
         before = greedy(base, KEY)

@@ -136,7 +136,7 @@ def test_register_refusals_have_tritons_texts(clients, region):
         e = error_of(lambda: h.register_system_shared_memory("x", bad_key, 16))
         assert (e.status(), e.message()) == ("400", text)
     e = error_of(lambda: g.register_system_shared_memory("x", "/continuum_no_such", 16))
-    assert (e.status(), e.message()) == ("StatusCode.INTERNAL",
+    assert (e.status(), e.message()) == ("StatusCode.INVALID_ARGUMENT",
                                          "Unable to open shared memory region: "
                                          "'/continuum_no_such'")
     e = error_of(lambda: g.register_system_shared_memory("x", key, 200, offset=100))
@@ -196,7 +196,7 @@ def test_inference_refusals_have_tritons_texts(clients, region):
         ins, outs = shm_io(grpcclient, name, out_size=32)
         e = error_of(lambda: g.infer("simple", ins, outputs=outs))
         assert (e.status(), e.message()) == (
-            "StatusCode.INTERNAL", "shared memory size specified with the request for output "
+            "StatusCode.INVALID_ARGUMENT", "shared memory size specified with the request for output "
             "'OUTPUT0' (32 bytes) should be at least 64 bytes to hold the results")
         ins, _ = shm_io(grpcclient, name)
         ins[1].set_shared_memory(name, 64, offset=256)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import queue
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -279,3 +280,24 @@ def test_restricted_protocol_and_client_shm_off(v2_servers):
         alive(c)
     finally:
         c.close()
+
+
+def test_a_stream_cancelled_mid_flight_leaves_the_server_serving(client):
+    """The client cancels a stream while its requests run: they still finish on the server
+    (statistics), and new requests are served."""
+    before = client.get_inference_statistics("delayed").model_stats[0].inference_count
+    client.start_stream(callback=lambda result, error: None)
+    for i in range(4):
+        x = grpcclient.InferInput("IN", [1, 1], "INT32")
+        x.set_data_from_numpy(np.array([[i]], np.int32))
+        client.async_stream_infer("delayed", [x])
+    time.sleep(0.15)                 # received and queued (100 ms delay, then 300 ms to run)
+    client.stop_stream(cancel_requests=True)
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        done = client.get_inference_statistics("delayed").model_stats[0].inference_count
+        if done - before == 4:
+            break
+        time.sleep(0.2)
+    assert done - before == 4
+    alive(client)

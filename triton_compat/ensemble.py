@@ -38,8 +38,10 @@ class EnsembleRuntime:
                                  "produced by any step", 500)
 
     def submit(self, request: BackendRequest, datatypes: dict[str, str] | None = None,
-               priority: int = 0, timeout_us: int | None = None) -> Future:
-        """Validate and start the request; the future resolves to {output name: array}."""
+               priority: int = 0, timeout_us: int | None = None,
+               inline: bool = False) -> Future:
+        """Validate and start the request; the future resolves to {output name: array}.
+        (`inline` is accepted for the runtime interface; steps run on their own models.)"""
         batch_size = check_inputs(self.config, request.inputs, datatypes or {})
         wanted = check_outputs(self.config, request.outputs or None)
         run = _EnsembleRun(self, request, wanted, priority, timeout_us, batch_size)

@@ -132,45 +132,88 @@ def tensor_bytes(datatype: str, array: np.ndarray) -> bytes:
     return np.ascontiguousarray(array, dtype=triton_to_np_dtype(datatype)).tobytes()
 
 
-async def run(repository, shm, request: InferRequest) -> tuple[str, list[OutputTensor]]:
-    """Run `request` on its model: the version that ran it, and the outputs in the order to
-    send (the client's, else the config's), those asked into a region already written there.
+class Inference:
+    """One inference in flight: shared-memory regions held, the request submitted to its
+    model's runtime (`future`). `finish(outputs)` builds the response outputs; `release()`
+    gives the regions back (always, in a `finally`).
 
     Raises InferError with the status Triton gives: 400 bad input or region use, 404 unknown
-    model, 503 not ready / queue full / timeout, 500 model failure."""
-    rt = repository.runtime(request.model, request.version)
-    held: list = []
-    try:
-        inputs = {}
-        for name, value in request.inputs.items():
-            if isinstance(value, ShmInput):
-                region, view = shm.acquire(value.ref)
-                held.append(region)
-                value = array_from_bytes(name, value.datatype, value.shape, view,
-                                         request.model, request.id)
-            inputs[name] = value
-        for o in request.outputs or []:
-            if o.shm is not None:
-                held.append(shm.acquire(o.shm)[0])
-        params = request.parameters
-        priority, timeout = int_param(params, "priority"), int_param(params, "timeout")
-        names = [o.name for o in request.outputs] if request.outputs is not None else None
-        future = rt.submit(BackendRequest(inputs, names, request.id, params),
-                           request.datatypes, priority or 0, timeout)
+    model, 503 not ready / queue full / timeout."""
+
+    def __init__(self, repository, shm, request: InferRequest, inline: bool = False) -> None:
+        self.rt = repository.runtime(request.model, request.version)
+        self.shm, self.request, self.held = shm, request, []
         try:
-            outputs = await asyncio.wrap_future(future)
-        except InferError:
+            inputs = {}
+            for name, value in request.inputs.items():
+                if isinstance(value, ShmInput):
+                    region, view = shm.acquire(value.ref)
+                    self.held.append(region)
+                    value = array_from_bytes(name, value.datatype, value.shape, view,
+                                             request.model, request.id)
+                inputs[name] = value
+            for o in request.outputs or []:
+                if o.shm is not None:
+                    self.held.append(shm.acquire(o.shm)[0])
+            params = request.parameters
+            priority, timeout = int_param(params, "priority"), int_param(params, "timeout")
+            names = [o.name for o in request.outputs] if request.outputs is not None else None
+            self.future = self.rt.submit(BackendRequest(inputs, names, request.id, params),
+                                         request.datatypes, priority or 0, timeout,
+                                         inline=inline)
+        except BaseException:
+            self.release()
             raise
-        except Exception as e:              # a model bug still answers in the v2 error shape
-            raise InferError(f"{type(e).__name__}: {e}", 500) from None
+
+    def finish(self, outputs: dict) -> tuple[str, list[OutputTensor]]:
+        """The version that ran and the outputs in the order to send (the client's, else the
+        config's); those asked into a region are written there."""
+        rt, request = self.rt, self.request
         types = {t.name: wire_datatype(t.data_type) for t in rt.config.output}
         wanted = request.outputs if request.outputs is not None else \
             [OutputRequest(t.name) for t in rt.config.output]
         result = [OutputTensor(o.name, types[o.name], outputs[o.name], o) for o in wanted]
         for t in result:
             if t.request.shm is not None:
-                shm.write(t.request.shm, tensor_bytes(t.datatype, t.array), t.name)
+                self.shm.write(t.request.shm, tensor_bytes(t.datatype, t.array), t.name)
         return str(rt.version), result
-    finally:
+
+    def release(self) -> None:
+        """Give back the regions this inference holds (idempotent)."""
+        held, self.held = self.held, []
         for region in held:
-            shm.release(region)
+            self.shm.release(region)
+
+
+def _model_failure(e: Exception) -> InferError:
+    if isinstance(e, InferError):
+        return e
+    return InferError(f"{type(e).__name__}: {e}", 500)   # a model bug: the v2 error shape
+
+
+async def run(repository, shm, request: InferRequest) -> tuple[str, list[OutputTensor]]:
+    """Run `request` on its model, awaiting it on the event loop: the version that ran it and
+    the outputs to send (see `Inference`). Raises InferError (500 for a model failure)."""
+    inference = Inference(repository, shm, request)
+    try:
+        try:
+            outputs = await asyncio.wrap_future(inference.future)
+        except Exception as e:
+            raise _model_failure(e) from None
+        return inference.finish(outputs)
+    finally:
+        inference.release()
+
+
+def run_blocking(repository, shm, request: InferRequest) -> tuple[str, list[OutputTensor]]:
+    """`run` for a thread that may block (gRPC workers): when an instance is idle the batch
+    runs on this thread (`ModelRuntime.submit(inline=True)`). Raises InferError."""
+    inference = Inference(repository, shm, request, inline=True)
+    try:
+        try:
+            outputs = inference.future.result()
+        except Exception as e:
+            raise _model_failure(e) from None
+        return inference.finish(outputs)
+    finally:
+        inference.release()

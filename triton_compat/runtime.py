@@ -182,9 +182,13 @@ class ModelRuntime:
         return len(self.queue) + self.executing
 
     def submit(self, request: BackendRequest, datatypes: dict[str, str] | None = None,
-               priority: int = 0, timeout_us: int | None = None) -> Future:
+               priority: int = 0, timeout_us: int | None = None,
+               inline: bool = False) -> Future:
         """Validate and queue `request`; the future resolves to {output name: array}.
 
+        `inline`: a caller that may block (a gRPC worker thread, not the event loop) runs the
+        batch itself when one is ready at once and an instance is idle: the future is then
+        resolved on return, with no hand-off to the instance's thread.
         Raises InferError: 400 for a bad request or priority, 503 when the queue is full or
         the model is being unloaded."""
         batch_size = check_inputs(self.config, request.inputs, datatypes or {})
@@ -209,23 +213,26 @@ class ModelRuntime:
             except QueueFullError as e:
                 self.stats.record_failure(0)
                 raise InferError(str(e), 503) from None
-            if not self._dispatch_now(now) or self.queue.items:
+            ready = self._dispatch_now(now, inline)
+            if ready is None or self.queue.items:
                 self.cond.notify()
+        if isinstance(ready, tuple):      # inline: run the batch on this thread
+            self._execute(*ready)
         return future
 
-    def _dispatch_now(self, now_us: int) -> bool:
+    def _dispatch_now(self, now_us: int, inline: bool) -> tuple | bool | None:
         """Take the batcher's decision on the submitting thread when an instance is idle and a
-        batch is ready at once (no queue delay to wait out, nothing timed out), and hand it to
-        that instance: the same decision the batcher thread would take, minus waking it (one
-        thread hand-off per request saved). Caller holds the lock. True when dispatched."""
+        batch is ready at once (no queue delay to wait out, nothing timed out): the same
+        decision the batcher thread would take, minus waking it (one thread hand-off per
+        request saved). Caller holds the lock. None: nothing dispatched; True: handed to the
+        instance's thread; with `inline`, (instance, batch, seq) for the caller to execute."""
         if not self.idle:
-            return False
+            return None
         decision = decide(self.queue.items, now_us, self.batcher)
         if not decision.batch or decision.rejected:
-            return False
+            return None
         self.queue.remove(decision.batch)
-        self._dispatch(decision.batch)
-        return True
+        return self._dispatch(decision.batch, inline)
 
     def _loop(self) -> None:
         with self.cond:
@@ -244,11 +251,14 @@ class ModelRuntime:
                     wait = min(deadlines) - _now_us() if deadlines else None
                 self.cond.wait(None if wait is None else max(wait, 0) / 1e6)
 
-    def _dispatch(self, batch: list[Pending]) -> None:
+    def _dispatch(self, batch: list[Pending], inline: bool = False):
         instance = self.idle.pop()
         seq, self._batch_seq = self._batch_seq, self._batch_seq + 1
         self.executing += len(batch)
+        if inline:
+            return instance, batch, seq
         self.pool.submit(self._execute, instance, batch, seq)
+        return True
 
     def _execute(self, instance, batch: list[Pending], seq: int) -> None:
         jobs = [p.key for p in batch]

@@ -30,7 +30,7 @@ CLIENT_SHM_DISABLED = ("Client shared memory is disabled. Start the server with 
                        "'--allow-client-shm=true' to enable.")  # kClientShmDisabledErrorStr
 CUDA_IPC_HANDLE_BYTES = 64
 # TRITONSERVER_Error codes -> HTTP status (Triton's HttpCodeFromError)
-UNSUPPORTED, NOT_FOUND, INVALID_ARG, INTERNAL = 501, 404, 400, 500
+UNSUPPORTED, NOT_FOUND, INVALID_ARG = 501, 404, 400
 
 
 @dataclass
@@ -88,7 +88,8 @@ class SharedMemoryManager:
     def register_system(self, name: str, key: str, offset: int, byte_size: int) -> None:
         """Map `byte_size` bytes at `offset` of the POSIX shared-memory object `key` as region
         `name`. Raises InferError with Triton's texts: refused (client shm off), no name,
-        invalid key, name taken (409), object not found (500), out of bounds (400)."""
+        invalid key, name taken (400, ALREADY_EXISTS over gRPC), object not found, out of
+        bounds (400)."""
         self.check_allowed()
         if not name:
             raise InferError("'region name' is necessary to register system shared memory "
@@ -100,9 +101,10 @@ class SharedMemoryManager:
                                  400, "ALREADY_EXISTS")
             try:
                 fd = os.open(path, os.O_RDWR)
-            except OSError:
+            except OSError:        # Triton's text; its code is INTERNAL (500), but a key that
+                # names no object is the client's mistake: 400 here, as all bad input
                 raise InferError(f"Unable to open shared memory region: '{key}'",
-                                 INTERNAL) from None
+                                 INVALID_ARG) from None
             try:
                 size = os.fstat(fd).st_size
                 if offset + byte_size > size:
@@ -223,11 +225,12 @@ class SharedMemoryManager:
 
     def write(self, ref, data: bytes, output: str) -> None:
         """Copy an output's bytes into `ref` (a region acquired by this inference). Raises
-        InferError(500, as Triton's allocator) when they do not fit, with Triton's text."""
+        InferError(400) when they do not fit, with Triton's text (Triton's allocator answers
+        INTERNAL; a region too small is the client's mistake, so 400 here)."""
         if len(data) > ref.byte_size:
             raise InferError(f"shared memory size specified with the request for output "
                              f"'{output}' ({ref.byte_size} bytes) should be at least "
-                             f"{len(data)} bytes to hold the results", INTERNAL)
+                             f"{len(data)} bytes to hold the results", INVALID_ARG)
         with self.lock:
             region = self.regions[ref.region]
         if region.kind == "cuda":

@@ -1,10 +1,12 @@
 """The RPCs of Triton's `inference.GRPCInferenceService`, answered over the v2 layer's shared
 state (`V2Context`): the same repository, runtimes, batchers and shared-memory regions as HTTP.
 
-Data flow of ModelInfer: `ModelInferRequest` → `codec.decode_request` → `infer.run` (runtime
-submit, awaited on the event loop) → `codec.encode_response`. ModelStreamInfer runs each
-request of a stream as it arrives, concurrently, and writes each response (or its error, as
-`error_message`; the stream goes on) when it is done, marked `triton_final_response`.
+Data flow of ModelInfer, on one of grpcio's worker threads: `ModelInferRequest` →
+`codec.decode_request` → `infer.run_blocking` (runtime submit; the batch runs on this thread
+when an instance is idle) → `codec.encode_response`. ModelStreamInfer submits each request of a
+stream as it arrives (a reader thread), so they batch together, and writes the responses in
+request order (or a request's error, as `error_message`; the stream goes on), each marked
+`triton_final_response`.
 Errors are `InferError`s mapped to gRPC status codes as Triton maps its error codes
 (INVALID_ARG → INVALID_ARGUMENT, NOT_FOUND, UNAVAILABLE, INTERNAL, UNSUPPORTED →
 UNIMPLEMENTED). Reference: grpc_predict_v2.proto, Triton's grpc_server.cc / infer_handler.cc /
@@ -13,9 +15,10 @@ stream_infer_handler.cc.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
+import queue
+import threading
 
 import grpc
 from google.protobuf import json_format
@@ -26,7 +29,7 @@ from triton_compat.config import wire_datatype
 from triton_compat.context import EXTENSIONS, SERVER_NAME, V2Context
 from triton_compat.errors import InferError
 from triton_compat.grpc.codec import decode_request, encode_response, set_parameter
-from triton_compat.infer import run
+from triton_compat.infer import Inference, run_blocking
 
 logger = logging.getLogger("continuum.triton.grpc")
 
@@ -62,18 +65,20 @@ def _unary(method):
     name = method.__name__
 
     @functools.wraps(method)
-    async def wrapper(self, request, context):
+    def wrapper(self, request, context):
         try:
             self.check_restricted(name, context)
-            return await method(self, request, context)
+            return method(self, request, context)
         except InferError as e:
-            await context.abort(status_code(e), e.message)
+            context.abort(status_code(e), e.message)
 
     return wrapper
 
 
 class TritonService(service_pb2_grpc.GRPCInferenceServiceServicer):
-    """Triton's gRPC service over `ctx`. Every method is a grpc.aio coroutine."""
+    """Triton's gRPC service over `ctx`, for grpcio's thread-pool server: each RPC runs on a
+    worker thread, which may block (measured faster than grpc.aio here: no poller thread and
+    no event-loop hand-off per call)."""
 
     def __init__(self, ctx: V2Context) -> None:
         self.ctx = ctx
@@ -93,20 +98,20 @@ class TritonService(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     # -- health and metadata ------------------------------------------------------------------
     @_unary
-    async def ServerLive(self, request, context):
+    def ServerLive(self, request, context):
         return pb.ServerLiveResponse(live=True)
 
     @_unary
-    async def ServerReady(self, request, context):
+    def ServerReady(self, request, context):
         return pb.ServerReadyResponse(ready=self.ctx.server_ready())
 
     @_unary
-    async def ServerMetadata(self, request, context):
+    def ServerMetadata(self, request, context):
         return pb.ServerMetadataResponse(name=SERVER_NAME, version=self.ctx.version,
                                          extensions=EXTENSIONS)
 
     @_unary
-    async def ModelReady(self, request, context):
+    def ModelReady(self, request, context):
         try:
             self.ctx.repository().runtime(request.name, request.version)
         except InferError as e:
@@ -116,7 +121,7 @@ class TritonService(service_pb2_grpc.GRPCInferenceServiceServicer):
         return pb.ModelReadyResponse(ready=True)
 
     @_unary
-    async def ModelMetadata(self, request, context):
+    def ModelMetadata(self, request, context):
         repo = self.ctx.repository()
         config = repo.runtime(request.name, request.version).config
         lead = [-1] if config.max_batch_size > 0 else []
@@ -131,12 +136,12 @@ class TritonService(service_pb2_grpc.GRPCInferenceServiceServicer):
             inputs=tensors(config.input), outputs=tensors(config.output))
 
     @_unary
-    async def ModelConfig(self, request, context):
+    def ModelConfig(self, request, context):
         return pb.ModelConfigResponse(
             config=self.ctx.repository().runtime(request.name, request.version).config)
 
     @_unary
-    async def ModelStatistics(self, request, context):
+    def ModelStatistics(self, request, context):
         repo = self.ctx.repository()
         if request.name:
             rt = repo.runtime(request.name, request.version)
@@ -152,9 +157,13 @@ class TritonService(service_pb2_grpc.GRPCInferenceServiceServicer):
         if lifecycle is not None and lifecycle.draining:
             raise InferError(SHUTTING_DOWN, 503)
 
-    async def _infer(self, msg: pb.ModelInferRequest) -> pb.ModelInferResponse:
+    def _infer(self, msg: pb.ModelInferRequest) -> pb.ModelInferResponse:
         request = decode_request(msg)
-        version, outputs = await run(self.ctx.repository(), self.ctx.shm, request)
+        version, outputs = run_blocking(self.ctx.repository(), self.ctx.shm, request)
+        return self._response(request, version, outputs)
+
+    @staticmethod
+    def _response(request, version, outputs) -> pb.ModelInferResponse:
         try:
             return encode_response(request.model, version, request.id, outputs)
         except Exception as e:       # an output the model filled with the wrong kind of data
@@ -162,69 +171,53 @@ class TritonService(service_pb2_grpc.GRPCInferenceServiceServicer):
                              f"sent: {type(e).__name__}: {e}", 500) from None
 
     @_unary
-    async def ModelInfer(self, request, context):
+    def ModelInfer(self, request, context):
         self._admit()
         lifecycle = self.ctx.lifecycle
         if lifecycle is not None:
-            lifecycle.in_flight += 1
+            lifecycle.enter()
         try:
-            return await self._infer(request)
+            return self._infer(request)
         finally:
             if lifecycle is not None:
-                lifecycle.in_flight -= 1
+                lifecycle.leave()
 
-    async def ModelStreamInfer(self, request_iterator, context):
-        """Bidirectional stream: each request starts as it arrives (so a stream's requests
-        batch together); responses are written in request order, each marked
+    def ModelStreamInfer(self, request_iterator, context):
+        """Bidirectional stream: each request is submitted as it arrives (so a stream's
+        requests batch together); responses are written in request order, each marked
         `triton_final_response`. A failed request is answered with `error_message` (and its
         id) and the stream goes on."""
         try:
             self.check_restricted("ModelStreamInfer", context)
         except InferError as e:
-            await context.abort(status_code(e), e.message)
-        order: asyncio.Queue = asyncio.Queue()
+            context.abort(status_code(e), e.message)
+        order: queue.Queue = queue.Queue()
 
-        async def reader():
+        def reader():
             try:
-                async for msg in request_iterator:
-                    await order.put(asyncio.ensure_future(self._stream_one(msg)))
+                for msg in request_iterator:
+                    order.put(_StreamItem(self, msg))
+            except Exception:             # the client went away: nothing more to read
+                pass
             finally:
-                await order.put(None)
+                order.put(None)
 
         lifecycle = self.ctx.lifecycle
         if lifecycle is not None:
-            lifecycle.in_flight += 1
-        feed = asyncio.ensure_future(reader())
-        pending: list[asyncio.Task] = []
+            lifecycle.enter()
+        threading.Thread(target=reader, name="grpc-stream-reader", daemon=True).start()
+        item = None
         try:
-            while (task := await order.get()) is not None:
-                pending.append(task)
-                yield await task
-                pending.remove(task)
+            while (item := order.get()) is not None:
+                yield item.response()
         finally:
-            feed.cancel()
-            while not order.empty():
-                if (task := order.get_nowait()) is not None:
-                    pending.append(task)
-            for task in pending:
-                task.cancel()
+            if item is not None:          # the stream ended early: let what runs finish
+                item.abandon()
+                while not order.empty():
+                    if (rest := order.get_nowait()) is not None:
+                        rest.abandon()
             if lifecycle is not None:
-                lifecycle.in_flight -= 1
-
-    async def _stream_one(self, msg) -> pb.ModelStreamInferResponse:
-        try:
-            self._admit()
-            response = pb.ModelStreamInferResponse(infer_response=await self._infer(msg))
-        except InferError as e:
-            response = pb.ModelStreamInferResponse(error_message=e.message)
-            r = response.infer_response
-            r.id, r.model_name, r.model_version = msg.id, msg.model_name, msg.model_version
-        except Exception as e:                  # never let one request end the stream
-            logger.exception("stream request failed")
-            response = pb.ModelStreamInferResponse(error_message=f"{type(e).__name__}: {e}")
-            response.infer_response.id = msg.id
-        set_parameter(response.infer_response.parameters, "triton_final_response", True)
-        return response
+                lifecycle.leave()
 
     # -- repository ---------------------------------------------------------------------------
     @staticmethod
@@ -233,14 +226,14 @@ class TritonService(service_pb2_grpc.GRPCInferenceServiceServicer):
             raise InferError("'repository_name' specification is not supported", 501)
 
     @_unary
-    async def RepositoryIndex(self, request, context):
+    def RepositoryIndex(self, request, context):
         self._no_repository_name(request)
         models = [pb.RepositoryIndexResponse.ModelIndex(**m)
                   for m in self.ctx.repository().index(request.ready)]
         return pb.RepositoryIndexResponse(models=models)
 
     @_unary
-    async def RepositoryModelLoad(self, request, context):
+    def RepositoryModelLoad(self, request, context):
         self._no_repository_name(request)
         config = None
         for key, p in request.parameters.items():
@@ -255,45 +248,45 @@ class TritonService(service_pb2_grpc.GRPCInferenceServiceServicer):
                                  "this server; give the model's configuration as 'config'")
             else:
                 raise InferError(f"unrecognized load parameter '{key}'.")
-        await asyncio.to_thread(self.ctx.repository().load, request.model_name, config)
+        self.ctx.repository().load(request.model_name, config)
         return pb.RepositoryModelLoadResponse()
 
     @_unary
-    async def RepositoryModelUnload(self, request, context):
+    def RepositoryModelUnload(self, request, context):
         self._no_repository_name(request)
         p = request.parameters.get("unload_dependents")
         if p is not None and p.WhichOneof("parameter_choice") != "bool_param":
             raise InferError("invalid value type for 'unload_dependents' parameter, expected "
                              "bool_param.")
-        await asyncio.to_thread(self.ctx.repository().unload, request.model_name)
+        self.ctx.repository().unload(request.model_name)
         return pb.RepositoryModelUnloadResponse()
 
     # -- shared memory ------------------------------------------------------------------------
     @_unary
-    async def SystemSharedMemoryStatus(self, request, context):
+    def SystemSharedMemoryStatus(self, request, context):
         regions = {r["name"]: pb.SystemSharedMemoryStatusResponse.RegionStatus(**r)
                    for r in self.ctx.shm.status("system", request.name)}
         return pb.SystemSharedMemoryStatusResponse(regions=regions)
 
     @_unary
-    async def SystemSharedMemoryRegister(self, request, context):
+    def SystemSharedMemoryRegister(self, request, context):
         self.ctx.shm.register_system(request.name, request.key, request.offset,
                                      request.byte_size)
         return pb.SystemSharedMemoryRegisterResponse()
 
     @_unary
-    async def SystemSharedMemoryUnregister(self, request, context):
+    def SystemSharedMemoryUnregister(self, request, context):
         self.ctx.shm.unregister("system", request.name)
         return pb.SystemSharedMemoryUnregisterResponse()
 
     @_unary
-    async def CudaSharedMemoryStatus(self, request, context):
+    def CudaSharedMemoryStatus(self, request, context):
         regions = {r["name"]: pb.CudaSharedMemoryStatusResponse.RegionStatus(**r)
                    for r in self.ctx.shm.status("cuda", request.name)}
         return pb.CudaSharedMemoryStatusResponse(regions=regions)
 
     @_unary
-    async def CudaSharedMemoryRegister(self, request, context):
+    def CudaSharedMemoryRegister(self, request, context):
         from triton_compat import cuda_ipc
         if not cuda_ipc.available():      # Triton without GPUs answers this before anything
             raise InferError(f"failed to register CUDA shared memory region: '{request.name}', "
@@ -303,6 +296,49 @@ class TritonService(service_pb2_grpc.GRPCInferenceServiceServicer):
         return pb.CudaSharedMemoryRegisterResponse()
 
     @_unary
-    async def CudaSharedMemoryUnregister(self, request, context):
+    def CudaSharedMemoryUnregister(self, request, context):
         self.ctx.shm.unregister("cuda", request.name)
         return pb.CudaSharedMemoryUnregisterResponse()
+
+
+class _StreamItem:
+    """One request of a stream: submitted at once (never run on the reader thread), its
+    response built when the writer gets to it, in request order."""
+
+    def __init__(self, service: TritonService, msg) -> None:
+        self.msg, self.inference, self.error = msg, None, None
+        try:
+            service._admit()
+            self.request = decode_request(msg)
+            self.inference = Inference(service.ctx.repository(), service.ctx.shm, self.request)
+        except InferError as e:
+            self.error = e.message
+        except Exception as e:                  # never let one request end the stream
+            logger.exception("stream request failed")
+            self.error = f"{type(e).__name__}: {e}"
+
+    def response(self) -> pb.ModelStreamInferResponse:
+        """Wait for this request and build its stream response."""
+        if self.inference is not None:
+            try:
+                outputs = self.inference.future.result()
+                version, tensors = self.inference.finish(outputs)
+                response = pb.ModelStreamInferResponse(
+                    infer_response=TritonService._response(self.request, version, tensors))
+            except InferError as e:
+                self.error = e.message
+            except Exception as e:              # a model bug: this request only
+                self.error = f"{type(e).__name__}: {e}"
+            finally:
+                self.inference.release()
+        if self.error is not None:
+            response = pb.ModelStreamInferResponse(error_message=self.error)
+            r, msg = response.infer_response, self.msg
+            r.id, r.model_name, r.model_version = msg.id, msg.model_name, msg.model_version
+        set_parameter(response.infer_response.parameters, "triton_final_response", True)
+        return response
+
+    def abandon(self) -> None:
+        """The stream is gone: give the regions back once the request is done."""
+        if self.inference is not None:
+            self.inference.future.add_done_callback(lambda _: self.inference.release())

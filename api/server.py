@@ -86,7 +86,13 @@ class ServerState:
         """Load the Triton model repository (runs in a thread; failures are logged)."""
         from triton_compat.repository import ModelRepository
         try:
-            self.repository = ModelRepository(*self.repository_args)
+            repository = ModelRepository(*self.repository_args)
+            if self.engine_config is not None:      # the LLM, as Triton's vLLM backend shows it
+                from triton_compat.llm_model import LLMModel
+                repository.builtin[self.served_model_name] = LLMModel(
+                    self.served_model_name, lambda: self.llm if self.ready else None,
+                    lambda: self.tokenizer)
+            self.repository = repository
             logger.info("model repository %s: %s", self.repository_args[0],
                         ", ".join(f"{m['name']} {m.get('state', '')}"
                                   for m in self.repository.index()))

@@ -109,6 +109,15 @@ def stop_server(proc) -> None:
     proc.wait(30)
 
 
+SESSION_GRPC: list[str] = []       # the session server's gRPC address
+
+
+@pytest.fixture(scope="session")
+def server_grpc(server) -> str:
+    """The gRPC address ("host:port") of the session `server`."""
+    return SESSION_GRPC[-1]
+
+
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
     """A real `python -m api serve` process on a free loopback port (one per session), serving
@@ -117,8 +126,10 @@ def server(tmp_path_factory):
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     prepare()                                   # the example model files (idempotent)
+    SESSION_GRPC.append(f"127.0.0.1:{free_port()}")
     proc, base = start_server(
         ["--api-key", KEY, "--model-repository", os.path.join(root, "examples/model_repository"),
+         "--grpc-port", SESSION_GRPC[-1].rsplit(":", 1)[1],
          "--max-model-len", str(MAX_LEN), "--kv-cache-memory", "0.25", "--max-num-seqs", "4",
          "--max-waiting-requests", "2", "--uvicorn-log-level", "warning"], "/health/ready",
         tmp_path_factory.mktemp("server") / "server.log")

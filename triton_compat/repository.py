@@ -48,6 +48,8 @@ class ModelRepository:
         self.control_mode = control_mode
         self.lock = threading.RLock()
         self.models: dict[str, ModelEntry] = {}
+        # models served without a folder (the LLM as a Triton model): name -> model
+        self.builtin: dict[str, object] = {}
         names = self.names()
         if control_mode == "explicit" and "*" not in (load_models or []):
             unknown = [n for n in load_models or [] if n not in names]
@@ -71,6 +73,11 @@ class ModelRepository:
         """Entries of `/v2/repository/index`: name, version, state, reason."""
         out = []
         with self.lock:
+            for name, model in sorted(self.builtin.items()):
+                if model.ready() or not ready_only:
+                    out.append({"name": name, "version": "1",
+                                "state": "READY" if model.ready() else "UNAVAILABLE",
+                                "reason": "" if model.ready() else "loading"})
             for name in self.names():
                 entry = self.models.get(name)
                 if entry is None:
@@ -143,6 +150,15 @@ class ModelRepository:
         """The runtime serving `name` at `version` (None / '' / -1: the latest loaded one).
 
         Raises InferError: 404 unknown model or version, 503 model not ready."""
+        if name in self.builtin:
+            model = self.builtin[name]
+            if str(version) not in ("None", "", "-1", "1"):
+                raise InferError(f"Request for unknown model: '{name}' version {version} is "
+                                 "not found", 404)
+            if not model.ready():
+                raise InferError(f"Request for unknown model: '{name}' is not ready "
+                                 "(loading)", 503)
+            return model
         entry = self.models.get(name)
         if entry is None and name not in self.names():
             raise InferError(f"Request for unknown model: '{name}' is not found", 404)
@@ -162,13 +178,16 @@ class ModelRepository:
 
     def versions(self, name: str) -> list[str]:
         """The loaded versions of `name`, ascending, as strings."""
+        if name in self.builtin:
+            return ["1"]
         entry = self.models.get(name)
         return [str(v) for v in sorted(entry.runtimes)] if entry else []
 
     def all_runtimes(self) -> list:
         """(name, version, runtime) of every loaded version, for metrics."""
         with self.lock:
-            return [(n, v, rt) for n, e in self.models.items() for v, rt in e.runtimes.items()]
+            return [(n, 1, m) for n, m in self.builtin.items() if m.ready()] + \
+                [(n, v, rt) for n, e in self.models.items() for v, rt in e.runtimes.items()]
 
     def ready(self) -> bool:
         """True when every model loaded at start (or since) is READY."""

@@ -18,7 +18,7 @@ import json
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from triton_compat import shm_routes
+from triton_compat import generate, shm_routes
 from triton_compat.config import config_to_json, wire_datatype
 from triton_compat.context import EXTENSIONS, SERVER_NAME, V2Context
 from triton_compat.errors import InferError
@@ -42,6 +42,7 @@ def install(app, ctx: V2Context, max_input_size: int = 64 << 20) -> None:
     app.add_middleware(InferFastPath, ctx=ctx, max_input_size=max_input_size)
     app.include_router(_router(ctx, max_input_size))
     app.include_router(shm_routes.router(ctx.shm, _json_object))
+    app.include_router(generate.router(ctx))
 
 
 def _router(ctx: V2Context, max_input_size: int) -> APIRouter:

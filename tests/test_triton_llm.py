@@ -1,0 +1,155 @@
+"""The served LLM as a Triton model (decoupled, Triton's vLLM-backend schema) and the generate
+extension, against the session server (LLM + example repository) with `httpx` and
+`tritonclient.grpc`: greedy text equal to /v1/completions, streaming over SSE and a gRPC stream,
+Triton's refusals for decoupled models on unary infer, errors inside streams. Every negative
+test ends with a liveness check.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from tests.conftest import KEY
+
+pytestmark = pytest.mark.slow
+LLM = "SmolLM2-135M-Instruct"
+PROMPT = "The capital of France is"
+
+
+def completion(base: str, max_tokens: int = 8) -> str:
+    r = httpx.post(f"{base}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={"model": LLM, "prompt": PROMPT, "max_tokens": max_tokens,
+                         "temperature": 0}, timeout=120)
+    return r.json()["choices"][0]["text"]
+
+
+def alive(base: str) -> None:
+    r = httpx.post(f"{base}/v2/models/{LLM}/generate", timeout=120, json={
+        "text_input": PROMPT, "max_tokens": 2, "exclude_input_in_output": True,
+        "sampling_parameters": {"temperature": 0}})
+    assert r.status_code == 200 and r.json()["text_output"]
+
+
+def sse(base: str, body: dict) -> list[dict]:
+    events = []
+    with httpx.stream("POST", f"{base}/v2/models/{LLM}/generate_stream", json=body,
+                      timeout=120) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+    return events
+
+
+def test_llm_is_a_decoupled_model_in_the_repository(server):
+    index = httpx.post(f"{server}/v2/repository/index").json()
+    assert {"name": LLM, "version": "1", "state": "READY", "reason": ""} in index
+    config = httpx.get(f"{server}/v2/models/{LLM}/config").json()
+    assert config["model_transaction_policy"]["decoupled"] is True
+    meta = httpx.get(f"{server}/v2/models/{LLM}").json()
+    assert [i["name"] for i in meta["inputs"]][:2] == ["text_input", "stream"]
+    assert [o["name"] for o in meta["outputs"]][0] == "text_output"
+
+
+def test_generate_and_generate_stream_equal_the_completions_text(server):
+    expected = completion(server)
+    r = httpx.post(f"{server}/v2/models/{LLM}/generate", timeout=120, json={
+        "text_input": PROMPT, "sampling_parameters": json.dumps({"temperature": 0,
+                                                                 "max_tokens": 8}),
+        "return_num_input_tokens": True, "return_num_output_tokens": True,
+        "return_finish_reason": True})
+    body = r.json()
+    assert body["text_output"] == PROMPT + expected        # the prompt first, as vLLM's backend
+    assert body["num_output_tokens"] == 8 and body["num_input_tokens"] > 0
+    assert body["finish_reason"] == "length"
+    events = sse(server, {"text_input": PROMPT, "stream": True, "max_tokens": 8,
+                          "sampling_parameters": {"temperature": 0}})
+    assert len(events) > 1
+    assert "".join(e["text_output"] for e in events) == expected
+    assert all(e["model_name"] == LLM for e in events)
+
+
+def test_generate_refusals(server):
+    r = httpx.post(f"{server}/v2/models/{LLM}/generate", timeout=120, json={
+        "text_input": PROMPT, "stream": True, "max_tokens": 3})
+    assert (r.status_code, r.json()["error"]) == (400, (
+        "generate expects model to produce exactly 1 response, use generate stream for model "
+        "that generates various number of responses"))
+    r = httpx.post(f"{server}/v2/models/{LLM}/generate", json={"stream": False})
+    assert (r.status_code, r.json()["error"]) == (
+        400, "unexpected key not found in generate request, expecting key 'text_input'")
+    r = httpx.post(f"{server}/v2/models/{LLM}/generate",
+                   content=b'{"text_input": "a", "text_input": "b"}')
+    assert r.status_code == 400 and "more than once" in r.json()["error"]
+    r = httpx.post(f"{server}/v2/models/{LLM}/generate", json={
+        "text_input": "a", "sampling_parameters": {"bogus": 1}})
+    assert r.status_code == 400 and "unsupported key 'bogus'" in r.json()["error"]
+    r = httpx.post(f"{server}/v2/models/{LLM}/infer", json={"inputs": []})
+    assert (r.status_code, r.json()["error"]) == (
+        501, "HTTP end point doesn't support models with decoupled transaction policy")
+    alive(server)
+
+
+def test_generate_on_a_plain_model(server):
+    r = httpx.post(f"{server}/v2/models/simple/generate",
+                   json={"INPUT0": list(range(16)), "INPUT1": [1] * 16})
+    assert r.json()["OUTPUT0"] == [i + 1 for i in range(16)]
+    with httpx.stream("POST", f"{server}/v2/models/simple/generate_stream",
+                      json={"INPUT0": list(range(16)), "INPUT1": [1] * 16}) as s:
+        events = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: ")]
+    assert len(events) == 1 and events[0]["OUTPUT1"] == [i - 1 for i in range(16)]
+
+
+def llm_inputs(text: str, stream: bool, params: dict):
+    t = grpcclient.InferInput("text_input", [1], "BYTES")
+    t.set_data_from_numpy(np.array([text.encode()], dtype=np.object_))
+    s = grpcclient.InferInput("stream", [1], "BOOL")
+    s.set_data_from_numpy(np.array([stream]))
+    p = grpcclient.InferInput("sampling_parameters", [1], "BYTES")
+    p.set_data_from_numpy(np.array([json.dumps(params).encode()], dtype=np.object_))
+    return [t, s, p]
+
+
+def test_grpc_stream_of_the_llm(server, server_grpc):
+    expected = completion(server)
+    c = grpcclient.InferenceServerClient(server_grpc)
+    try:
+        with pytest.raises(InferenceServerException) as info:
+            c.infer(LLM, llm_inputs(PROMPT, False, {}))
+        assert (info.value.status(), info.value.message()) == (
+            "StatusCode.UNIMPLEMENTED",
+            "ModelInfer RPC doesn't support models with decoupled transaction policy")
+        got: queue.Queue = queue.Queue()
+        c.start_stream(callback=lambda result, error: got.put((result, error)))
+        greedy = {"temperature": 0, "max_tokens": 8}
+        c.async_stream_infer(LLM, llm_inputs(PROMPT, True, greedy), request_id="s")
+        c.async_stream_infer(LLM, llm_inputs(PROMPT, False, {"bogus": 1}), request_id="bad")
+        c.async_stream_infer(LLM, llm_inputs(PROMPT, False, greedy), request_id="whole")
+        pieces, finals, errors, whole = [], [], [], None
+        while whole is None:
+            result, error = got.get(timeout=120)
+            if error is not None:
+                errors.append(error.message())
+                continue
+            r = result.get_response()
+            text = result.as_numpy("text_output")[0].decode()
+            if r.id == "s":
+                pieces.append(text)
+                finals.append(r.parameters["triton_final_response"].bool_param)
+            else:
+                whole = text
+        c.stop_stream()
+        assert "".join(pieces) == expected and finals[-1] and not any(finals[:-1])
+        assert whole == PROMPT + expected
+        assert len(errors) == 1 and "unsupported key 'bogus'" in errors[0]
+    finally:
+        c.close()
+    alive(server)

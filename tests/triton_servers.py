@@ -26,11 +26,18 @@ def seq_model(root: Path, name: str, batching: str, delay: int) -> None:
 
 
 def repository(root: Path) -> Path:
-    """simple, text_tokenizer, and the test model under dynamic batching (`delayed`: 300 ms
-    per execution, so concurrent requests queue and batch)."""
+    """simple, text_tokenizer, the test model under dynamic batching (`delayed`: 300 ms per
+    execution, so concurrent requests queue and batch), and `repeat`, a decoupled model."""
     for name in ("simple", "text_tokenizer"):
         (root / name).symlink_to(EXAMPLES / name, target_is_directory=True)
     seq_model(root, "delayed", "dynamic_batching { max_queue_delay_microseconds: 100000 }", 300)
+    (root / "repeat" / "1").mkdir(parents=True)
+    (root / "repeat" / "1" / "model.py").symlink_to(ROOT / "tests/triton_models/repeat_model.py")
+    (root / "repeat" / "config.pbtxt").write_text(
+        'backend: "python" max_batch_size: 0 model_transaction_policy { decoupled: true } '
+        'input [ { name: "IN" data_type: TYPE_INT32 dims: [ -1 ] } ] '
+        'output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] }, '
+        '{ name: "IDX" data_type: TYPE_UINT32 dims: [ 1 ] } ]')
     return root
 
 

@@ -103,7 +103,8 @@ async def responses(ctx: V2Context, model: str, version: str,
     if getattr(rt, "decoupled", False):
         async for outputs, _final in rt.generate(inputs, str(params.get("id", "")),
                                                  datatypes):
-            yield to_json(model, str(rt.version), outputs)
+            if outputs is not None:            # None: a flag-only final response
+                yield to_json(model, str(rt.version), outputs)
         return
     ran, tensors = await run(ctx.repository(), ctx.shm, InferRequest(
         model, version, "", inputs, datatypes, None, params))

@@ -5,7 +5,8 @@ Owns: the objects a `model.py` sees — `Tensor`, `InferenceRequest`, `Inference
 names and methods of Triton's python backend (python_backend/README.md, "Usage"), so an
 unchanged `model.py` runs here. The python backend registers this module under the name
 `triton_python_backend_utils` before importing a model. Tensors live on the CPU as numpy
-arrays; BLS, decoupled response senders and DLPack device transfer are not provided.
+arrays; decoupled models get a response sender (`request.get_response_sender()`); BLS and
+DLPack device transfer are not provided.
 """
 
 from __future__ import annotations
@@ -63,15 +64,51 @@ class Tensor:
         return True
 
 
+TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1      # Triton's response flag: the last response
+
+
+class InferenceResponseSender:
+    """A decoupled request's sender: `send(response=None, flags=0)` any number of times, the
+    last with `flags=TRITONSERVER_RESPONSE_COMPLETE_FINAL` (with or without a response).
+    `deliver(response, final)` is the server's callback; it may be called from any thread."""
+
+    def __init__(self, deliver) -> None:
+        self._deliver, self._closed = deliver, False
+
+    def send(self, response: "InferenceResponse | None" = None, flags: int = 0) -> None:
+        """Send a response and/or the final flag. Raises TritonModelException after the final
+        one."""
+        if self._closed:
+            raise TritonModelException("Unable to send response. Response sender has been "
+                                       "closed.")
+        final = bool(flags & TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        self._closed = final
+        self._deliver(response, final)
+
+    def is_cancelled(self) -> bool:
+        """Whether the client went away (not propagated to models here; always False)."""
+        return False
+
+
 class InferenceRequest:
     """One request of a batch handed to `execute`."""
 
     def __init__(self, inputs: list[Tensor], request_id: str = "",
                  requested_output_names: list[str] | None = None, correlation_id: int = 0,
-                 parameters: dict | None = None) -> None:
+                 parameters: dict | None = None, sender: InferenceResponseSender | None = None
+                 ) -> None:
         self._inputs, self._id = inputs, request_id
         self._outputs = list(requested_output_names or [])
         self._correlation_id, self._parameters = correlation_id, parameters or {}
+        self._sender = sender
+
+    def get_response_sender(self) -> InferenceResponseSender:
+        """The response sender of a decoupled model's request. Raises TritonModelException
+        for a model that is not decoupled."""
+        if self._sender is None:
+            raise TritonModelException("get_response_sender() is only available for models "
+                                       "with the decoupled transaction policy")
+        return self._sender
 
     def inputs(self) -> list[Tensor]:
         """The request's input tensors."""

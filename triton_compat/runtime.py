@@ -12,6 +12,7 @@ futures of a batch are resolved only after those of every earlier batch.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
@@ -177,6 +178,40 @@ class ModelRuntime:
         self.thread.start()
 
     @property
+    def decoupled(self) -> bool:
+        """Whether the model answers through response senders (any number of responses)."""
+        return self.config.model_transaction_policy.decoupled
+
+    async def generate(self, inputs: dict, request_id: str = "", datatypes: dict | None = None,
+                       parameters: dict | None = None):
+        """A decoupled model's responses to one request, as they are sent: (outputs or None,
+        final); the last has final True (outputs None for a flag-only final). Raises
+        InferError: a bad request, the model's error response, or its execute failing."""
+        loop = asyncio.get_running_loop()
+        responses: asyncio.Queue = asyncio.Queue()
+
+        def deliver(result, final: bool) -> None:
+            loop.call_soon_threadsafe(responses.put_nowait, (result, final))
+
+        future = self.submit(BackendRequest(inputs, [], request_id, parameters or {}, deliver),
+                             datatypes)
+        def on_done(f: Future) -> None:     # execute failed or never ran: end the stream
+            if f.cancelled():
+                deliver(InferError("the request was cancelled", 500), True)
+            elif f.exception() is not None:
+                deliver(f.exception(), True)
+
+        future.add_done_callback(on_done)
+        while True:
+            result, final = await responses.get()
+            if isinstance(result, Exception):
+                raise result if isinstance(result, InferError) else \
+                    InferError(f"{type(result).__name__}: {result}", 500)
+            yield result, final
+            if final:
+                return
+
+    @property
     def pending_count(self) -> int:
         """Requests queued or executing (Triton's nv_inference_pending_request_count)."""
         return len(self.queue) + self.executing
@@ -191,6 +226,9 @@ class ModelRuntime:
         resolved on return, with no hand-off to the instance's thread.
         Raises InferError: 400 for a bad request or priority, 503 when the queue is full or
         the model is being unloaded."""
+        if self.decoupled and request.deliver is None:     # Triton's text
+            raise InferError("HTTP end point doesn't support models with decoupled transaction "
+                             "policy", 501)
         batch_size = check_inputs(self.config, request.inputs, datatypes or {})
         request.outputs = check_outputs(self.config, request.outputs or None)
         try:
@@ -267,8 +305,9 @@ class ModelRuntime:
             results, times = instance.execute([j.request for j in jobs])
         except Exception as e:       # a backend bug: fail this batch only
             results, times = [InferError(f"{type(e).__name__}: {e}", 500)] * len(batch), None
-        results = [_checked(self.config, j.request, r, p.batch_size)
-                   for p, j, r in zip(batch, jobs, results)]
+        if not self.decoupled:             # decoupled responses went through their senders
+            results = [_checked(self.config, j.request, r, p.batch_size)
+                       for p, j, r in zip(batch, jobs, results)]
         self.stats.record_execution([j.enqueued_ns for j in jobs],
                                     [p.batch_size for p in batch], results, start,
                                     time.perf_counter_ns(), times)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -10,12 +11,14 @@ import numpy as np
 @dataclass
 class BackendRequest:
     """One request as a backend sees it: validated inputs (numpy, batch dimension first when
-    the model batches), the output names to return, and the client's id and parameters."""
+    the model batches), the output names to return, and the client's id and parameters.
+    `deliver(outputs_or_error, final)`: a decoupled model's responses go there (any thread)."""
 
     inputs: dict[str, np.ndarray]
     outputs: list[str]
     id: str = ""
     parameters: dict = field(default_factory=dict)
+    deliver: Callable | None = None
 
     @property
     def batch_size(self) -> int:

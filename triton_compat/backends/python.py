@@ -33,6 +33,7 @@ class PythonBackend(Backend):
                  instance_name: str) -> None:
         sys.modules.setdefault("triton_python_backend_utils", pb_utils)
         self.config_json = config_to_json(config)
+        self.decoupled = config.model_transaction_policy.decoupled
         name = f"continuum_python_model_{next(_ids)}"
         try:
             spec = importlib.util.spec_from_file_location(name, path)
@@ -54,7 +55,7 @@ class PythonBackend(Backend):
         t0 = time.perf_counter_ns()
         pb_requests = [pb_utils.InferenceRequest(
             [pb_utils.Tensor(n, a) for n, a in r.inputs.items()], r.id, r.outputs,
-            parameters=r.parameters) for r in requests]
+            parameters=r.parameters, sender=self._sender(r)) for r in requests]
         t1 = time.perf_counter_ns()
         try:
             responses = self.model.execute(pb_requests)
@@ -63,6 +64,8 @@ class PythonBackend(Backend):
                              f"'{self.config_json['name']}': {type(e).__name__}: {e}", 500)
             return [err] * len(requests), ExecTimes(t1 - t0, time.perf_counter_ns() - t1, 0)
         t2 = time.perf_counter_ns()
+        if self.decoupled:         # responses go through the senders; execute returns None
+            return [{} for _ in requests], ExecTimes(t1 - t0, t2 - t1, 0)
         if not isinstance(responses, list) or len(responses) != len(requests):
             n = len(responses) if isinstance(responses, list) else type(responses).__name__
             err = InferError(f"python model '{self.config_json['name']}' returned {n} "
@@ -70,6 +73,16 @@ class PythonBackend(Backend):
             return [err] * len(requests), ExecTimes(t1 - t0, t2 - t1, 0)
         results = [self._result(resp, req) for resp, req in zip(responses, requests)]
         return results, ExecTimes(t1 - t0, t2 - t1, time.perf_counter_ns() - t2)
+
+    def _sender(self, request: BackendRequest):
+        if not self.decoupled:
+            return None
+
+        def deliver(response, final: bool) -> None:
+            result = None if response is None else self._result(response, request)
+            request.deliver(result, final)
+
+        return pb_utils.InferenceResponseSender(deliver)
 
     def _result(self, response, request: BackendRequest):
         if not isinstance(response, pb_utils.InferenceResponse):

@@ -373,6 +373,8 @@ class _StreamItem:
                     set_parameter(r.infer_response.parameters, "triton_final_response", True)
                     yield r
                 return
+            if value is None:              # a flag-only final: sent empty at "end" if asked
+                continue
             tensors = [OutputTensor(n, types[n], a, None) for n, a in value.items()
                        if wanted is None or n in wanted]
             r = pb.ModelStreamInferResponse(infer_response=encode_response(

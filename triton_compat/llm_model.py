@@ -63,6 +63,27 @@ def _scalar(inputs: dict, name: str, default=None):
         if hasattr(item, "item") else item
 
 
+INT_KEYS = ("n", "max_tokens", "min_tokens", "top_k", "seed")
+FLOAT_KEYS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+              "repetition_penalty")
+
+
+def _coerce(key: str, value):
+    """vLLM's backend converts numeric and boolean parameters given as strings (genai-perf
+    sends `{"max_tokens": "16"}`). Raises InferError(400) for one that does not convert."""
+    try:
+        if key in INT_KEYS and isinstance(value, str):
+            return int(value)
+        if key in FLOAT_KEYS and isinstance(value, str):
+            return float(value)
+    except ValueError:
+        raise InferError(f"sampling_parameters: '{key}' must be a number, got {value!r}") \
+            from None
+    if key == "ignore_eos" and isinstance(value, str):
+        return value.strip().lower() in ("true", "1")
+    return value
+
+
 def sampling_params(inputs: dict, default_max_tokens: int = 16):
     """Engine `SamplingParams` from the request's `sampling_parameters` (JSON) and
     `max_tokens`. Raises InferError(400) naming a bad key or value."""
@@ -79,7 +100,7 @@ def sampling_params(inputs: dict, default_max_tokens: int = 16):
     if unknown:
         raise InferError(f"sampling_parameters: unsupported key '{unknown[0]}' (supported: "
                          f"{', '.join(sorted(SAMPLING_KEYS))})")
-    kwargs = dict(given)
+    kwargs = {k: _coerce(k, v) for k, v in given.items()}
     kwargs.setdefault("max_tokens", default_max_tokens)
     if (max_tokens := _scalar(inputs, "max_tokens")) is not None:
         kwargs["max_tokens"] = int(max_tokens)

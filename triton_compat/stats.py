@@ -79,11 +79,15 @@ class ModelStats:
                     self.compute_infer.add(times.infer_ns)
                     self.compute_output.add(times.output_ns)
 
-    def record_request(self, ok: bool, duration_ns: int, batch_size: int) -> None:
-        """A request served without a batcher of its own (an ensemble): one execution each."""
+    def record_request(self, ok: bool, duration_ns: int, batch_size: int,
+                       queue_ns: int = 0) -> None:
+        """A request served without a batcher of its own (an ensemble, the LLM): one execution
+        each; `queue_ns` its time before it ran. Every success counts a queue entry, as Triton
+        does (perf_analyzer finds a model's version by that count)."""
         with self.lock:
             (self.success if ok else self.fail).add(duration_ns)
             if ok:
+                self.queue.add(queue_ns)
                 self.inference_count += batch_size
                 self.execution_count += 1
                 self.last_inference_ms = int(time.time() * 1000)

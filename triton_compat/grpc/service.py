@@ -15,11 +15,8 @@ stream_infer_handler.cc.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
-import queue
-import threading
 
 import grpc
 from google.protobuf import json_format
@@ -29,8 +26,9 @@ from tritonclient.grpc import service_pb2_grpc
 from triton_compat.config import wire_datatype
 from triton_compat.context import EXTENSIONS, SERVER_NAME, V2Context
 from triton_compat.errors import InferError
-from triton_compat.grpc.codec import decode_request, encode_response, set_parameter
-from triton_compat.infer import Inference, OutputTensor, run_blocking
+from triton_compat.grpc.codec import decode_request, encode_response
+from triton_compat.grpc.stream import Stream
+from triton_compat.infer import run_blocking
 
 logger = logging.getLogger("continuum.triton.grpc")
 
@@ -188,39 +186,20 @@ class TritonService(service_pb2_grpc.GRPCInferenceServiceServicer):
                 lifecycle.leave()
 
     def ModelStreamInfer(self, request_iterator, context):
-        """Bidirectional stream: each request is submitted as it arrives (so a stream's
-        requests batch together); responses are written in request order, each marked
-        `triton_final_response`. A failed request is answered with `error_message` (and its
-        id) and the stream goes on."""
+        """Bidirectional stream (see grpc/stream.py): requests start as they arrive; a
+        decoupled model's responses are written as produced, other models' in request order;
+        each response carries `triton_final_response`; a failed request is answered with
+        `error_message` and the stream goes on."""
         try:
             self.check_restricted("ModelStreamInfer", context)
         except InferError as e:
             context.abort(status_code(e), e.message)
-        order: queue.Queue = queue.Queue()
-
-        def reader():
-            try:
-                for msg in request_iterator:
-                    order.put(_StreamItem(self, msg))
-            except Exception:             # the client went away: nothing more to read
-                pass
-            finally:
-                order.put(None)
-
         lifecycle = self.ctx.lifecycle
         if lifecycle is not None:
             lifecycle.enter()
-        threading.Thread(target=reader, name="grpc-stream-reader", daemon=True).start()
-        item = None
         try:
-            while (item := order.get()) is not None:
-                yield from item.responses()
+            yield from Stream(self, request_iterator).responses()
         finally:
-            if item is not None:          # the stream ended early: let what runs finish
-                item.abandon()
-                while not order.empty():
-                    if (rest := order.get_nowait()) is not None:
-                        rest.abandon()
             if lifecycle is not None:
                 lifecycle.leave()
 
@@ -304,118 +283,3 @@ class TritonService(service_pb2_grpc.GRPCInferenceServiceServicer):
     def CudaSharedMemoryUnregister(self, request, context):
         self.ctx.shm.unregister("cuda", request.name)
         return pb.CudaSharedMemoryUnregisterResponse()
-
-
-class _StreamItem:
-    """One request of a stream: submitted at once (never run on the reader thread); its
-    responses built when the writer gets to it, in request order. A decoupled model (the LLM)
-    runs on the event loop and may answer any number of times."""
-
-    def __init__(self, service: TritonService, msg) -> None:
-        self.msg, self.inference, self.error, self.pump = msg, None, None, None
-        try:
-            service._admit()
-            rt = service.ctx.repository().runtime(msg.model_name, msg.model_version)
-            self.request = decode_request(msg)
-            if getattr(rt, "decoupled", False):
-                self._start_decoupled(service, rt)
-            else:
-                self.inference = Inference(service.ctx.repository(), service.ctx.shm,
-                                           self.request)
-        except InferError as e:
-            self.error = e.message
-        except Exception as e:                  # never let one request end the stream
-            logger.exception("stream request failed")
-            self.error = f"{type(e).__name__}: {e}"
-
-    def _start_decoupled(self, service: TritonService, rt) -> None:
-        """Run `rt.generate` on the server's event loop, feeding a thread-safe queue."""
-        self.rt, self.outputs = rt, queue.Queue()
-        self.empty_final = bool(self.request.parameters.get(
-            "triton_enable_empty_final_response", False))
-        inputs = {k: v for k, v in self.request.inputs.items()}
-
-        async def pump():
-            try:
-                async for outputs, final in rt.generate(inputs, self.msg.id,
-                                                        self.request.datatypes):
-                    self.outputs.put(("out", outputs, final))
-                self.outputs.put(("end", None, True))
-            except InferError as e:
-                self.outputs.put(("error", e.message, True))
-            except Exception as e:             # a bug: this request only
-                self.outputs.put(("error", f"{type(e).__name__}: {e}", True))
-
-        self.pump = asyncio.run_coroutine_threadsafe(pump(), service.ctx.lifecycle.loop)
-
-    def responses(self):
-        """This request's stream responses, the last marked final."""
-        if self.pump is not None and self.error is None:
-            yield from self._decoupled_responses()
-            return
-        yield self._response()
-
-    def _decoupled_responses(self):
-        wanted = ([o.name for o in self.request.outputs]
-                  if self.request.outputs is not None else None)
-        types = {t.name: wire_datatype(t.data_type) for t in self.rt.config.output}
-        sent_final = False
-        while True:
-            kind, value, final = self.outputs.get()
-            if kind == "error":
-                self.error = value
-                yield self._error_response()
-                return
-            if kind == "end":
-                if not sent_final and self.empty_final:
-                    r = pb.ModelStreamInferResponse()
-                    self._fill_ids(r)
-                    set_parameter(r.infer_response.parameters, "triton_final_response", True)
-                    yield r
-                return
-            if value is None:              # a flag-only final: sent empty at "end" if asked
-                continue
-            tensors = [OutputTensor(n, types[n], a, None) for n, a in value.items()
-                       if wanted is None or n in wanted]
-            r = pb.ModelStreamInferResponse(infer_response=encode_response(
-                self.msg.model_name, "1", self.msg.id, tensors))
-            set_parameter(r.infer_response.parameters, "triton_final_response", final)
-            sent_final = sent_final or final
-            yield r
-
-    def _fill_ids(self, response) -> None:
-        r, msg = response.infer_response, self.msg
-        r.id, r.model_name, r.model_version = msg.id, msg.model_name, msg.model_version
-
-    def _error_response(self) -> pb.ModelStreamInferResponse:
-        response = pb.ModelStreamInferResponse(error_message=self.error)
-        self._fill_ids(response)
-        set_parameter(response.infer_response.parameters, "triton_final_response", True)
-        return response
-
-    def _response(self) -> pb.ModelStreamInferResponse:
-        """Wait for this (non-decoupled) request and build its one stream response."""
-        if self.inference is not None:
-            try:
-                outputs = self.inference.future.result()
-                version, tensors = self.inference.finish(outputs)
-                response = pb.ModelStreamInferResponse(
-                    infer_response=TritonService._response(self.request, version, tensors))
-                set_parameter(response.infer_response.parameters, "triton_final_response",
-                              True)
-                return response
-            except InferError as e:
-                self.error = e.message
-            except Exception as e:              # a model bug: this request only
-                self.error = f"{type(e).__name__}: {e}"
-            finally:
-                self.inference.release()
-        return self._error_response()
-
-    def abandon(self) -> None:
-        """The stream is gone: cancel a decoupled request (the engine aborts it); give the
-        regions of another back once it is done."""
-        if self.pump is not None:
-            self.pump.cancel()
-        if self.inference is not None:
-            self.inference.future.add_done_callback(lambda _: self.inference.release())

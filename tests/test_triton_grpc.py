@@ -301,3 +301,22 @@ def test_a_stream_cancelled_mid_flight_leaves_the_server_serving(client):
         time.sleep(0.2)
     assert done - before == 4
     alive(client)
+
+
+def test_triton_grpc_error_mode_ends_the_stream_with_the_status(client):
+    """With metadata `triton_grpc_error: true`, the first failed request ends the stream with
+    its gRPC status (Triton's opt-in), instead of an error_message response."""
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put((result, error)),
+                        headers={"triton_grpc_error": "true"})
+    try:
+        client.async_stream_infer("simple", simple_inputs(A, B), request_id="ok")
+        client.async_stream_infer("nosuch", simple_inputs(A, B), request_id="bad")
+        first, second = results.get(timeout=30), results.get(timeout=30)
+    finally:
+        client.stop_stream()
+    assert first[1] is None and first[0].get_response().id == "ok"
+    assert second[0] is None
+    assert (second[1].status(), second[1].message()) == (
+        "StatusCode.NOT_FOUND", "Request for unknown model: 'nosuch' is not found")
+    alive(client)

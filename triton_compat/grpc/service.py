@@ -197,8 +197,13 @@ class TritonService(service_pb2_grpc.GRPCInferenceServiceServicer):
         lifecycle = self.ctx.lifecycle
         if lifecycle is not None:
             lifecycle.enter()
+        strict = dict(context.invocation_metadata() or ()).get("triton_grpc_error") == "true"
+
+        def end_with(error: InferError) -> None:      # triton_grpc_error: true
+            context.abort(status_code(error), error.message)
+
         try:
-            yield from Stream(self, request_iterator).responses()
+            yield from Stream(self, request_iterator, end_with if strict else None).responses()
         finally:
             if lifecycle is not None:
                 lifecycle.leave()

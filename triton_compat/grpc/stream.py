@@ -33,29 +33,35 @@ def _final(response: pb.ModelStreamInferResponse, final: bool) -> pb.ModelStream
     return response
 
 
-def _message(e: Exception) -> str:
-    if not isinstance(e, InferError):
-        logger.error("stream request failed: %s: %s", type(e).__name__, e)
-    return e.message if isinstance(e, InferError) else f"{type(e).__name__}: {e}"
+def _as_infer_error(e: Exception) -> InferError:
+    if isinstance(e, InferError):
+        return e
+    logger.error("stream request failed: %s: %s", type(e).__name__, e)
+    return InferError(f"{type(e).__name__}: {e}", 500)
 
 
-def _error(msg, message: str) -> pb.ModelStreamInferResponse:
-    response = pb.ModelStreamInferResponse(error_message=message)
+def _error(msg, e: Exception) -> tuple:
+    """(the error response of a request, its InferError) — the error ends a
+    `triton_grpc_error` stream."""
+    error = _as_infer_error(e)
+    response = pb.ModelStreamInferResponse(error_message=error.message)
     r = response.infer_response
     r.id, r.model_name, r.model_version = msg.id, msg.model_name, msg.model_version
-    return _final(response, True)
+    return _final(response, True), error
 
 
 class Stream:
-    """The state of one stream. `responses()` is the RPC's response iterator."""
+    """The state of one stream. `responses()` is the RPC's response iterator. With
+    `on_error` (the client sent metadata `triton_grpc_error: true`), the first error ends the
+    stream: `on_error(InferError)` is called instead of writing it (it aborts the RPC)."""
 
-    def __init__(self, service, request_iterator) -> None:
-        self.service, self.ctx = service, service.ctx
-        self.events: queue.Queue = queue.Queue()        # responses to write; None = the end
+    def __init__(self, service, request_iterator, on_error=None) -> None:
+        self.service, self.ctx, self.on_error = service, service.ctx, on_error
+        self.events: queue.Queue = queue.Queue()   # (response, error or None); None = the end
         self.lock = threading.Lock()
         self.outstanding, self.reading = 0, True
         self.next_seq = self.flush_seq = 0
-        self.done: dict[int, pb.ModelStreamInferResponse] = {}
+        self.done: dict[int, tuple] = {}
         self.pumps: set = set()                          # decoupled, running
         threading.Thread(target=self._read, args=(request_iterator,), daemon=True,
                          name="grpc-stream-reader").start()
@@ -63,7 +69,10 @@ class Stream:
     def responses(self):
         """Yield responses until the client has half-closed and every request is answered."""
         try:
-            while (response := self.events.get()) is not None:
+            while (event := self.events.get()) is not None:
+                response, error = event
+                if error is not None and self.on_error is not None:
+                    self.on_error(error)
                 yield response
         finally:
             self._abandon()
@@ -97,7 +106,7 @@ class Stream:
             try:
                 self._start_decoupled(msg, rt, decode_request(msg))
             except Exception as e:
-                self._emit(_error(msg, _message(e)))
+                self._emit(_error(msg, e))
             return
         with self.lock:                   # answered in request order, errors included
             seq, self.next_seq = self.next_seq, self.next_seq + 1
@@ -107,36 +116,34 @@ class Stream:
             request = decode_request(msg)
             inference = Inference(self.ctx.repository(), self.ctx.shm, request)
         except Exception as e:
-            self._ordered(seq, _error(msg, _message(e)))
+            self._ordered(seq, _error(msg, e))
             return
         inference.future.add_done_callback(
             lambda _: self._ordered(seq, self._response(msg, request, inference)))
 
-    def _response(self, msg, request, inference: Inference) -> pb.ModelStreamInferResponse:
-        """The one response of a finished non-decoupled request (runs where it finished)."""
+    def _response(self, msg, request, inference: Inference) -> tuple:
+        """(response, error) of a finished non-decoupled request (runs where it finished)."""
         try:
             version, tensors = inference.finish(inference.future.result())
             return _final(pb.ModelStreamInferResponse(infer_response=encode_response(
-                request.model, version, request.id, tensors)), True)
-        except InferError as e:
-            return _error(msg, e.message)
-        except Exception as e:                   # a model bug: this request only
-            return _error(msg, f"{type(e).__name__}: {e}")
+                request.model, version, request.id, tensors)), True), None
+        except Exception as e:                   # its error, or a model bug: this request only
+            return _error(msg, e)
         finally:
             inference.release()
 
-    def _emit(self, response) -> None:
-        """A decoupled response, or an error before any response: written now."""
-        self.events.put(response)
-        if response.infer_response.parameters["triton_final_response"].bool_param:
+    def _emit(self, event: tuple) -> None:
+        """(response, error) of a decoupled request: written now."""
+        self.events.put(event)
+        if event[0].infer_response.parameters["triton_final_response"].bool_param:
             with self.lock:
                 self.outstanding -= 1
             self._maybe_end()
 
-    def _ordered(self, seq: int, response) -> None:
-        """A non-decoupled response: written once those of earlier requests are."""
+    def _ordered(self, seq: int, event: tuple) -> None:
+        """(response, error) of a non-decoupled request: written after earlier requests'."""
         with self.lock:
-            self.done[seq] = response
+            self.done[seq] = event
             while self.flush_seq in self.done:
                 self.events.put(self.done.pop(self.flush_seq))
                 self.flush_seq += 1
@@ -158,26 +165,23 @@ class Stream:
                     tensors = [OutputTensor(n, types[n], a, None) for n, a in outputs.items()
                                if wanted is None or n in wanted]
                     sent_final = final
-                    self._emit(_final(pb.ModelStreamInferResponse(
+                    self._emit((_final(pb.ModelStreamInferResponse(
                         infer_response=encode_response(msg.model_name, "1", msg.id, tensors)),
-                        final))
+                        final), None))
                 if not sent_final:
                     empty = pb.ModelStreamInferResponse()
                     r = empty.infer_response
                     r.id, r.model_name, r.model_version = msg.id, msg.model_name, "1"
                     if empty_final:
-                        self._emit(_final(empty, True))
+                        self._emit((_final(empty, True), None))
                     else:                        # nothing to send: just count it done
                         with self.lock:
                             self.outstanding -= 1
                         self._maybe_end()
-            except InferError as e:
-                self._emit(_error(msg, e.message))
             except asyncio.CancelledError:
                 raise
-            except Exception as e:               # a bug: this request only
-                logger.exception("decoupled stream request failed")
-                self._emit(_error(msg, f"{type(e).__name__}: {e}"))
+            except Exception as e:               # its error, or a bug: this request only
+                self._emit(_error(msg, e))
 
         future = asyncio.run_coroutine_threadsafe(pump(), self.ctx.lifecycle.loop)
         with self.lock:

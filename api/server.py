@@ -349,7 +349,9 @@ def build_app(state: ServerState, load_in_background: bool = True) -> FastAPI:
     def model_names() -> dict[str, list[str]]:
         repo = state.repository
         return {"/v1": [state.served_model_name] if state.engine_config else [],
-                "/v2": [m["name"] for m in repo.index()] if repo is not None else []}
+                # the LLM's Triton face is decoupled (its /infer is Triton's 501): not listed
+                "/v2": [m["name"] for m in repo.index() if m["name"] not in repo.builtin]
+                if repo is not None else []}
 
     openapi.install(app, schemas, bodies, model_names)
     return app

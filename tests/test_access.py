@@ -72,7 +72,9 @@ def test_restricted_v2_categories_need_the_header(guarded):
         with pytest.raises(InferenceServerException, match="restricted"):
             call({"admin-key": "wrong"})
     assert client.is_model_ready("simple")                 # the unload never happened
-    assert [m["name"] for m in client.get_model_repository_index(headers=ADMIN)] == ["simple"]
+    # the repository's model, and the served LLM as a Triton model
+    assert [m["name"] for m in client.get_model_repository_index(headers=ADMIN)] == [
+        "SmolLM2-135M-Instruct", "simple"]
     assert client.get_inference_statistics("simple", headers=ADMIN)["model_stats"]
     r = httpx.post(f"{guarded}/v2/repository/index", timeout=5)
     assert r.status_code == 403 and "restricted" in r.json()["error"]

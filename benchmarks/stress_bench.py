@@ -122,6 +122,14 @@ async def overload(base: str, burst: int, capacity: int, max_tokens: int = 16,
             fill.append(asyncio.create_task(_post(s, url, body | {"max_tokens": 400})))
             await asyncio.sleep(0.15)
         await asyncio.sleep(0.5)
+        for _ in range(5):                 # a fill refused while the burst's last requests
+            refused_fill = [i for i, t in enumerate(fill)        # were still leaving: again
+                            if t.done() and t.exception() is None and t.result()[0] == 503]
+            if not refused_fill:
+                break
+            for i in refused_fill:
+                fill[i] = asyncio.create_task(_post(s, url, body | {"max_tokens": 400}))
+            await asyncio.sleep(0.5)
         probe = [await _post(s, url, body) for _ in range(probes)]
         m1 = await metrics(s, base)
         for t in fill:                     # the fill's clients leave: aborted, blocks freed

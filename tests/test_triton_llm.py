@@ -153,3 +153,25 @@ def test_grpc_stream_of_the_llm(server, server_grpc):
     finally:
         c.close()
     alive(server)
+
+
+def test_a_cancelled_grpc_stream_aborts_the_generation(server, server_grpc):
+    """The client cancels a gRPC stream mid-generation (900 tokens asked, 9 s or more here):
+    the engine drops the request within 4 s instead of generating to the end."""
+    import time
+
+    from tests.conftest import metric
+    c = grpcclient.InferenceServerClient(server_grpc)
+    got: queue.Queue = queue.Queue()
+    c.start_stream(callback=lambda result, error: got.put((result, error)))
+    c.async_stream_infer(LLM, llm_inputs(PROMPT, True, {"max_tokens": 900, "ignore_eos": True,
+                                                         "temperature": 0}))
+    for _ in range(2):
+        assert got.get(timeout=120)[1] is None
+    c.stop_stream(cancel_requests=True)
+    c.close()
+    deadline = time.time() + 4
+    while time.time() < deadline and metric(server, "continuum_num_requests_running") > 0:
+        time.sleep(0.2)
+    assert metric(server, "continuum_num_requests_running") == 0
+    alive(server)

@@ -203,7 +203,8 @@ class TritonService(service_pb2_grpc.GRPCInferenceServiceServicer):
             context.abort(status_code(error), error.message)
 
         try:
-            yield from Stream(self, request_iterator, end_with if strict else None).responses()
+            stream = Stream(self, request_iterator, end_with if strict else None)
+            yield from stream.responses(context.is_active)
         finally:
             if lifecycle is not None:
                 lifecycle.leave()

@@ -66,10 +66,19 @@ class Stream:
         threading.Thread(target=self._read, args=(request_iterator,), daemon=True,
                          name="grpc-stream-reader").start()
 
-    def responses(self):
-        """Yield responses until the client has half-closed and every request is answered."""
+    def responses(self, is_active=lambda: True):
+        """Yield responses until the client has half-closed and every request is answered,
+        or the RPC is over (`is_active()` False: the client cancelled or went away)."""
         try:
-            while (event := self.events.get()) is not None:
+            while True:
+                try:
+                    event = self.events.get(timeout=0.5)
+                except queue.Empty:
+                    if not is_active():
+                        return
+                    continue
+                if event is None:
+                    return
                 response, error = event
                 if error is not None and self.on_error is not None:
                     self.on_error(error)

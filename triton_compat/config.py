@@ -10,6 +10,7 @@ as a `scheduler.dynamic_batcher.BatcherConfig`, and the JSON form served at `...
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from google.protobuf import json_format, text_format
@@ -34,6 +35,7 @@ class ConfigError(Exception):
     """A config.pbtxt that cannot be served; the message names the file and the field."""
 
 
+@functools.lru_cache(maxsize=None)
 def wire_datatype(config_type: int) -> str:
     """`TYPE_FP32` (enum value) -> `FP32`; `TYPE_STRING` -> `BYTES` (KServe v2 names)."""
     name = mc.DataType.Name(config_type).removeprefix("TYPE_")

@@ -26,8 +26,10 @@ from triton_compat.context import V2Context
 from triton_compat.errors import InferError
 from triton_compat.infer import InferRequest, run
 
+# Triton's text. tritonserver 2.51 sends it as a 200 whose body is {"error": ...} (its
+# response had started, measured); here the response has not started: a 400, as any bad request.
 ONE_RESPONSE = ("generate expects model to produce exactly 1 response, use generate stream "
-                "for model that generates various number of responses")    # Triton's text
+                "for model that generates various number of responses")
 
 
 def _no_duplicates(pairs: list) -> dict:
@@ -57,7 +59,7 @@ def to_inputs(config, body: dict) -> tuple[dict, dict, dict]:
     inputs, datatypes = {}, {}
     for name, t in by_name.items():
         if name not in body:
-            if not t.optional:
+            if not t.optional:   # current source's text (2.51 let core say "expected 2 inputs")
                 raise InferError("unexpected key not found in generate request, expecting key "
                                  f"'{name}'")
             continue
@@ -111,6 +113,10 @@ async def responses(ctx: V2Context, model: str, version: str,
     yield to_json(model, ran, {t.name: t.array for t in tensors})
 
 
+def _event(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
 def router(ctx: V2Context) -> APIRouter:
     """The generate routes over `ctx`."""
     r = APIRouter()
@@ -145,11 +151,11 @@ def router(ctx: V2Context) -> APIRouter:
         async def events():
             try:
                 if first is not None:
-                    yield f"data: {json.dumps(first)}\n\n"
+                    yield _event(first)
                 async for item in stream:
-                    yield f"data: {json.dumps(item)}\n\n"
+                    yield _event(item)
             except InferError as e:
-                yield f"data: {json.dumps({'error': e.message})}\n\n"
+                yield _event({"error": e.message})
             finally:
                 await stream.aclose()        # a disconnect cancels us here: abort the request
 

@@ -15,6 +15,8 @@ import json
 import re
 import zlib
 
+from starlette.requests import ClientDisconnect, Request
+
 from triton_compat.context import V2Context
 from triton_compat.errors import InferError
 from triton_compat.infer import InferRequest, run
@@ -28,6 +30,21 @@ def too_large(size: int, limit: int) -> InferError:
     """The 400 for a body past `--http-max-input-size`."""
     return InferError(f"request size {size} bytes exceeds the maximum allowed value of "
                       f"{limit} bytes (--http-max-input-size)")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused (400) once it passes `limit` bytes, before all of it is held. Raises
+    starlette's ClientDisconnect when the client leaves meanwhile."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise too_large(int(declared), limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(size, limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def decode_body(body: bytes, encoding: str | None, limit: int) -> bytes:
@@ -44,9 +61,10 @@ def decode_body(body: bytes, encoding: str | None, limit: int) -> bytes:
     return out
 
 
-async def infer_http(ctx: V2Context, model: str, version: str, headers: dict, body: bytes,
+async def infer_http(ctx: V2Context, model: str, version: str, headers, body: bytes,
                      limit: int) -> tuple[bytes, list]:
-    """One infer: the response body and its headers. Raises InferError (v2 status)."""
+    """One infer: the response body and its headers. `headers`: the request's (a mapping with
+    lower-case keys). Raises InferError (v2 status)."""
     repo = ctx.repository()
     repo.runtime(model, version)           # unknown model: 404 before the body is parsed
     body = decode_body(body, headers.get("content-encoding"), limit)
@@ -83,33 +101,16 @@ class InferFastPath:
         if match is None:
             await self.app(scope, receive, send)
             return
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        request = Request(scope, receive)
         status = 200
         try:
-            body = await self._body(headers, receive)
-            payload, extra = await infer_http(self.ctx, match[1], match[2] or "", headers, body,
-                                              self.limit)
+            body = await read_body(request, self.limit)
+            payload, extra = await infer_http(self.ctx, match[1], match[2] or "",
+                                              request.headers, body, self.limit)
         except InferError as e:
             status, payload, extra = e.status, json.dumps({"error": e.message}).encode(), JSON
-        except ConnectionError:            # the client left while sending its body
+        except ClientDisconnect:           # the client left while sending its body
             return
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-length", str(len(payload)).encode()), *extra]})
         await send({"type": "http.response.body", "body": payload})
-
-    async def _body(self, headers: dict, receive) -> bytes:
-        declared = headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > self.limit:
-            raise too_large(int(declared), self.limit)
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise ConnectionError("client disconnected")
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.limit:
-                raise too_large(size, self.limit)
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(chunks)

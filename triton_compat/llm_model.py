@@ -24,6 +24,7 @@ import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
 from triton_compat.errors import InferError
+from triton_compat.runtime import DECOUPLED_HTTP, check_inputs
 from triton_compat.stats import ModelStats
 
 BOOL_INPUTS = ("stream", "exclude_input_in_output", "return_finish_reason",
@@ -137,8 +138,7 @@ class LLMModel:
     def submit(self, *args, **kwargs):
         """Decoupled: one-response infer is refused, with Triton's HTTP text (gRPC says its
         own in the service)."""
-        raise InferError("HTTP end point doesn't support models with decoupled transaction "
-                         "policy", 501)
+        raise InferError(DECOUPLED_HTTP, 501)
 
     async def generate(self, inputs: dict, request_id: str = "",
                        datatypes: dict | None = None) -> AsyncIterator[tuple]:
@@ -149,7 +149,6 @@ class LLMModel:
         if llm is None or tokenizer is None:
             raise InferError(f"Request for unknown model: '{self.name}' is not ready "
                              "(the engine is loading)", 503)
-        from triton_compat.runtime import check_inputs
         check_inputs(self.config, inputs, datatypes or {})      # Triton's input errors
         prompt = _scalar(inputs, "text_input")
         flags = {n: bool(_scalar(inputs, n, False)) for n in BOOL_INPUTS}

@@ -22,7 +22,7 @@ from triton_compat import generate, shm_routes
 from triton_compat.config import config_to_json, wire_datatype
 from triton_compat.context import EXTENSIONS, SERVER_NAME, V2Context
 from triton_compat.errors import InferError
-from triton_compat.http_infer import InferFastPath, infer_http, too_large
+from triton_compat.http_infer import InferFastPath, infer_http, read_body
 
 
 def _error(e: InferError) -> JSONResponse:
@@ -104,8 +104,8 @@ def _router(ctx: V2Context, max_input_size: int) -> APIRouter:
     async def infer(model: str, request: Request, version: str = ""):
         # Normally answered by http_infer.InferFastPath before routing; same code either way.
         repo().runtime(model, version)       # unknown model: 404 before the body is read
-        body = await _read_body(request, max_input_size)
-        payload, headers = await infer_http(ctx, model, version, dict(request.headers), body,
+        body = await read_body(request, max_input_size)
+        payload, headers = await infer_http(ctx, model, version, request.headers, body,
                                             max_input_size)
         return Response(payload, headers={k.decode(): v.decode() for k, v in headers})
 
@@ -140,20 +140,6 @@ def _router(ctx: V2Context, max_input_size: int) -> APIRouter:
         return Response(status_code=200)
 
     return router
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, refused (400) once it passes `limit` bytes, before all of it is held."""
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise too_large(int(declared), limit)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large(size, limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def _json_object(raw: bytes) -> dict:

@@ -29,6 +29,10 @@ from triton_compat.errors import InferError
 from triton_compat.stats import ModelStats
 
 
+# Triton's text for one-response inference of a decoupled model (http_server.cc)
+DECOUPLED_HTTP = "HTTP end point doesn't support models with decoupled transaction policy"
+
+
 def settle(future: Future, result) -> None:
     """Resolve a request's future with `result`, or fail it when `result` is an exception. A
     future its caller cancelled is left as it is: `asyncio.wrap_future` cancels it when the
@@ -226,9 +230,8 @@ class ModelRuntime:
         resolved on return, with no hand-off to the instance's thread.
         Raises InferError: 400 for a bad request or priority, 503 when the queue is full or
         the model is being unloaded."""
-        if self.decoupled and request.deliver is None:     # Triton's text
-            raise InferError("HTTP end point doesn't support models with decoupled transaction "
-                             "policy", 501)
+        if self.decoupled and request.deliver is None:
+            raise InferError(DECOUPLED_HTTP, 501)
         batch_size = check_inputs(self.config, request.inputs, datatypes or {})
         request.outputs = check_outputs(self.config, request.outputs or None)
         try:
@@ -251,26 +254,29 @@ class ModelRuntime:
             except QueueFullError as e:
                 self.stats.record_failure(0)
                 raise InferError(str(e), 503) from None
-            ready = self._dispatch_now(now, inline)
-            if ready is None or self.queue.items:
+            batch = self._ready_now(now)
+            job = self._claim(batch) if batch else None
+            if job and not inline:
+                self.pool.submit(self._execute, *job)
+            if not batch or self.queue.items:
                 self.cond.notify()
-        if isinstance(ready, tuple):      # inline: run the batch on this thread
-            self._execute(*ready)
+        if job and inline:                # run the batch on this thread
+            self._execute(*job)
         return future
 
-    def _dispatch_now(self, now_us: int, inline: bool) -> tuple | bool | None:
-        """Take the batcher's decision on the submitting thread when an instance is idle and a
-        batch is ready at once (no queue delay to wait out, nothing timed out): the same
-        decision the batcher thread would take, minus waking it (one thread hand-off per
-        request saved). Caller holds the lock. None: nothing dispatched; True: handed to the
-        instance's thread; with `inline`, (instance, batch, seq) for the caller to execute."""
+    def _ready_now(self, now_us: int) -> list[Pending] | None:
+        """The batcher's decision taken on the submitting thread: the batch to run at once
+        when an instance is idle and one is ready (no queue delay to wait out, nothing timed
+        out), taken off the queue; else None and the batcher thread decides. The same decision
+        the batcher thread would take, minus waking it (one thread hand-off per request
+        saved). Caller holds the lock."""
         if not self.idle:
             return None
         decision = decide(self.queue.items, now_us, self.batcher)
         if not decision.batch or decision.rejected:
             return None
         self.queue.remove(decision.batch)
-        return self._dispatch(decision.batch, inline)
+        return decision.batch
 
     def _loop(self) -> None:
         with self.cond:
@@ -289,14 +295,16 @@ class ModelRuntime:
                     wait = min(deadlines) - _now_us() if deadlines else None
                 self.cond.wait(None if wait is None else max(wait, 0) / 1e6)
 
-    def _dispatch(self, batch: list[Pending], inline: bool = False):
+    def _claim(self, batch: list[Pending]) -> tuple:
+        """(idle instance, batch, batch sequence number) for `_execute`. Caller holds the
+        lock."""
         instance = self.idle.pop()
         seq, self._batch_seq = self._batch_seq, self._batch_seq + 1
         self.executing += len(batch)
-        if inline:
-            return instance, batch, seq
-        self.pool.submit(self._execute, instance, batch, seq)
-        return True
+        return instance, batch, seq
+
+    def _dispatch(self, batch: list[Pending]) -> None:
+        self.pool.submit(self._execute, *self._claim(batch))
 
     def _execute(self, instance, batch: list[Pending], seq: int) -> None:
         jobs = [p.key for p in batch]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from triton_compat.errors import InferError
 
@@ -46,7 +46,6 @@ class Region:
     buffer: object = None               # system: mmap of [0, offset + byte_size) of the object
     uses: int = 0
     awaiting_unregister: bool = False
-    extra: dict = field(default_factory=dict)
 
     def status(self) -> dict:
         """The region's entry in a status response (Triton's GetStatus)."""
@@ -56,13 +55,23 @@ class Region:
         return {"name": self.name, "device_id": self.device_id, "byte_size": self.byte_size}
 
 
+def gpus_not_supported(name: str) -> InferError:
+    """Registering CUDA region `name` where there is no CUDA: the text of Triton's current
+    source for a build without GPUs. (tritonserver 2.51 from nvidia-pytriton is a GPU build:
+    on a host without a GPU it answers "failed to register shared memory region: invalid args"
+    over gRPC, after checking the handle; the text of a build without GPUs says why.)"""
+    return InferError(f"failed to register CUDA shared memory region: '{name}', GPUs not "
+                      "supported", INVALID_ARG)
+
+
 def key_path(name: str, key: str) -> str:
     """The file `shm_open(key)` opens, or InferError(400) for a key that is not one plain name
     in the shared-memory namespace or uses Triton's reserved prefix."""
     bare = key.lstrip("/")
     if not bare or "/" in bare or bare in (".", "..") or "\0" in bare:
-        # Triton checks only "all slashes" and the prefix, and lets shm_open refuse the rest;
-        # here a key that could leave /dev/shm never reaches the file system.
+        # Triton's current source checks only "all slashes" and the prefix and lets shm_open
+        # refuse the rest (2.51 checks nothing: "Unable to open shared memory region", 500,
+        # measured); here a key that could leave /dev/shm never reaches the file system.
         raise InferError(f"cannot register shared memory region '{name}' - invalid shm key "
                          f"'{key}'", INVALID_ARG)
     if bare.startswith(RESERVED_PREFIX):
@@ -131,8 +140,7 @@ class SharedMemoryManager:
                              "region", INVALID_ARG)
         from triton_compat import cuda_ipc
         if not cuda_ipc.available():
-            raise InferError(f"failed to register CUDA shared memory region: '{name}', GPUs "
-                             "not supported", INVALID_ARG)
+            raise gpus_not_supported(name)
         if len(raw_handle) != CUDA_IPC_HANDLE_BYTES:
             raise InferError("'raw_handle' must be a valid base64 encoded cudaIpcMemHandle_t",
                              INVALID_ARG)

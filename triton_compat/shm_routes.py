@@ -19,7 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from triton_compat.errors import InferError
-from triton_compat.shared_memory import SharedMemoryManager
+from triton_compat.shared_memory import SharedMemoryManager, gpus_not_supported
 
 
 def _uint(body: dict, key: str, required: bool) -> int:
@@ -32,6 +32,13 @@ def _uint(body: dict, key: str, required: bool) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise InferError("attempt to access JSON non-unsigned-integer as unsigned-integer")
     return value
+
+
+def _may_register(shm: SharedMemoryManager, kind: str, name: str) -> None:
+    """Triton's first two checks of a register request: client shm allowed, a region name."""
+    shm.check_allowed()
+    if not name:
+        raise InferError(f"'region name' is necessary to register {kind} shared memory region")
 
 
 def router(shm: SharedMemoryManager, json_object: Callable[[bytes], dict]) -> APIRouter:
@@ -55,10 +62,7 @@ def router(shm: SharedMemoryManager, json_object: Callable[[bytes], dict]) -> AP
     @r.post("/v2/systemsharedmemory/register")
     @r.post("/v2/systemsharedmemory/region/{name}/register")
     async def system_register(request: Request, name: str = ""):
-        shm.check_allowed()
-        if not name:
-            raise InferError("'region name' is necessary to register system shared memory "
-                             "region")
+        _may_register(shm, "system", name)
         body = await body_of(request)
         if "key" not in body:
             raise InferError("Shared memory register request has no 'key' field")
@@ -71,14 +75,10 @@ def router(shm: SharedMemoryManager, json_object: Callable[[bytes], dict]) -> AP
     @r.post("/v2/cudasharedmemory/register")
     @r.post("/v2/cudasharedmemory/region/{name}/register")
     async def cuda_register(request: Request, name: str = ""):
-        shm.check_allowed()
-        if not name:
-            raise InferError("'region name' is necessary to register cuda shared memory "
-                             "region")
+        _may_register(shm, "cuda", name)
         from triton_compat import cuda_ipc
         if not cuda_ipc.available():
-            raise InferError(f"failed to register CUDA shared memory region: '{name}', GPUs "
-                             "not supported")
+            raise gpus_not_supported(name)
         body = await body_of(request)
         handle = body.get("raw_handle")
         if not isinstance(handle, dict) or not isinstance(handle.get("b64"), str):

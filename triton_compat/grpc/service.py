@@ -28,13 +28,14 @@ from triton_compat.context import EXTENSIONS, SERVER_NAME, V2Context
 from triton_compat.errors import InferError
 from triton_compat.grpc.codec import decode_request, encode_response
 from triton_compat.grpc.stream import Stream
+from triton_compat.shared_memory import gpus_not_supported
 from triton_compat.infer import run_blocking
 
 logger = logging.getLogger("continuum.triton.grpc")
 
-STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 403: grpc.StatusCode.UNAVAILABLE,
-          404: grpc.StatusCode.NOT_FOUND, 500: grpc.StatusCode.INTERNAL,
-          501: grpc.StatusCode.UNIMPLEMENTED, 503: grpc.StatusCode.UNAVAILABLE}
+STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
+          500: grpc.StatusCode.INTERNAL, 501: grpc.StatusCode.UNIMPLEMENTED,
+          503: grpc.StatusCode.UNAVAILABLE}
 SHUTTING_DOWN = "GRPC server is shutting down and has stopped accepting new requests."
 RESTRICTED_HEADER = "triton-grpc-protocol-"       # grpc_server.h kRestrictedProtocolHeaderTemplate
 
@@ -279,8 +280,7 @@ class TritonService(service_pb2_grpc.GRPCInferenceServiceServicer):
     def CudaSharedMemoryRegister(self, request, context):
         from triton_compat import cuda_ipc
         if not cuda_ipc.available():      # Triton without GPUs answers this before anything
-            raise InferError(f"failed to register CUDA shared memory region: '{request.name}', "
-                             "GPUs not supported")
+            raise gpus_not_supported(request.name)
         self.ctx.shm.register_cuda(request.name, request.raw_handle, request.device_id,
                                    request.byte_size)
         return pb.CudaSharedMemoryRegisterResponse()

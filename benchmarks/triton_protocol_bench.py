@@ -63,12 +63,15 @@ def build_repository(root: Path) -> None:
 
 
 def free_port() -> int:
+    """A free TCP port on the loopback interface."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 def wait_ready(url: str, proc, timeout: float = 180) -> None:
+    """Poll `url` until it answers 200. Raises RuntimeError if `proc` exits or `timeout`
+    seconds pass."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
@@ -83,6 +86,8 @@ def wait_ready(url: str, proc, timeout: float = 180) -> None:
 
 
 def start_continuum(repo: Path, log) -> tuple:
+    """`continuum serve --no-llm` on `repo` with client shared memory: (process, HTTP port,
+    gRPC port)."""
     http, grpc = free_port(), free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "api", "serve", "--no-llm", "--model-repository", str(repo),
@@ -93,6 +98,8 @@ def start_continuum(repo: Path, log) -> tuple:
 
 
 def start_triton(repo: Path, venv: Path, log) -> tuple:
+    """tritonserver 2.51 from the nvidia-pytriton package in `venv` on `repo`, its python
+    backend stub installed for this python: (process, HTTP port, gRPC port)."""
     site = next((venv / "lib").glob("python3*/site-packages"))
     ts = site / "pytriton" / "tritonserver"
     stub = ts / "backends" / "python" / "triton_python_backend_stub"
@@ -135,6 +142,8 @@ def perf_analyzer(binary: Path, model: str, mode: str, concurrency: int, http: i
 
 
 def measure(name: str, start, args, repo: Path, log) -> dict:
+    """Start a server with `start`, run every (model, mode, concurrency) point against it,
+    stop it: {"model/mode/concurrency": perf_analyzer point}."""
     proc, http, grpc = start(repo, log)
     results = {}
     try:
@@ -154,6 +163,7 @@ def measure(name: str, start, args, repo: Path, log) -> dict:
 
 
 def table(ours: dict, theirs: dict) -> str:
+    """A Markdown table of both servers' points: infer/s, their ratio, p99 (µs)."""
     lines = ["| model / mode / concurrency | Continuum infer/s | Triton infer/s | ratio | "
              "Continuum p99 µs | Triton p99 µs |", "|---|---|---|---|---|---|"]
     for key, a in ours.items():
@@ -168,6 +178,7 @@ def table(ours: dict, theirs: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    """Run the benchmark (flags: see --help); write and return the JSON result."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--perf-analyzer", type=Path, required=True)
     p.add_argument("--triton-venv", type=Path, default=None,

@@ -25,9 +25,52 @@ def seq_model(root: Path, name: str, batching: str, delay: int) -> None:
         SEQ.replace("{batching}", batching).replace("{delay}", str(delay)))
 
 
+SEQUENCE = """backend: "python" max_batch_size: {mbs}
+sequence_batching {{
+  max_sequence_idle_microseconds: {idle_us}
+  {strategy}
+  control_input [
+    {{ name: "START" control [ {{ kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] }} ] }},
+    {{ name: "END" control [ {{ kind: CONTROL_SEQUENCE_END fp32_false_true: [ 0, 1 ] }} ] }},
+    {{ name: "READY" control [ {{ kind: CONTROL_SEQUENCE_READY bool_false_true: [ false, true ] }} ] }},
+    {{ name: "CORRID" control [ {{ kind: CONTROL_SEQUENCE_CORRID data_type: {corrid} }} ] }}
+  ]
+  state [ {{ input_name: "ACC" output_name: "ACC_OUT" data_type: TYPE_INT32 dims: [ 1 ]
+            initial_state {{ data_type: TYPE_INT32 dims: [ 1 ] zero_data: true name: "zero" }} }} ]
+}}
+input [ {{ name: "IN" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+output [ {{ name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] }},
+         {{ name: "CTRL" data_type: TYPE_FP32 dims: [ 3 ] }},
+         {{ name: "CORR" data_type: {corrid} dims: [ 1 ] }},
+         {{ name: "FLAGS" data_type: TYPE_INT32 dims: [ 1 ] }},
+         {{ name: "BATCH" data_type: TYPE_INT32 dims: [ 1 ] }} ]
+parameters {{ key: "delay_ms" value {{ string_value: "{delay}" }} }}
+"""
+
+# name -> (strategy, CORRID type, max_batch_size, max_sequence_idle_microseconds, delay_ms)
+SEQUENCE_MODELS = {
+    "seq_direct": ("direct { }", "TYPE_UINT64", 4, 5_000_000, 60),
+    "seq_oldest": ("oldest { max_candidate_sequences: 8 max_queue_delay_microseconds: 20000 }",
+                   "TYPE_UINT64", 4, 5_000_000, 60),
+    "seq_string": ("direct { }", "TYPE_STRING", 2, 5_000_000, 0),
+    "seq_idle": ("direct { }", "TYPE_INT64", 1, 400_000, 0),
+}
+
+
+def sequence_model(root: Path, name: str) -> None:
+    """A tests/triton_models/sequence_model.py model under the sequence batcher."""
+    strategy, corrid, mbs, idle_us, delay = SEQUENCE_MODELS[name]
+    (root / name / "1").mkdir(parents=True)
+    (root / name / "1" / "model.py").symlink_to(
+        ROOT / "tests/triton_models/sequence_model.py")
+    (root / name / "config.pbtxt").write_text(SEQUENCE.format(
+        mbs=mbs, idle_us=idle_us, strategy=strategy, corrid=corrid, delay=delay))
+
+
 def repository(root: Path) -> Path:
     """simple, text_tokenizer, the test model under dynamic batching (`delayed`: 300 ms per
-    execution, so concurrent requests queue and batch), and `repeat`, a decoupled model."""
+    execution, so concurrent requests queue and batch), `repeat`, a decoupled model, and the
+    sequence models of SEQUENCE_MODELS."""
     for name in ("simple", "text_tokenizer"):
         (root / name).symlink_to(EXAMPLES / name, target_is_directory=True)
     seq_model(root, "delayed", "dynamic_batching { max_queue_delay_microseconds: 100000 }", 300)
@@ -38,6 +81,8 @@ def repository(root: Path) -> Path:
         'input [ { name: "IN" data_type: TYPE_INT32 dims: [ -1 ] } ] '
         'output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] }, '
         '{ name: "IDX" data_type: TYPE_UINT32 dims: [ 1 ] } ]')
+    for name in SEQUENCE_MODELS:
+        sequence_model(root, name)
     return root
 
 

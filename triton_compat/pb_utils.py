@@ -65,6 +65,8 @@ class Tensor:
 
 
 TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1      # Triton's response flag: the last response
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1  # request flags (tritonserver.h)
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
 
 
 class InferenceResponseSender:
@@ -95,12 +97,12 @@ class InferenceRequest:
 
     def __init__(self, inputs: list[Tensor], request_id: str = "",
                  requested_output_names: list[str] | None = None, correlation_id: int = 0,
-                 parameters: dict | None = None, sender: InferenceResponseSender | None = None
-                 ) -> None:
+                 parameters: dict | None = None, sender: InferenceResponseSender | None = None,
+                 flags: int = 0) -> None:
         self._inputs, self._id = inputs, request_id
         self._outputs = list(requested_output_names or [])
         self._correlation_id, self._parameters = correlation_id, parameters or {}
-        self._sender = sender
+        self._sender, self._flags = sender, flags
 
     def get_response_sender(self) -> InferenceResponseSender:
         """The response sender of a decoupled model's request. Raises TritonModelException
@@ -118,8 +120,8 @@ class InferenceRequest:
         """The client's request id ('' when not given)."""
         return self._id
 
-    def correlation_id(self) -> int:
-        """The sequence id (0 outside sequences)."""
+    def correlation_id(self) -> int | str:
+        """The sequence id: an int, or a str for string ids (0 outside sequences)."""
         return self._correlation_id
 
     def requested_output_names(self) -> list[str]:
@@ -131,8 +133,9 @@ class InferenceRequest:
         return json.dumps(self._parameters)
 
     def flags(self) -> int:
-        """Sequence flags; always 0 (no sequence batching on this path)."""
-        return 0
+        """Sequence flags: TRITONSERVER_REQUEST_FLAG_SEQUENCE_START | ..._END (0 outside
+        sequences)."""
+        return self._flags
 
     def is_cancelled(self) -> bool:
         """Cancellation is not propagated to python models; always False."""
@@ -214,5 +217,5 @@ def triton_string_to_numpy(triton_type: str):
 
 
 def using_decoupled_model_transaction_policy(model_config: dict) -> bool:
-    """Decoupled models are not supported here; always False."""
-    return False
+    """Whether the (JSON) model config sets `model_transaction_policy { decoupled: true }`."""
+    return bool(model_config.get("model_transaction_policy", {}).get("decoupled", False))

@@ -20,6 +20,7 @@ from triton_compat.config import ConfigError, load_config, select_versions
 from triton_compat.ensemble import EnsembleRuntime
 from triton_compat.errors import InferError
 from triton_compat.runtime import ModelRuntime
+from triton_compat.sequence.runtime import SequenceRuntime
 
 logger = logging.getLogger("continuum.triton")
 
@@ -119,6 +120,8 @@ class ModelRepository:
                 for v in versions:
                     entry.runtimes[v] = (
                         EnsembleRuntime(config, v, self.runtime) if config.backend == "ensemble"
+                        else SequenceRuntime(config, self.root / name, v)
+                        if config.HasField("sequence_batching")
                         else ModelRuntime(config, self.root / name, v))
             except (ConfigError, InferError) as e:
                 for rt in entry.runtimes.values():

@@ -319,10 +319,14 @@ class ModelRuntime:
         self.stats.record_execution([j.enqueued_ns for j in jobs],
                                     [p.batch_size for p in batch], results, start,
                                     time.perf_counter_ns(), times)
+        self._complete(instance, list(zip(jobs, results)), seq)
+
+    def _complete(self, instance, ready: list[tuple[Job, object]], seq: int) -> None:
+        """An execution ended: its instance is idle again and each job's future gets its
+        result, in batch order after every earlier batch with `preserve_ordering`."""
         with self.cond:
             self.idle.append(instance)
-            self.executing -= len(batch)
-            ready = list(zip(jobs, results))
+            self.executing -= len(ready)
             if self.preserve:        # release this batch only after every earlier one
                 self._done[seq] = ready
                 ready = []

@@ -55,15 +55,16 @@ class ModelStats:
             self.fail.add(duration_ns)
 
     def record_execution(self, enqueued_ns: list[int], batch_sizes: list[int], results,
-                         start_ns: int, end_ns: int, times) -> None:
+                         start_ns: int, end_ns: int, times, padded_size: int = 0) -> None:
         """One execution of len(results) requests: when each was queued, its batch rows, its
         result (outputs or an Exception), the execution's start / end (ns, perf_counter) and
-        its `ExecTimes` (None when the backend itself crashed)."""
+        its `ExecTimes` (None when the backend itself crashed). `padded_size`: the executed
+        batch size when the sequence batcher padded it (0: the requests' rows)."""
         with self.lock:
             self.execution_count += 1
             self.last_inference_ms = int(time.time() * 1000)
             if times is not None:
-                per_size = self.batch.setdefault(sum(batch_sizes),
+                per_size = self.batch.setdefault(padded_size or sum(batch_sizes),
                                                  [Duration(), Duration(), Duration()])
                 for d, ns in zip(per_size, (times.input_ns, times.infer_ns, times.output_ns)):
                     d.add(ns)

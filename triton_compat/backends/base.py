@@ -12,13 +12,16 @@ import numpy as np
 class BackendRequest:
     """One request as a backend sees it: validated inputs (numpy, batch dimension first when
     the model batches), the output names to return, and the client's id and parameters.
-    `deliver(outputs_or_error, final)`: a decoupled model's responses go there (any thread)."""
+    `deliver(outputs_or_error, final)`: a decoupled model's responses go there (any thread).
+    Sequence models also get the request's correlation id and START / END flags."""
 
     inputs: dict[str, np.ndarray]
     outputs: list[str]
     id: str = ""
     parameters: dict = field(default_factory=dict)
     deliver: Callable | None = None
+    correlation_id: int | str = 0    # the sequence id (sequence models)
+    flags: int = 0                   # SEQUENCE_START 1 | SEQUENCE_END 2
 
     @property
     def batch_size(self) -> int:

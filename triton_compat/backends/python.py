@@ -55,7 +55,8 @@ class PythonBackend(Backend):
         t0 = time.perf_counter_ns()
         pb_requests = [pb_utils.InferenceRequest(
             [pb_utils.Tensor(n, a) for n, a in r.inputs.items()], r.id, r.outputs,
-            parameters=r.parameters, sender=self._sender(r)) for r in requests]
+            correlation_id=r.correlation_id, parameters=r.parameters,
+            sender=self._sender(r), flags=r.flags) for r in requests]
         t1 = time.perf_counter_ns()
         try:
             responses = self.model.execute(pb_requests)

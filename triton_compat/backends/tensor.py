@@ -40,6 +40,11 @@ class BatchedTensorBackend(Backend):
         self.input_names = [t.name for t in config.input]
         self.ragged = {t.name for t in config.input if t.allow_ragged_batch}
         self.output_names = [t.name for t in config.output]
+        sb = config.sequence_batching        # the server's control and implicit-state tensors
+        self.input_names += [c.name for c in sb.control_input] + \
+            [s.input_name for s in sb.state]
+        self.output_names += [s.output_name for s in sb.state
+                              if s.output_name not in self.output_names]
 
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Execute the model on full-batch inputs; return every output by config name."""

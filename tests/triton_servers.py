@@ -69,8 +69,9 @@ def sequence_model(root: Path, name: str) -> None:
 
 def repository(root: Path) -> Path:
     """simple, text_tokenizer, the test model under dynamic batching (`delayed`: 300 ms per
-    execution, so concurrent requests queue and batch), `repeat`, a decoupled model, and the
-    sequence models of SEQUENCE_MODELS."""
+    execution, so concurrent requests queue and batch), `repeat`, a decoupled model, the
+    sequence models of SEQUENCE_MODELS, and `iterative` (an iterative sequence model) with
+    `not_iterative` (the same model without the sequence batcher)."""
     for name in ("simple", "text_tokenizer"):
         (root / name).symlink_to(EXAMPLES / name, target_is_directory=True)
     seq_model(root, "delayed", "dynamic_batching { max_queue_delay_microseconds: 100000 }", 300)
@@ -83,6 +84,17 @@ def repository(root: Path) -> Path:
         '{ name: "IDX" data_type: TYPE_UINT32 dims: [ 1 ] } ]')
     for name in SEQUENCE_MODELS:
         sequence_model(root, name)
+    for name, batching in (("iterative", "sequence_batching { iterative_sequence: true }"),
+                           ("not_iterative", "")):
+        (root / name / "1").mkdir(parents=True)
+        (root / name / "1" / "model.py").symlink_to(
+            ROOT / "tests/triton_models/iterative_model.py")
+        (root / name / "config.pbtxt").write_text(
+            'backend: "python" max_batch_size: 4 model_transaction_policy { decoupled: true } '
+            f'{batching} input [ {{ name: "IN" data_type: TYPE_INT32 dims: [ 1 ] }} ] '
+            'output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] }, '
+            '{ name: "BATCH" data_type: TYPE_INT32 dims: [ 1 ] } ] '
+            'parameters { key: "delay_ms" value { string_value: "30" } }')
     return root
 
 

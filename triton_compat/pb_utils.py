@@ -67,6 +67,8 @@ class Tensor:
 TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1      # Triton's response flag: the last response
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1  # request flags (tritonserver.h)
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
+TRITONSERVER_REQUEST_RELEASE_ALL = 1          # release flags: done with the request
+TRITONSERVER_REQUEST_RELEASE_RESCHEDULE = 2   # run it again (iterative sequence models)
 
 
 class InferenceResponseSender:
@@ -103,6 +105,7 @@ class InferenceRequest:
         self._outputs = list(requested_output_names or [])
         self._correlation_id, self._parameters = correlation_id, parameters or {}
         self._sender, self._flags = sender, flags
+        self._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
 
     def get_response_sender(self) -> InferenceResponseSender:
         """The response sender of a decoupled model's request. Raises TritonModelException
@@ -140,6 +143,16 @@ class InferenceRequest:
     def is_cancelled(self) -> bool:
         """Cancellation is not propagated to python models; always False."""
         return False
+
+    def set_release_flags(self, flags: int) -> None:
+        """`TRITONSERVER_REQUEST_RELEASE_RESCHEDULE`: execute this request again in a later
+        batch (models with `sequence_batching { iterative_sequence: true }`; elsewhere the
+        request fails with Triton's error). `TRITONSERVER_REQUEST_RELEASE_ALL`: done."""
+        self._release_flags = flags
+
+    def release_flags(self) -> int:
+        """The flags set by `set_release_flags` (RELEASE_ALL by default)."""
+        return self._release_flags
 
 
 class InferenceResponse:

@@ -26,11 +26,16 @@ from scheduler.dynamic_batcher import Pending, QueueFullError, RequestQueue, dec
 from triton_compat.backends import BackendRequest, create_instance
 from triton_compat.config import batcher_config, wire_datatype
 from triton_compat.errors import InferError
+from triton_compat.sequence.spec import sequence_params
 from triton_compat.stats import ModelStats
 
 
 # Triton's text for one-response inference of a decoupled model (http_server.cc)
 DECOUPLED_HTTP = "HTTP end point doesn't support models with decoupled transaction policy"
+# Triton core's text (infer_request.cc) for a request a model asked to run again when the model
+# is not an iterative sequence model
+RESCHEDULE_REFUSED = ("Request is released with TRITONSERVER_REQUEST_RELEASE_RESCHEDULE, while "
+                      "the model is not configured to handle such a flag.")
 
 
 def settle(future: Future, result) -> None:
@@ -234,6 +239,8 @@ class ModelRuntime:
             raise InferError(DECOUPLED_HTTP, 501)
         batch_size = check_inputs(self.config, request.inputs, datatypes or {})
         request.outputs = check_outputs(self.config, request.outputs or None)
+        if "sequence_id" in request.parameters:     # Triton passes them to any model
+            request.correlation_id, request.flags = sequence_params(request.parameters)
         try:
             level = self.batcher.level_of(priority)
         except ValueError as e:
@@ -313,6 +320,8 @@ class ModelRuntime:
             results, times = instance.execute([j.request for j in jobs])
         except Exception as e:       # a backend bug: fail this batch only
             results, times = [InferError(f"{type(e).__name__}: {e}", 500)] * len(batch), None
+        results = [InferError(RESCHEDULE_REFUSED) if j.request.reschedule else r
+                   for j, r in zip(jobs, results)]
         if not self.decoupled:             # decoupled responses went through their senders
             results = [_checked(self.config, j.request, r, p.batch_size)
                        for p, j, r in zip(batch, jobs, results)]

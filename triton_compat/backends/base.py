@@ -22,6 +22,7 @@ class BackendRequest:
     deliver: Callable | None = None
     correlation_id: int | str = 0    # the sequence id (sequence models)
     flags: int = 0                   # SEQUENCE_START 1 | SEQUENCE_END 2
+    reschedule: bool = False         # set by the backend: the model asked to run it again
 
     @property
     def batch_size(self) -> int:

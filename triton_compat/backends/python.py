@@ -65,6 +65,9 @@ class PythonBackend(Backend):
                              f"'{self.config_json['name']}': {type(e).__name__}: {e}", 500)
             return [err] * len(requests), ExecTimes(t1 - t0, time.perf_counter_ns() - t1, 0)
         t2 = time.perf_counter_ns()
+        for r, pb in zip(requests, pb_requests):
+            r.reschedule = bool(pb.release_flags()
+                                & pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)
         if self.decoupled:         # responses go through the senders; execute returns None
             return [{} for _ in requests], ExecTimes(t1 - t0, t2 - t1, 0)
         if not isinstance(responses, list) or len(responses) != len(requests):

@@ -108,7 +108,10 @@ class TorchScriptBackend(BatchedTensorBackend):
 
 class OnnxBackend(BatchedTensorBackend):
     """`onnxruntime` backend: `model.onnx` on ONNX Runtime's CPU provider; inputs and outputs
-    by name. Raises InferError when a configured name is not in the model."""
+    by name. The config parameters `intra_op_thread_count` / `inter_op_thread_count` (Triton's
+    onnxruntime_backend names; default 0 = ONNX Runtime's choice) size its thread pools.
+    Raises InferError when a configured name is not in the model or a parameter is not an
+    integer."""
 
     def __init__(self, config, path: Path) -> None:
         super().__init__(config)
@@ -116,6 +119,13 @@ class OnnxBackend(BatchedTensorBackend):
 
         options = ort.SessionOptions()
         options.log_severity_level = 3
+        for key in ("intra_op_thread_count", "inter_op_thread_count"):
+            value = config.parameters[key].string_value if key in config.parameters else "0"
+            try:
+                setattr(options, key.replace("_thread_count", "_num_threads"), int(value))
+            except ValueError:
+                raise InferError(f"parameter '{key}' must be an integer, got '{value}'",
+                                 500) from None
         try:
             self.session = ort.InferenceSession(str(path), options,
                                                 providers=["CPUExecutionProvider"])

@@ -12,6 +12,7 @@ The rest (instances, statistics, ordered release) is `ModelRuntime`'s.
 
 from __future__ import annotations
 
+import itertools
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -21,8 +22,8 @@ import numpy as np
 from scheduler.sequence_batcher import SeqItem, SequenceBatcher, SequenceConfig, SequenceError
 from triton_compat.backends import BackendRequest
 from triton_compat.errors import InferError
-from triton_compat.runtime import (DECOUPLED_HTTP, Job, ModelRuntime, _checked, _now_us,
-                                   check_inputs, check_outputs)
+from triton_compat.runtime import (DECOUPLED_HTTP, RESCHEDULE_REFUSED, Job, ModelRuntime,
+                                   _checked, _now_us, check_inputs, check_outputs, settle)
 from triton_compat.sequence.spec import SEQUENCE_END, SEQUENCE_START, SequenceSpec, \
     sequence_params
 
@@ -56,6 +57,8 @@ class SequenceRuntime(ModelRuntime):
         self.seq = SequenceBatcher(sequence_config(config))
         self.states: dict[tuple[int, int], dict] = {}     # (instance, slot) -> state inputs
         self.extra_outputs = self.spec.extra_outputs([t.name for t in config.output])
+        self.iterative = config.sequence_batching.iterative_sequence
+        self._ids = itertools.count(1)    # ids for iterative requests sent without one
         super().__init__(config, model_dir, version)
         self.preserve = config.sequence_batching.oldest.preserve_ordering
 
@@ -75,6 +78,8 @@ class SequenceRuntime(ModelRuntime):
             raise InferError(DECOUPLED_HTTP, 501)
         name = self.config.name
         corrid, flags = sequence_params(request.parameters)
+        if self.iterative and corrid in (0, ""):     # Triton's IterativeSequencer
+            corrid, flags = next(self._ids), SEQUENCE_START
         batch_size = check_inputs(self.config, request.inputs, datatypes or {})
         self.spec.check_corrid(corrid, request.id)
         if batch_size > 1:
@@ -152,10 +157,15 @@ class SequenceRuntime(ModelRuntime):
             results, times = instance.execute(requests)
         except Exception as e:       # a backend bug: fail this batch only
             results, times = [InferError(f"{type(e).__name__}: {e}", 500)] * len(entries), None
-        done, rows = [], []
+        done, rows, again = [], [], []
         for (slot, item), req, result in zip(entries, requests, results):
             if item is None:
                 continue
+            if req.reschedule and self.iterative and not isinstance(result, Exception):
+                again.append(item)               # runs again in a later batch
+                continue
+            if req.reschedule:
+                result = InferError(RESCHEDULE_REFUSED)
             if not self.decoupled:
                 result = _checked(self.config, req, result, 1)
             if isinstance(result, dict) and self.spec.states:
@@ -169,7 +179,24 @@ class SequenceRuntime(ModelRuntime):
         self.stats.record_execution([job.enqueued_ns for job, _ in done], rows,
                                     [r for _, r in done], start, time.perf_counter_ns(),
                                     times, padded_size=len(entries))
+        if self.iterative:
+            self._iterate(again, [job.request.correlation_id for job, _ in done])
         self._complete(instance, done, seq)
+
+    def _iterate(self, again: list[SeqItem], finished: list) -> None:
+        """Iterative sequences: queue the rescheduled requests again (neither START nor END
+        now) and free the slots of the sequences whose request is done."""
+        with self.cond:
+            self.executing -= len(again)
+            for item in again:
+                item.start = item.end = False
+                item.key.request.flags = 0
+                try:
+                    self.seq.enqueue(item, _now_us())
+                except SequenceError as e:       # its sequence had ended meanwhile
+                    settle(item.key.future, InferError(str(e)))
+            for corrid in finished:
+                self.seq.finish(corrid)
 
 
 def _ignore(result, final: bool) -> None:

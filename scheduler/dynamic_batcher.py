@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Callable
 
 
 class QueueFullError(Exception):
@@ -130,10 +131,14 @@ class RequestQueue:
         self.items = [p for p in self.items if id(p) not in gone]
 
 
-def decide(items: list[Pending], now_us: int, config: BatcherConfig) -> Decision:
+def decide(items: list[Pending], now_us: int, config: BatcherConfig,
+           include: Callable[[Pending], bool] | None = None) -> Decision:
     """The batch-forming rule (module docstring). Pure: reads `items`, changes nothing.
 
-    Args: `items` the queue (any order), `now_us` the current time, `config` the model's rule.
+    Args: `items` the queue (any order), `now_us` the current time, `config` the model's rule,
+    `include` a model's custom batching rule (Triton's TRITONBACKEND_ModelBatchIncludeRequest),
+    asked in order for each request that would join the batch: False ends the batch there
+    and sends it at once (dynamic_batch_scheduler.cc); the first request always goes.
     Returns a `Decision`; the caller removes `batch` and `rejected` from the queue.
     """
     expired = [p for p in items if p.deadline_us is not None and now_us >= p.deadline_us]
@@ -151,6 +156,9 @@ def decide(items: list[Pending], now_us: int, config: BatcherConfig) -> Decision
     for p in order:
         if batch and (p.shape_key != batch[0].shape_key
                       or size + p.batch_size > config.max_batch_size):
+            blocked = True
+            break
+        if include is not None and not include(p) and batch:
             blocked = True
             break
         batch.append(p)

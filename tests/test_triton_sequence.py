@@ -292,3 +292,21 @@ def test_rescheduling_without_iterative_sequence_is_refused(v2_servers):
                           "TRITONSERVER_REQUEST_RELEASE_RESCHEDULE, while the model is not "
                           "configured to handle such a flag."}
     alive(base)
+
+
+def test_a_custom_batch_strategy_caps_the_batch_volume(v2_servers):
+    """examples/batch_strategies/volume_batching.py as the model's batch_strategy.py: at
+    most 12 bytes (three INT32 [1, 1] requests) per batch, though max_batch_size is 8."""
+    base = v2_servers["main"][0]
+
+    def one(i):
+        body = {"inputs": [{"name": "IN", "shape": [1, 1], "datatype": "INT32", "data": [i]}]}
+        r = httpx.post(f"{base}/v2/models/volume/infer", json=body, timeout=30).json()
+        return {o["name"]: o["data"][0] for o in r["outputs"]}
+
+    with cf.ThreadPoolExecutor(9) as ex:
+        out = list(ex.map(one, range(9)))
+    assert [o["OUT"] for o in out] == list(range(9))
+    assert max(o["BATCH"] for o in out) == 3
+    executions = {o["EXEC"] for o in out}
+    assert len(executions) == 3                  # 9 requests, three per execution

@@ -70,8 +70,9 @@ def sequence_model(root: Path, name: str) -> None:
 def repository(root: Path) -> Path:
     """simple, text_tokenizer, the test model under dynamic batching (`delayed`: 300 ms per
     execution, so concurrent requests queue and batch), `repeat`, a decoupled model, the
-    sequence models of SEQUENCE_MODELS, and `iterative` (an iterative sequence model) with
-    `not_iterative` (the same model without the sequence batcher)."""
+    sequence models of SEQUENCE_MODELS, `iterative` (an iterative sequence model) with
+    `not_iterative` (the same model without the sequence batcher), and `volume` (the test
+    model with the volume-batching strategy: 12 bytes, 3 requests, per batch)."""
     for name in ("simple", "text_tokenizer"):
         (root / name).symlink_to(EXAMPLES / name, target_is_directory=True)
     seq_model(root, "delayed", "dynamic_batching { max_queue_delay_microseconds: 100000 }", 300)
@@ -95,6 +96,10 @@ def repository(root: Path) -> Path:
             'output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] }, '
             '{ name: "BATCH" data_type: TYPE_INT32 dims: [ 1 ] } ] '
             'parameters { key: "delay_ms" value { string_value: "30" } }')
+    seq_model(root, "volume", "dynamic_batching { max_queue_delay_microseconds: 200000 } "
+              'parameters { key: "MAX_BATCH_VOLUME_BYTES" value { string_value: "12" } }', 100)
+    (root / "volume" / "batch_strategy.py").symlink_to(
+        ROOT / "examples/batch_strategies/volume_batching.py")
     return root
 
 

@@ -23,6 +23,7 @@ import numpy as np
 from tritonclient.utils import triton_to_np_dtype
 
 from scheduler.dynamic_batcher import Pending, QueueFullError, RequestQueue, decide
+from triton_compat import batch_strategy
 from triton_compat.backends import BackendRequest, create_instance
 from triton_compat.config import batcher_config, wire_datatype
 from triton_compat.errors import InferError
@@ -161,6 +162,7 @@ class ModelRuntime:
     def __init__(self, config, model_dir: Path, version: int) -> None:
         self.config, self.version = config, version
         self.batcher = batcher_config(config)
+        self.strategy = batch_strategy.load(config, model_dir, version)
         self.queue = RequestQueue(self.batcher)
         self.stats = ModelStats()
         self.cond = threading.Condition()
@@ -279,7 +281,7 @@ class ModelRuntime:
         saved). Caller holds the lock."""
         if not self.idle:
             return None
-        decision = decide(self.queue.items, now_us, self.batcher)
+        decision = self._decide(now_us)
         if not decision.batch or decision.rejected:
             return None
         self.queue.remove(decision.batch)
@@ -288,7 +290,7 @@ class ModelRuntime:
     def _loop(self) -> None:
         with self.cond:
             while not (self.stopping and not self.queue.items):
-                decision = decide(self.queue.items, _now_us(), self.batcher)
+                decision = self._decide(_now_us())
                 self.queue.remove(decision.rejected)
                 for p in decision.rejected:
                     self._fail(p, InferError("Request timeout expired", 503))
@@ -301,6 +303,13 @@ class ModelRuntime:
                     deadlines = [p.deadline_us for p in self.queue.items if p.deadline_us]
                     wait = min(deadlines) - _now_us() if deadlines else None
                 self.cond.wait(None if wait is None else max(wait, 0) / 1e6)
+
+    def _decide(self, now_us: int):
+        """`decide` on the queue, with the model's custom batching rule if it has one."""
+        if self.strategy is None:
+            return decide(self.queue.items, now_us, self.batcher)
+        with self.strategy.batch() as include:
+            return decide(self.queue.items, now_us, self.batcher, include)
 
     def _claim(self, batch: list[Pending]) -> tuple:
         """(idle instance, batch, batch sequence number) for `_execute`. Caller holds the
@@ -359,3 +368,5 @@ class ModelRuntime:
         self.pool.shutdown(wait=True)
         for inst in self.instances:
             inst.close()
+        if self.strategy is not None:
+            self.strategy.close()

@@ -71,8 +71,9 @@ class SequenceRuntime(ModelRuntime):
                priority: int = 0, timeout_us: int | None = None,
                inline: bool = False) -> Future:
         """Validate and queue one request of a sequence; the future resolves to {output name:
-        array}. `timeout_us` bounds its wait in the backlog; `priority` and `inline` do not
-        apply. Raises InferError(400) with Triton's texts for a bad input, correlation id or
+        array}. `timeout_us` bounds its wait in the backlog; `priority` does not apply.
+        `inline`: a caller that may block (a gRPC worker) runs the batch itself when its
+        slot's instance is idle and the batch is ready at once. Raises InferError(400) with Triton's texts for a bad input, correlation id or
         flags, 503 while the model is being unloaded."""
         if self.decoupled and request.deliver is None:
             raise InferError(DECOUPLED_HTTP, 501)
@@ -100,11 +101,32 @@ class SequenceRuntime(ModelRuntime):
             if self.stopping:
                 raise InferError(f"model '{name}' is being unloaded", 503)
             try:
-                self.seq.enqueue(item, now, timeout_us or 0)
+                slot = self.seq.enqueue(item, now, timeout_us or 0)
             except SequenceError as e:
                 raise InferError(str(e)) from None
-            self.cond.notify()
+            job = self._take(slot.instance, now)[0] if slot is not None else None
+            if job is None or item.start:     # the batcher times the new idle limit
+                self.cond.notify()
+        if job is not None and inline:      # a thread that may block runs the batch itself
+            self._run(*job)
+        elif job is not None:               # no hand-off through the batcher thread
+            self.pool.submit(self._run, *job)
         return future
+
+    def _take(self, i: int, now_us: int) -> tuple[tuple | None, int | None]:
+        """(the arguments of `_run` for instance `i`'s batch when the instance is idle and
+        a batch is ready, else None; microseconds until the batcher should look again).
+        Claims the instance. Caller holds the lock."""
+        instance = self.instances[i]
+        if instance not in self.idle:
+            return None, None
+        entries, later = self.seq.next_batch(i, now_us)
+        if not entries:
+            return None, later
+        self.idle.remove(instance)
+        seq, self._batch_seq = self._batch_seq, self._batch_seq + 1
+        self.executing += sum(1 for _, item in entries if item is not None)
+        return (i, instance, entries, seq), None
 
     def _loop(self) -> None:
         with self.cond:
@@ -113,15 +135,10 @@ class SequenceRuntime(ModelRuntime):
                 rejected, _, wait = self.seq.reap(now)
                 for item in rejected:
                     self._fail(item, InferError(EXPIRED, 503))
-                for i, instance in enumerate(self.instances):
-                    if instance not in self.idle:
-                        continue
-                    entries, later = self.seq.next_batch(i, now)
-                    if entries:
-                        self.idle.remove(instance)
-                        seq, self._batch_seq = self._batch_seq, self._batch_seq + 1
-                        self.executing += sum(1 for _, item in entries if item is not None)
-                        self.pool.submit(self._run, i, instance, entries, seq)
+                for i in range(len(self.instances)):
+                    job, later = self._take(i, now)
+                    if job is not None:
+                        self.pool.submit(self._run, *job)
                     elif later is not None:
                         wait = later if wait is None else min(wait, later)
                 self.cond.wait(None if wait is None else max(wait, 1) / 1e6)

@@ -385,7 +385,9 @@ def seq_body(**overrides) -> bytes:
     ("pair", json.dumps({"inputs": [
         {"name": "IN", "datatype": "INT32", "shape": [1, 1], "data": [1]},
         {"name": "EXTRA", "datatype": "INT32", "shape": [1, 1], "data": [1]}]}).encode(), 400,
-     "unexpected inference input 'EXTRA' for model 'pair'"),
+     "[request id: <id_unknown>] expected 1 inputs but got 2 inputs for model 'pair'. Got "
+     "input(s) ['EXTRA','IN'], but missing required input(s) ]. Please provide all required "
+     "input(s)."),                                        # Triton 2.51's text, "]" and all
     ("pair", seq_body(shape=[1, 2], data=[1, 2]), 400,
      "unexpected shape for input 'IN' for model 'pair'. Expected [-1, 1], got [1, 2]"),
     ("pair", seq_body(datatype="FP32", data=[1.5]), 400,

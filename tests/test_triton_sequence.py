@@ -159,7 +159,8 @@ START_INPUT = ({"name": "START", "shape": [1, 1], "datatype": "INT32", "data": [
      "inference request to model 'seq_direct' must specify batch-size 1 due to requirements "
      "of sequence batcher"),
     ("seq_direct", _body({"sequence_id": 5, "sequence_start": True}, extra=START_INPUT),
-     "unexpected inference input 'START' for model 'seq_direct'"),
+     "expected 1 inputs but got 2 inputs for model 'seq_direct'. Got input(s) "
+     "['IN','START'], but missing required input(s) ]."),
     ("seq_direct", _body({"sequence_id": "abc", "sequence_start": True}),
      "sequence batching control 'CORRID' data-type is 'BYTES', but model 'seq_direct' "
      "expects 'UINT64'"),

@@ -66,22 +66,29 @@ class Job:
     enqueued_ns: int
 
 
-def check_inputs(config, inputs: dict[str, np.ndarray], datatypes: dict[str, str]) -> int:
+def check_inputs(config, inputs: dict[str, np.ndarray], datatypes: dict[str, str],
+                 request_id: str = "") -> int:
     """Validate inputs against the config with Triton's messages. Returns the batch size.
 
-    Raises InferError(400) for a missing, extra, mistyped or misshapen input."""
+    Raises InferError(400) for a missing, extra, mistyped or misshapen input. The count check
+    and its text are Triton core's ValidateRequestInputs (also its "]" when nothing is
+    missing); a wrong name with the right count is Normalize's "unexpected inference input"."""
     name = config.name
     expected = {t.name: t for t in config.input}
+    required = [n for n, t in expected.items() if not t.optional]
     extra = [n for n in inputs if n not in expected]
+    absent = [n for n in required if n not in inputs]
+    if len(inputs) > len(expected) or len(inputs) < len(required) or (absent and not extra):
+        missing = ",".join(f"'{n}'" for n in absent)
+        got = ",".join(f"'{n}'" for n in sorted(inputs))
+        count = (f"expected {len(expected)} inputs" if len(required) == len(expected) else
+                 f"expected number of inputs between {len(required)} and {len(expected)}")
+        raise InferError(f"[request id: {request_id or '<id_unknown>'}] {count} but got "
+                         f"{len(inputs)} inputs for model '{name}'. Got input(s) [{got}], but "
+                         f"missing required input(s) {'[' + missing if missing else ''}]. "
+                         "Please provide all required input(s).")
     if extra:
         raise InferError(f"unexpected inference input '{extra[0]}' for model '{name}'")
-    required = [n for n, t in expected.items() if not t.optional]
-    missing = [n for n in required if n not in inputs]
-    if missing:
-        raise InferError(
-            f"expected {len(required)} inputs but got {len(inputs)} inputs for model "
-            f"'{name}'. Got input(s) {list(inputs)}, but missing required input(s) "
-            f"{missing}. Please provide all required input(s).")
     batch = None
     for n, array in inputs.items():
         t = expected[n]
@@ -239,7 +246,7 @@ class ModelRuntime:
         the model is being unloaded."""
         if self.decoupled and request.deliver is None:
             raise InferError(DECOUPLED_HTTP, 501)
-        batch_size = check_inputs(self.config, request.inputs, datatypes or {})
+        batch_size = check_inputs(self.config, request.inputs, datatypes or {}, request.id)
         request.outputs = check_outputs(self.config, request.outputs or None)
         if "sequence_id" in request.parameters:     # Triton passes them to any model
             request.correlation_id, request.flags = sequence_params(request.parameters)

@@ -81,7 +81,7 @@ class SequenceRuntime(ModelRuntime):
         corrid, flags = sequence_params(request.parameters)
         if self.iterative and corrid in (0, ""):     # Triton's IterativeSequencer
             corrid, flags = next(self._ids), SEQUENCE_START
-        batch_size = check_inputs(self.config, request.inputs, datatypes or {})
+        batch_size = check_inputs(self.config, request.inputs, datatypes or {}, request.id)
         self.spec.check_corrid(corrid, request.id)
         if batch_size > 1:
             raise InferError(f"inference request to model '{name}' must specify batch-size 1 "

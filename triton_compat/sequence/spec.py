@@ -56,7 +56,8 @@ class State:
 def sequence_params(params: dict) -> tuple[int | str, int]:
     """(correlation id, flags) from a request's `sequence_id` (uint or string, 0 / "" when
     absent), `sequence_start` and `sequence_end` parameters. Raises InferError(400) with
-    Triton's texts for a value of another type."""
+    Triton's texts for a value of another type (Triton sends them as 500, the code its JSON
+    parser gives; here they are the client's error, as they are)."""
     corrid = params.get("sequence_id", 0)
     if isinstance(corrid, bool) or not isinstance(corrid, (int, str)) or \
             (isinstance(corrid, int) and corrid < 0):
@@ -191,7 +192,9 @@ class SequenceSpec:
         return State(s.input_name, s.output_name, datatype, value)
 
     def check_corrid(self, corrid: int | str, request_id: str = "") -> None:
-        """Raises InferError(400) when the id's type does not fit the CORRID control's."""
+        """Raises InferError(400) when the id's type does not fit the CORRID control's
+        (Triton core's InferenceRequest::ValidateCorrelationId; 2.51 does not check yet and
+        runs a string id on a UINT64 CORRID)."""
         if self.corrid_type is None:
             return
         is_str = isinstance(corrid, str)

@@ -311,3 +311,23 @@ def test_a_custom_batch_strategy_caps_the_batch_volume(v2_servers):
     assert max(o["BATCH"] for o in out) == 3
     executions = {o["EXEC"] for o in out}
     assert len(executions) == 3                  # 9 requests, three per execution
+
+
+def test_pytorch_model_state_starts_from_its_data_file(v2_servers):
+    """torch_state: OUT = ACC + IN with ACC from initial_state/start ([100, 200]) at START;
+    the client may ask for ACC_OUT because it is also a model output."""
+    c = grpcclient.InferenceServerClient(v2_servers["main"][1])
+
+    def step(sid, values, **flags):
+        x = grpcclient.InferInput("IN", [1, 2], "FP32")
+        x.set_data_from_numpy(np.array([values], np.float32))
+        r = c.infer("torch_state", [x], sequence_id=sid, **flags)
+        return r.as_numpy("OUT").tolist(), r.as_numpy("ACC_OUT").tolist()
+
+    try:
+        assert step(1, [1, 2], sequence_start=True) == ([[101, 202]], [[101, 202]])
+        assert step(2, [5, 5], sequence_start=True) == ([[105, 205]], [[105, 205]])
+        assert step(1, [1, 2], sequence_end=True)[0] == [[102, 204]]
+        assert step(2, [5, 5], sequence_end=True)[0] == [[110, 210]]
+    finally:
+        c.close()

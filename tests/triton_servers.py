@@ -3,6 +3,7 @@ the `v2_servers` fixture in conftest.py)."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 from examples.prepare_model_repository import prepare
@@ -67,12 +68,49 @@ def sequence_model(root: Path, name: str) -> None:
         mbs=mbs, idle_us=idle_us, strategy=strategy, corrid=corrid, delay=delay))
 
 
+TORCH_STATE = """backend: "pytorch" max_batch_size: 2
+sequence_batching {
+  direct { }
+  control_input [ { name: "START" control [ { kind: CONTROL_SEQUENCE_START
+                                                int32_false_true: [ 0, 1 ] } ] } ]
+  state [ { input_name: "ACC" output_name: "ACC_OUT" data_type: TYPE_FP32 dims: [ 2 ]
+            initial_state { data_type: TYPE_FP32 dims: [ 2 ] data_file: "start"
+                            name: "from file" } } ]
+}
+input [ { name: "IN" data_type: TYPE_FP32 dims: [ 2 ] } ]
+output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 2 ] },
+         { name: "ACC_OUT" data_type: TYPE_FP32 dims: [ 2 ] } ]
+"""
+
+
+def torch_state_model(root: Path) -> None:
+    """`torch_state`: a TorchScript accumulator under the direct sequence batcher, its
+    implicit state ACC starting from `initial_state/start` ([100, 200]): OUT = ACC + IN. Its
+    arguments come in config order: IN, then the control input START, then the state ACC."""
+    import numpy as np
+    import torch
+
+    class Accumulate(torch.nn.Module):
+        def forward(self, x, start, acc):
+            total = acc + x
+            return total, total
+
+    (root / "torch_state" / "1").mkdir(parents=True)
+    with warnings.catch_warnings():        # TorchScript is deprecated; the backend serves it
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.jit.script(Accumulate()).save(str(root / "torch_state" / "1" / "model.pt"))
+    (root / "torch_state" / "initial_state").mkdir()
+    np.array([100, 200], np.float32).tofile(root / "torch_state" / "initial_state" / "start")
+    (root / "torch_state" / "config.pbtxt").write_text(TORCH_STATE)
+
+
 def repository(root: Path) -> Path:
     """simple, text_tokenizer, the test model under dynamic batching (`delayed`: 300 ms per
     execution, so concurrent requests queue and batch), `repeat`, a decoupled model, the
     sequence models of SEQUENCE_MODELS, `iterative` (an iterative sequence model) with
     `not_iterative` (the same model without the sequence batcher), and `volume` (the test
-    model with the volume-batching strategy: 12 bytes, 3 requests, per batch)."""
+    model with the volume-batching strategy: 12 bytes, 3 requests, per batch) and
+    `torch_state` (TorchScript, implicit state from a data file)."""
     for name in ("simple", "text_tokenizer"):
         (root / name).symlink_to(EXAMPLES / name, target_is_directory=True)
     seq_model(root, "delayed", "dynamic_batching { max_queue_delay_microseconds: 100000 }", 300)
@@ -100,6 +138,7 @@ def repository(root: Path) -> Path:
               'parameters { key: "MAX_BATCH_VOLUME_BYTES" value { string_value: "12" } }', 100)
     (root / "volume" / "batch_strategy.py").symlink_to(
         ROOT / "examples/batch_strategies/volume_batching.py")
+    torch_state_model(root)
     return root
 
 

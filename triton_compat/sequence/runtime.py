@@ -168,12 +168,13 @@ class SequenceRuntime(ModelRuntime):
         return requests
 
     def _run(self, i: int, instance, entries, seq: int) -> None:
-        requests = self._requests(i, entries)
-        start = time.perf_counter_ns()
+        start, requests = time.perf_counter_ns(), []
         try:
+            requests = self._requests(i, entries)
             results, times = instance.execute(requests)
         except Exception as e:       # a backend bug: fail this batch only
             results, times = [InferError(f"{type(e).__name__}: {e}", 500)] * len(entries), None
+            requests = [BackendRequest({}, []) for _ in entries]
         done, rows, again = [], [], []
         for (slot, item), req, result in zip(entries, requests, results):
             if item is None:

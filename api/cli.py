@@ -43,8 +43,13 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="KV-cache size in blocks; overrides --kv-cache-memory")
     p.add_argument("--kv-cache-memory", type=float, default=None,
                    help="KV-cache size in GiB (default: 2 on CPU, 90%% of free device memory)")
-    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
-                   help="fcfs, or priority: lower value first (default: fcfs)")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority", "sjf"],
+                   help="fcfs; priority: lower value first; sjf: shortest job (prompt + "
+                        "max_tokens) first, with aging (default: fcfs)")
+    p.add_argument("--sjf-aging-ms-per-token", type=float, default=1.0,
+                   help="sjf aging: a waiting request gains one job token of rank per this "
+                        "many ms; a request is never passed over by one arriving more than "
+                        "its job x this later (default: 1.0)")
     p.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="waiting-queue bound; past it requests get HTTP 503 (default: 1024)")
     p.add_argument("--api-key", default=None,
@@ -126,7 +131,9 @@ def engine_config(args: argparse.Namespace):
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=args.enable_chunked_prefill,
         enable_prefix_caching=args.enable_prefix_caching, preemption_mode=args.preemption_mode,
-        scheduling_policy=args.scheduling_policy, max_waiting_requests=args.max_waiting_requests)
+        scheduling_policy=args.scheduling_policy,
+        sjf_aging_ms_per_token=args.sjf_aging_ms_per_token,
+        max_waiting_requests=args.max_waiting_requests)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -37,6 +37,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"
     scheduling_policy: str = "fcfs"
+    sjf_aging_ms_per_token: float = 1.0
     max_waiting_requests: int = 1024
 
     def __post_init__(self) -> None:
@@ -59,9 +60,12 @@ class EngineConfig:
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError("--preemption-mode must be 'recompute' or 'swap', "
                              f"got {self.preemption_mode!r}")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError("--scheduling-policy must be 'fcfs' or 'priority', "
+        if self.scheduling_policy not in ("fcfs", "priority", "sjf"):
+            raise ValueError("--scheduling-policy must be 'fcfs', 'priority' or 'sjf', "
                              f"got {self.scheduling_policy!r}")
+        if not self.sjf_aging_ms_per_token > 0:
+            raise ValueError("--sjf-aging-ms-per-token must be positive, "
+                             f"got {self.sjf_aging_ms_per_token}")
         if self.max_waiting_requests < 1:
             raise ValueError("--max-waiting-requests must be at least 1, "
                              f"got {self.max_waiting_requests}")

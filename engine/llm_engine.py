@@ -67,6 +67,7 @@ class LLMEngine:
                             max_model_len=self.max_model_len,
                             enable_chunked_prefill=config.enable_chunked_prefill,
                             policy=config.scheduling_policy,
+                            sjf_aging_ms_per_token=config.sjf_aging_ms_per_token,
                             preemption_mode=config.preemption_mode,
                             max_waiting_requests=config.max_waiting_requests),
             CacheConfig(config.block_size, num_gpu_blocks, num_cpu_blocks,

@@ -17,7 +17,10 @@ class SchedulerConfig:
     max_model_len: most tokens (prompt + output) in one sequence.
     enable_chunked_prefill: split prompts longer than the remaining token budget across steps;
         when off, a prompt is admitted only if it fits the budget whole.
-    policy: "fcfs" (arrival order) or "priority" (lower value first, FCFS within a level).
+    policy: "fcfs" (arrival order), "priority" (lower value first, FCFS within a level) or
+        "sjf" (shortest job first with aging: ordered by arrival time + `sjf_aging_ms_per_token`
+        x the request's job, its prompt plus `max_tokens`; see `Scheduler`).
+    sjf_aging_ms_per_token: the aging rate of `sjf`, milliseconds per job token.
     preemption_mode: "recompute" (free blocks, recompute later) or "swap" (to the CPU pool,
         recompute when that pool is full).
     max_waiting_requests: bound on the waiting queue; admission past it raises QueueFullError.
@@ -29,6 +32,7 @@ class SchedulerConfig:
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
+    sjf_aging_ms_per_token: float = 1.0
     preemption_mode: str = "recompute"
     max_waiting_requests: int = 1024
     num_lookahead_tokens: int = 0
@@ -41,8 +45,12 @@ class SchedulerConfig:
                                  f"got {getattr(self, name)}")
         if self.num_lookahead_tokens < 0:
             raise ValueError("num_lookahead_tokens must be non-negative")
-        if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"--scheduling-policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.policy not in ("fcfs", "priority", "sjf"):
+            raise ValueError("--scheduling-policy must be 'fcfs', 'priority' or 'sjf', "
+                             f"got {self.policy!r}")
+        if not self.sjf_aging_ms_per_token > 0:
+            raise ValueError("--sjf-aging-ms-per-token must be positive, "
+                             f"got {self.sjf_aging_ms_per_token}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError("--preemption-mode must be 'recompute' or 'swap', "
                              f"got {self.preemption_mode!r}")

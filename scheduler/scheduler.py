@@ -12,7 +12,13 @@ case where one token is missing. Order within a step: running requests, then swa
 resumed, then waiting ones — and nothing is resumed or admitted in a step that preempted.
 
 Running, swapped and waiting requests are kept in policy order: `fcfs` by (arrival, admission
-sequence), `priority` by (priority, arrival, sequence). When the KV pool has no room for a
+sequence), `priority` by (priority, arrival, sequence), `sjf` by (arrival + aging x job,
+sequence), job = prompt tokens + `max_tokens` (else up to `max_model_len`). That key is linear
+aging (a job's rank improves by one token per `sjf_aging_ms_per_token` it waits) in a form that
+never changes while a request waits, so the heap stays valid. Bound: a request X is never
+passed over by a request that arrived more than aging x job(X) after X. The job is known at
+arrival and is the same when a preempted request is queued again (it recomputes its output as
+prompt); prefix-cache hits are not subtracted. When the KV pool has no room for a
 running request, the *last* request of the running list (lowest priority, then latest arrival)
 is preempted: `swap` moves its blocks to the CPU pool (or falls back to recompute when that is
 full); `recompute` frees them and re-queues the request with its generated tokens kept, to be
@@ -81,6 +87,11 @@ class Scheduler:
         self._unsent: set[str] = set()             # running but unknown to the runner (forks)
         if config.policy == "priority":
             self._key = lambda r: (r.priority, r.arrival_time, r.seq)
+        elif config.policy == "sjf":
+            aging_s, limit = config.sjf_aging_ms_per_token / 1000, config.max_model_len
+            self._key = lambda r: (r.arrival_time + aging_s * (
+                r.num_prompt_tokens + (r.sampling_params.max_tokens or
+                                       limit - r.num_prompt_tokens)), r.seq)
         else:
             self._key = lambda r: (r.arrival_time, r.seq)
 

@@ -2,6 +2,8 @@
 Block size 4, 8–32 blocks."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from scheduler.config import CacheConfig, SchedulerConfig
 from scheduler.output import ModelRunnerOutput
@@ -88,6 +90,67 @@ def test_priority_policy_lower_value_first_fcfs_within_level():
         out, _ = step(s)
         order += [x.request_id for x in out.scheduled if x.is_new]
     assert order == ["high-1", "high-2", "low"]
+
+
+def _admission_order(s):
+    order = []
+    while s.has_unfinished_requests():
+        out, _ = step(s)
+        order += [x.request_id for x in out.scheduled if x.is_new]
+    return order
+
+
+def test_sjf_runs_the_shortest_job_first():
+    s = make(max_num_seqs=1, policy="sjf", max_model_len=64)
+    s.add_request(req("long", prompt_len=20, max_tokens=30, arrival=0.0))     # job 50
+    s.add_request(req("short", prompt_len=3, max_tokens=2, arrival=0.001))    # job 5
+    s.add_request(req("mid", prompt_len=6, max_tokens=10, arrival=0.002))     # job 16
+    assert _admission_order(s) == ["short", "mid", "long"]
+
+
+def test_sjf_aging_bounds_how_long_a_long_job_is_passed_over():
+    """aging 1 ms / token: `long` (job 50, arrival 0) ranks as 0.050 s, so a short job that
+    arrives within 50 ms of it goes first and one arriving later does not."""
+    s = make(max_num_seqs=1, policy="sjf", sjf_aging_ms_per_token=1.0)
+    s.add_request(req("long", prompt_len=20, max_tokens=30, arrival=0.0))
+    s.add_request(req("short-early", prompt_len=3, max_tokens=2, arrival=0.040))   # 0.045
+    s.add_request(req("short-late", prompt_len=3, max_tokens=2, arrival=0.046))    # 0.051
+    assert _admission_order(s) == ["short-early", "long", "short-late"]
+
+
+def test_sjf_without_max_tokens_counts_up_to_max_model_len():
+    s = make(max_num_seqs=1, policy="sjf", max_model_len=64)
+    s.add_request(req("open", prompt_len=3, max_tokens=None, arrival=0.0))    # job 64
+    s.add_request(req("capped", prompt_len=20, max_tokens=20, arrival=0.0))   # job 40
+    assert _admission_order(s)[0] == "capped"
+
+
+@settings(max_examples=60, deadline=None)
+@given(jobs=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 30),
+                               st.integers(0, 200)), min_size=2, max_size=12))
+def test_sjf_never_passes_a_request_over_for_one_arriving_past_its_aging_bound(jobs):
+    """Any request Y admitted before an earlier request X arrived at most aging x job(X)
+    after X (aging 1 ms per token; arrivals in ms)."""
+    s = make(max_num_seqs=1, policy="sjf", max_model_len=64, num_blocks=64)
+    arrival, job = {}, {}
+    for i, (prompt, max_tokens, t_ms) in enumerate(jobs):
+        rid = f"r{i}"
+        arrival[rid], job[rid] = t_ms / 1000, prompt + max_tokens
+        s.add_request(req(rid, prompt_len=prompt, max_tokens=max_tokens, base=100 * i,
+                          arrival=t_ms / 1000))
+    order = _admission_order(s)
+    assert sorted(order) == sorted(arrival)
+    for k, y in enumerate(order):
+        for x in order[k + 1:]:
+            if arrival[y] > arrival[x]:
+                assert arrival[y] - arrival[x] <= job[x] / 1000 + 1e-9
+
+
+@pytest.mark.parametrize("cfg", [dict(policy="lifo"), dict(policy="sjf",
+                                                           sjf_aging_ms_per_token=0)])
+def test_bad_policy_settings_are_refused(cfg):
+    with pytest.raises(ValueError, match="--s"):
+        SchedulerConfig(**cfg)
 
 
 # ----------------------------------------------------------------------------- preemption

@@ -93,7 +93,7 @@ def drive(s, ops):
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(c=config, ops=st.lists(op, min_size=4, max_size=50),
-       policy=st.sampled_from(["fcfs", "priority"]))
+       policy=st.sampled_from(["fcfs", "priority", "sjf"]))
 def test_random_workloads_keep_invariants_and_outputs(c, ops, policy):
     s = build(c, policy)
     outputs, added, aborted = drive(s, ops)

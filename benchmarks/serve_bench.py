@@ -264,7 +264,7 @@ def print_summary(m: dict) -> None:
                  (f"P99 {name.upper()} (ms)", f"{m[f'p99_{name}_ms']:.2f}")]
     print("=" * 50)
     for k, v in rows:
-        print(f"{k:<40}{v:>10}")
+        print(f"{k:<40}{'-' if v is None else v:>10}")     # None: not set (no concurrency cap)
     for err in m["errors"][:5]:
         print(f"error: {err}")
     print("=" * 50, flush=True)

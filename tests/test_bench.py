@@ -92,3 +92,16 @@ def test_bench_serve_against_a_live_server(server, tmp_path):
             assert p[key] > 0, key
         assert p["request_goodput"] == pytest.approx(p["request_throughput"])
     assert png.stat().st_size > 10_000
+
+
+def test_summary_prints_a_run_without_a_concurrency_cap(capsys):
+    """`continuum bench serve` without --max-concurrency (max_concurrency None) prints '-'."""
+    from benchmarks.serve_bench import print_summary
+
+    m = {"max_concurrency": None, "completed": 2, "failed": 0, "duration": 1.0,
+         "request_throughput": 2.0, "output_throughput": 20.0, "total_token_throughput": 30.0,
+         "errors": []}
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        m.update({f"mean_{name}_ms": 1.0, f"median_{name}_ms": 1.0, f"p99_{name}_ms": 2.0})
+    print_summary(m)
+    assert "Max concurrency" in capsys.readouterr().out

@@ -11,6 +11,8 @@ import os
 import sys
 from pathlib import Path
 
+from scheduler.config import POLICIES
+
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
@@ -43,7 +45,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="KV-cache size in blocks; overrides --kv-cache-memory")
     p.add_argument("--kv-cache-memory", type=float, default=None,
                    help="KV-cache size in GiB (default: 2 on CPU, 90%% of free device memory)")
-    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority", "sjf"],
+    p.add_argument("--scheduling-policy", default="fcfs", choices=POLICIES,
                    help="fcfs; priority: lower value first; sjf: shortest job (prompt + "
                         "max_tokens) first, with aging (default: fcfs)")
     p.add_argument("--sjf-aging-ms-per-token", type=float, default=1.0,

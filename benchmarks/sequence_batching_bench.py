@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import os
 import re
 import shutil
 import signal
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -43,7 +43,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from benchmarks.triton_protocol_bench import start_continuum, start_triton, wait_ready
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.triton_protocol_bench import start_continuum, start_triton, wait_ready  # noqa: E402
+from examples.prepare_model_repository import silero_onnx  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "model_repository"
@@ -82,8 +84,7 @@ def synthetic_audio(seed: int, chunks: int) -> np.ndarray:
 def build_repository(root: Path) -> None:
     """`vad` (the example, its ONNX file copied), `vad_oldest` (the example under the oldest
     strategy), `vad_seq` and `vad_single` (python)."""
-    spec = importlib.util.find_spec("silero_vad")      # not imported: it imports torch
-    onnx = Path(list(spec.submodule_search_locations)[0]) / "data" / "silero_vad.onnx"
+    onnx = silero_onnx()
     shutil.copytree(EXAMPLES / "vad", root / "vad", symlinks=False)
     shutil.copytree(EXAMPLES / "vad", root / "vad_oldest", symlinks=False)
     config = (root / "vad" / "config.pbtxt").read_text().replace('name: "vad"',

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from scheduler.config import check_policy
+
 GIB = 1 << 30
 
 
@@ -60,12 +62,7 @@ class EngineConfig:
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError("--preemption-mode must be 'recompute' or 'swap', "
                              f"got {self.preemption_mode!r}")
-        if self.scheduling_policy not in ("fcfs", "priority", "sjf"):
-            raise ValueError("--scheduling-policy must be 'fcfs', 'priority' or 'sjf', "
-                             f"got {self.scheduling_policy!r}")
-        if not self.sjf_aging_ms_per_token > 0:
-            raise ValueError("--sjf-aging-ms-per-token must be positive, "
-                             f"got {self.sjf_aging_ms_per_token}")
+        check_policy(self.scheduling_policy, self.sjf_aging_ms_per_token)
         if self.max_waiting_requests < 1:
             raise ValueError("--max-waiting-requests must be at least 1, "
                              f"got {self.max_waiting_requests}")

@@ -69,6 +69,11 @@ def trace_encoder(repo: Path, force: bool) -> None:
     tmp.replace(target)
 
 
+def silero_onnx() -> Path:
+    """The ONNX model inside the PyPI package `silero-vad`. Raises FileNotFoundError."""
+    return package_dir("silero_vad") / "data" / "silero_vad.onnx"
+
+
 def build_vad(repo: Path, force: bool) -> None:
     """Build vad/1/model.onnx from silero-vad's ONNX model."""
     target = repo / "vad" / "1" / "model.onnx"
@@ -78,7 +83,7 @@ def build_vad(repo: Path, force: bool) -> None:
     spec = importlib.util.spec_from_file_location("continuum_vad_build_model", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    module.build(target)
+    module.build(silero_onnx(), target)
 
 
 def prepare(repo: Path = DEFAULT_REPO, force: bool = False) -> None:

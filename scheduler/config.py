@@ -7,6 +7,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+POLICIES = ("fcfs", "priority", "sjf")
+
+
+def check_policy(policy: str, sjf_aging_ms_per_token: float) -> None:
+    """Raises ValueError (naming the flag) for an unknown policy or a non-positive aging."""
+    if policy not in POLICIES:
+        raise ValueError(f"--scheduling-policy must be one of {', '.join(POLICIES)}, "
+                         f"got {policy!r}")
+    if not sjf_aging_ms_per_token > 0:
+        raise ValueError("--sjf-aging-ms-per-token must be positive, "
+                         f"got {sjf_aging_ms_per_token}")
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -45,12 +57,7 @@ class SchedulerConfig:
                                  f"got {getattr(self, name)}")
         if self.num_lookahead_tokens < 0:
             raise ValueError("num_lookahead_tokens must be non-negative")
-        if self.policy not in ("fcfs", "priority", "sjf"):
-            raise ValueError("--scheduling-policy must be 'fcfs', 'priority' or 'sjf', "
-                             f"got {self.policy!r}")
-        if not self.sjf_aging_ms_per_token > 0:
-            raise ValueError("--sjf-aging-ms-per-token must be positive, "
-                             f"got {self.sjf_aging_ms_per_token}")
+        check_policy(self.policy, self.sjf_aging_ms_per_token)
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError("--preemption-mode must be 'recompute' or 'swap', "
                              f"got {self.preemption_mode!r}")

@@ -25,9 +25,9 @@ def reference(audio: np.ndarray) -> np.ndarray:
     import torch
     from silero_vad.utils_vad import OnnxWrapper
 
-    from examples.vad.build_model import silero_onnx_path
+    from examples.prepare_model_repository import silero_onnx
 
-    wrapper = OnnxWrapper(str(silero_onnx_path()), force_onnx_cpu=True)
+    wrapper = OnnxWrapper(str(silero_onnx()), force_onnx_cpu=True)
     return np.array([float(wrapper(torch.from_numpy(chunk), 16000)[0, 0]) for chunk in audio])
 
 

@@ -69,7 +69,7 @@ class BatchStrategy:
         missing = [h for h in HOOKS if not callable(getattr(module, h, None))]
         if missing:
             raise ConfigError(f"{path}: the batch strategy does not define {missing[0]}()")
-        self.module = module
+        self.module, self.model = module, config.name
         try:
             self.batcher = module.batcher_initialize(config_to_json(config))
         except Exception as e:
@@ -90,7 +90,7 @@ class BatchStrategy:
                 return bool(self.module.batch_include_request(request, state))
             except Exception as e:           # Triton logs it; the batch goes as it is
                 logger.error("custom batching include function failed for model %s: %s: %s",
-                             r.id, type(e).__name__, e)
+                             self.model, type(e).__name__, e)
                 return False
 
         try:

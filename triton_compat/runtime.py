@@ -170,6 +170,7 @@ class ModelRuntime:
         self.config, self.version = config, version
         self.batcher = batcher_config(config)
         self.strategy = batch_strategy.load(config, model_dir, version)
+        self.ragged = {t.name for t in config.input if t.allow_ragged_batch}
         self.queue = RequestQueue(self.batcher)
         self.stats = ModelStats()
         self.cond = threading.Condition()
@@ -244,19 +245,14 @@ class ModelRuntime:
         resolved on return, with no hand-off to the instance's thread.
         Raises InferError: 400 for a bad request or priority, 503 when the queue is full or
         the model is being unloaded."""
-        if self.decoupled and request.deliver is None:
-            raise InferError(DECOUPLED_HTTP, 501)
-        batch_size = check_inputs(self.config, request.inputs, datatypes or {}, request.id)
-        request.outputs = check_outputs(self.config, request.outputs or None)
+        batch_size = self._validate(request, datatypes)
         if "sequence_id" in request.parameters:     # Triton passes them to any model
             request.correlation_id, request.flags = sequence_params(request.parameters)
         try:
             level = self.batcher.level_of(priority)
         except ValueError as e:
             raise InferError(str(e)) from None
-        ragged = {t.name for t in self.config.input if t.allow_ragged_batch}
-        shape_key = tuple((n, a.shape[1:]) for n, a in sorted(request.inputs.items())
-                          if n not in ragged) if self.config.max_batch_size > 0 else ()
+        shape_key = self._shape_key(request.inputs)
         now = _now_us()
         future: Future = Future()
         timeout = self.queue.timeout_us(level, timeout_us) if self.batcher.dynamic else 0
@@ -279,6 +275,22 @@ class ModelRuntime:
         if job and inline:                # run the batch on this thread
             self._execute(*job)
         return future
+
+    def _validate(self, request: BackendRequest, datatypes: dict[str, str] | None) -> int:
+        """Triton's request checks (decoupled over one-response inference, inputs, outputs);
+        fills in `request.outputs`. Returns the batch size. Raises InferError."""
+        if self.decoupled and request.deliver is None:
+            raise InferError(DECOUPLED_HTTP, 501)
+        batch_size = check_inputs(self.config, request.inputs, datatypes or {}, request.id)
+        request.outputs = check_outputs(self.config, request.outputs or None)
+        return batch_size
+
+    def _shape_key(self, inputs: dict[str, np.ndarray]) -> tuple:
+        """Requests with different keys never share a batch: the shapes past the batch
+        dimension of the inputs that do not allow ragged batching (() without batching)."""
+        if self.config.max_batch_size == 0:
+            return ()
+        return tuple((n, a.shape[1:]) for n, a in sorted(inputs.items()) if n not in self.ragged)
 
     def _ready_now(self, now_us: int) -> list[Pending] | None:
         """The batcher's decision taken on the submitting thread: the batch to run at once

@@ -15,28 +15,19 @@ Slice, Constant, Identity); its weights and operators are unchanged.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 CHUNK, CONTEXT, STATE = 512, 64, 128
 
 
-def silero_onnx_path() -> Path:
-    """`silero_vad/data/silero_vad.onnx` of the installed package (found without importing
-    it: its `__init__` imports torch). Raises FileNotFoundError."""
-    spec = importlib.util.find_spec("silero_vad")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the Python package silero-vad is not installed")
-    return Path(list(spec.submodule_search_locations)[0]) / "data" / "silero_vad.onnx"
-
-
-def build(target: Path) -> None:
-    """Write the batch-first model to `target` (atomically)."""
+def build(source: Path, target: Path) -> None:
+    """Write the batch-first model made from `source` (the package's `silero_vad.onnx`) to
+    `target` (atomically). Raises onnx's errors for a file that is not that model."""
     import numpy as np
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    model = onnx.load(str(silero_onnx_path()))
+    model = onnx.load(str(source))
     g = model.graph
     originals = {"input", "state", "sr"}
     kept = [i for i in g.input if i.name not in originals]

@@ -17,6 +17,7 @@ import numpy as np
 
 from triton_compat.backends.base import Backend, BackendRequest, ExecTimes
 from triton_compat.errors import InferError
+from triton_compat.sequence.spec import sequence_tensors
 
 
 def _pad(arrays: list[np.ndarray]) -> list[np.ndarray]:
@@ -40,11 +41,9 @@ class BatchedTensorBackend(Backend):
         self.input_names = [t.name for t in config.input]
         self.ragged = {t.name for t in config.input if t.allow_ragged_batch}
         self.output_names = [t.name for t in config.output]
-        sb = config.sequence_batching        # the server's control and implicit-state tensors
-        self.input_names += [c.name for c in sb.control_input] + \
-            [s.input_name for s in sb.state]
-        self.output_names += [s.output_name for s in sb.state
-                              if s.output_name not in self.output_names]
+        inputs, outputs = sequence_tensors(config)     # the sequence batcher's controls, states
+        self.input_names += inputs
+        self.output_names += outputs
 
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Execute the model on full-batch inputs; return every output by config name."""

@@ -22,10 +22,10 @@ import numpy as np
 from scheduler.sequence_batcher import SeqItem, SequenceBatcher, SequenceConfig, SequenceError
 from triton_compat.backends import BackendRequest
 from triton_compat.errors import InferError
-from triton_compat.runtime import (DECOUPLED_HTTP, RESCHEDULE_REFUSED, Job, ModelRuntime,
-                                   _checked, _now_us, check_inputs, check_outputs, settle)
+from triton_compat.runtime import (RESCHEDULE_REFUSED, Job, ModelRuntime, _checked, _now_us,
+                                   settle)
 from triton_compat.sequence.spec import SEQUENCE_END, SEQUENCE_START, SequenceSpec, \
-    sequence_params
+    sequence_params, sequence_tensors
 
 EXPIRED = "timeout of the corresponding sequence has been expired"   # Triton's reaper
 
@@ -33,7 +33,7 @@ EXPIRED = "timeout of the corresponding sequence has been expired"   # Triton's 
 def sequence_config(config) -> SequenceConfig:
     """The batcher's view of `sequence_batching` (direct when neither strategy is set)."""
     sb = config.sequence_batching
-    instances = sum(max(1, g.count) for g in config.instance_group)
+    instances = sum(g.count for g in config.instance_group)    # load_config made them >= 1
     idle = sb.max_sequence_idle_microseconds or 1_000_000
     if sb.WhichOneof("strategy_choice") == "oldest":
         o = sb.oldest
@@ -56,7 +56,7 @@ class SequenceRuntime(ModelRuntime):
         self.spec = SequenceSpec(config, model_dir)
         self.seq = SequenceBatcher(sequence_config(config))
         self.states: dict[tuple[int, int], dict] = {}     # (instance, slot) -> state inputs
-        self.extra_outputs = self.spec.extra_outputs([t.name for t in config.output])
+        self.extra_outputs = sequence_tensors(config)[1]
         self.iterative = config.sequence_batching.iterative_sequence
         self._ids = itertools.count(1)    # ids for iterative requests sent without one
         super().__init__(config, model_dir, version)
@@ -73,15 +73,14 @@ class SequenceRuntime(ModelRuntime):
         """Validate and queue one request of a sequence; the future resolves to {output name:
         array}. `timeout_us` bounds its wait in the backlog; `priority` does not apply.
         `inline`: a caller that may block (a gRPC worker) runs the batch itself when its
-        slot's instance is idle and the batch is ready at once. Raises InferError(400) with Triton's texts for a bad input, correlation id or
-        flags, 503 while the model is being unloaded."""
-        if self.decoupled and request.deliver is None:
-            raise InferError(DECOUPLED_HTTP, 501)
+        slot's instance is idle and the batch is ready at once. Raises InferError(400) with
+        Triton's texts for a bad input, correlation id or flags, 503 while the model is being
+        unloaded."""
         name = self.config.name
         corrid, flags = sequence_params(request.parameters)
         if self.iterative and corrid in (0, ""):     # Triton's IterativeSequencer
             corrid, flags = next(self._ids), SEQUENCE_START
-        batch_size = check_inputs(self.config, request.inputs, datatypes or {}, request.id)
+        batch_size = self._validate(request, datatypes)
         self.spec.check_corrid(corrid, request.id)
         if batch_size > 1:
             raise InferError(f"inference request to model '{name}' must specify batch-size 1 "
@@ -89,14 +88,11 @@ class SequenceRuntime(ModelRuntime):
         if corrid in (0, ""):
             raise InferError(f"inference request to model '{name}' must specify a non-zero "
                              "or non-empty correlation ID")
-        request.outputs = check_outputs(self.config, request.outputs or None)
         request.correlation_id, request.flags = corrid, flags
-        ragged = {t.name for t in self.config.input if t.allow_ragged_batch}
-        shape_key = tuple((n, a.shape[1:] if self.spec.batching else a.shape)
-                          for n, a in sorted(request.inputs.items()) if n not in ragged)
         now, future = _now_us(), Future()
         item = SeqItem(Job(request, future, time.perf_counter_ns()), corrid,
-                       bool(flags & SEQUENCE_START), bool(flags & SEQUENCE_END), now, shape_key)
+                       bool(flags & SEQUENCE_START), bool(flags & SEQUENCE_END), now,
+                       self._shape_key(request.inputs))
         with self.cond:
             if self.stopping:
                 raise InferError(f"model '{name}' is being unloaded", 503)

@@ -75,6 +75,14 @@ def sequence_params(params: dict) -> tuple[int | str, int]:
     return corrid, flags
 
 
+def sequence_tensors(config: mc.ModelConfig) -> tuple[list[str], list[str]]:
+    """The tensors the sequence batcher adds to a model's own: (control and state inputs, in
+    config order; state outputs that are not configured outputs)."""
+    sb, outputs = config.sequence_batching, {t.name for t in config.output}
+    inputs = [c.name for c in sb.control_input] + [s.input_name for s in sb.state]
+    return inputs, [s.output_name for s in sb.state if s.output_name not in outputs]
+
+
 class SequenceSpec:
     """The control inputs and implicit states of one sequence model.
 
@@ -227,6 +235,3 @@ class SequenceSpec:
         """A new sequence's state inputs, by input name."""
         return {s.input_name: s.initial for s in self.states}
 
-    def extra_outputs(self, config_outputs: list[str]) -> list[str]:
-        """State outputs the model must produce besides the configured outputs."""
-        return [s.output_name for s in self.states if s.output_name not in config_outputs]

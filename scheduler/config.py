@@ -8,6 +8,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 POLICIES = ("fcfs", "priority", "sjf")
+PREEMPTION_MODES = ("recompute", "swap", "auto")
+
+
+def check_preemption_mode(mode: str) -> None:
+    """Raises ValueError (naming the flag) for an unknown preemption mode."""
+    if mode not in PREEMPTION_MODES:
+        raise ValueError(f"--preemption-mode must be one of {', '.join(PREEMPTION_MODES)}, "
+                         f"got {mode!r}")
 
 
 def check_policy(policy: str, sjf_aging_ms_per_token: float) -> None:
@@ -33,8 +41,12 @@ class SchedulerConfig:
         "sjf" (shortest job first with aging: ordered by arrival time + `sjf_aging_ms_per_token`
         x the request's job, its prompt plus `max_tokens`; see `Scheduler`).
     sjf_aging_ms_per_token: the aging rate of `sjf`, milliseconds per job token.
-    preemption_mode: "recompute" (free blocks, recompute later) or "swap" (to the CPU pool,
-        recompute when that pool is full).
+    preemption_mode: "recompute" (free blocks, recompute later), "swap" (to the CPU pool,
+        recompute when that pool is full) or "auto" (per preemption, the cheaper of the two by
+        measured cost; see `scheduler.slo`).
+    target_itl_ms: None = off; else each step's prefill tokens are budgeted so that a step with
+        the current decodes takes about this many milliseconds (`scheduler.slo`). Needs
+        chunked prefill.
     max_waiting_requests: bound on the waiting queue; admission past it raises QueueFullError.
     num_lookahead_tokens: extra slots reserved per running request (speculative decoding).
     """
@@ -48,6 +60,7 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"
     max_waiting_requests: int = 1024
     num_lookahead_tokens: int = 0
+    target_itl_ms: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
@@ -58,9 +71,13 @@ class SchedulerConfig:
         if self.num_lookahead_tokens < 0:
             raise ValueError("num_lookahead_tokens must be non-negative")
         check_policy(self.policy, self.sjf_aging_ms_per_token)
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError("--preemption-mode must be 'recompute' or 'swap', "
-                             f"got {self.preemption_mode!r}")
+        check_preemption_mode(self.preemption_mode)
+        if self.target_itl_ms is not None:
+            if not self.target_itl_ms > 0:
+                raise ValueError(f"--target-itl-ms must be positive, got {self.target_itl_ms}")
+            if not self.enable_chunked_prefill:
+                raise ValueError("--target-itl-ms needs chunked prefill (it budgets prefill "
+                                 "chunks); drop --no-enable-chunked-prefill")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"--max-num-batched-tokens ({self.max_num_batched_tokens}) must be at least "

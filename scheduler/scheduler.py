@@ -22,8 +22,14 @@ prompt); prefix-cache hits are not subtracted. When the KV pool has no room for 
 running request, the *last* request of the running list (lowest priority, then latest arrival)
 is preempted: `swap` moves its blocks to the CPU pool (or falls back to recompute when that is
 full); `recompute` frees them and re-queues the request with its generated tokens kept, to be
-recomputed as prompt. Because victims come from the back and scheduling goes front to back, a
-victim was never scheduled in the same step.
+recomputed as prompt; `auto` picks, per preemption, the cheaper of the two by measured cost
+(`scheduler.slo.PreemptionCost`). Because victims come from the back and scheduling goes front
+to back, a victim was never scheduled in the same step.
+
+Target ITL (`target_itl_ms`): prefill chunks (steps of more than one token of a request) share
+a per-step prefill budget chosen from the measured step costs (`scheduler.slo`), so that a step
+carrying the current decodes stays within the target; decodes are never held back by it. The
+engine feeds the measurements in (`observe_step`, `observe_swap`); the scheduler stays clock-free.
 
 n > 1: the request is computed once up to its last prompt token, then forked into n sequences
 that share its blocks by reference count; each computes the last prompt token itself (so
@@ -37,6 +43,7 @@ clears the flag.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import heapq
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -45,6 +52,7 @@ from kvcache.manager import KVCacheManager
 from scheduler.config import CacheConfig, SchedulerConfig
 from scheduler.output import ModelRunnerOutput, RequestStepOutput, ScheduledRequest, SchedulerOutput
 from scheduler.request import QueueFullError, Request, RequestStatus, RequestTooLongError
+from scheduler.slo import AdaptivePrefillBudget, LatencyHistory, PreemptionCost
 
 RUNNING = RequestStatus.RUNNING
 
@@ -56,6 +64,8 @@ class SchedulerCounters:
     prefix_cache_queries: int = 0   # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0      # of those, tokens found cached
     num_preemptions: int = 0
+    num_preemptions_swap: int = 0       # of those, by the mode actually used
+    num_preemptions_recompute: int = 0
     swap_out_blocks: int = 0
     swap_in_blocks: int = 0
 
@@ -85,6 +95,13 @@ class Scheduler:
         self.counters = SchedulerCounters()
         self._finished_ids: list[str] = []         # finished since the last schedule()
         self._unsent: set[str] = set()             # running but unknown to the runner (forks)
+        self.latency = LatencyHistory()            # measured step costs (fed by the engine)
+        self.preemption_cost = PreemptionCost(self.latency)
+        self.prefill_budgeter = (AdaptivePrefillBudget(config.target_itl_ms / 1000,
+                                                       config.max_num_batched_tokens,
+                                                       history=self.latency)
+                                 if config.target_itl_ms is not None else None)
+        self._prefill_left = 0                     # this step's prefill tokens still allowed
         if config.policy == "priority":
             self._key = lambda r: (r.priority, r.arrival_time, r.seq)
         elif config.policy == "sjf":
@@ -135,6 +152,11 @@ class Scheduler:
                               num_lookahead_tokens=cfg.num_lookahead_tokens)
         self._finished_ids = []
         budget = cfg.max_num_batched_tokens
+        self._prefill_left = budget
+        if self.prefill_budgeter is not None:
+            num_decodes = sum(self._seats(r) for r in self.running
+                              if r.num_computed_tokens == len(r.all_token_ids) - 1)
+            self._prefill_left = self.prefill_budgeter.prefill_budget(num_decodes)
         budget = self._schedule_running(out, budget)
         if not out.preempted_request_ids and (self.swapped or self.waiting):
             seats = self._seats_taken()
@@ -157,10 +179,12 @@ class Scheduler:
         return req.num_tokens if req.forked else req.num_prompt_tokens - 1
 
     def _num_new(self, req: Request, budget: int) -> int:
-        """Tokens to compute this step within `budget`; -1 if it must wait (no chunking)."""
+        """Tokens to compute this step within `budget` and the prefill budget; -1 if it must
+        wait (no chunking, or no prefill budget left)."""
         num_new = self._target(req) - req.num_computed_tokens
-        if num_new > budget:
-            return budget if self.config.enable_chunked_prefill else -1
+        limit = min(budget, self._prefill_left) if num_new > 1 else budget
+        if num_new > limit:
+            return limit if limit > 0 and self.config.enable_chunked_prefill else -1
         return num_new
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -174,8 +198,9 @@ class Scheduler:
             # = self._num_new(req, budget), inlined: this loop runs for every request, every step.
             num_new = (len(req.all_token_ids) if req.forked else req.num_prompt_tokens - 1) \
                 - req.num_computed_tokens
-            if num_new > budget:
-                num_new = budget if chunked else -1
+            limit = min(budget, self._prefill_left) if num_new > 1 else budget
+            if num_new > limit:
+                num_new = limit if chunked else -1
             if num_new <= 0:
                 i += 1
                 continue
@@ -271,6 +296,8 @@ class Scheduler:
             req.prompt_token_ids if is_new else None,
             req.output_token_ids if is_new else None))
         out.num_scheduled_tokens += num_new
+        if num_new > 1:
+            self._prefill_left -= num_new
         req.num_computed_tokens = end
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
@@ -280,14 +307,18 @@ class Scheduler:
         self.counters.num_preemptions += 1
         out.preempted_request_ids.append(rid)
         self._unsent.discard(rid)
-        if self.config.preemption_mode == "swap":
+        mode = self.config.preemption_mode
+        if mode == "swap" or (mode == "auto" and self.preemption_cost.prefer_swap(
+                len(self.kv.block_ids(rid)), req.num_computed_tokens)):
             mapping = self.kv.swap_out(rid)
             if mapping is not None:
                 out.blocks_to_swap_out.extend(mapping)
                 self.counters.swap_out_blocks += len(mapping)
+                self.counters.num_preemptions_swap += 1
                 req.status = RequestStatus.SWAPPED
                 bisect.insort(self.swapped, req, key=self._key)
                 return
+        self.counters.num_preemptions_recompute += 1
         self.kv.free(rid, keep_hashes=True)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
@@ -394,6 +425,29 @@ class Scheduler:
         self._unsent.discard(rid)
         del self.requests[rid]
         self._finished_ids.append(rid)
+
+    # ------------------------------------------------------------------ measurements
+    def observe_step(self, num_decodes: int, num_prefill_tokens: int, seconds: float) -> None:
+        """The engine's measured wall time of a step with D decodes and P prefill tokens."""
+        self.latency.observe(num_decodes, num_prefill_tokens, seconds)
+
+    def observe_swap(self, num_blocks: int, seconds: float) -> None:
+        """The engine's measured time to copy `num_blocks` blocks to or from the swap pool."""
+        self.preemption_cost.observe_swap(num_blocks, seconds)
+
+    def set_target_itl(self, target_itl_ms: float) -> None:
+        """Turn the adaptive prefill budget on (or move its target), keeping the measurements
+        so far. Raises ValueError as `SchedulerConfig` does."""
+        self.config = dataclasses.replace(self.config, target_itl_ms=target_itl_ms)
+        self.prefill_budgeter = AdaptivePrefillBudget(
+            target_itl_ms / 1000, self.config.max_num_batched_tokens, history=self.latency)
+
+    @property
+    def prefill_budget(self) -> int:
+        """Prefill tokens allowed in the last step (the fixed token budget without a target)."""
+        if self.prefill_budgeter is None:
+            return self.config.max_num_batched_tokens
+        return self.prefill_budgeter.last_budget
 
     # ------------------------------------------------------------------ introspection
     @property

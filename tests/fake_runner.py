@@ -7,12 +7,30 @@ its own per-request block tables from the diffs, and when a request samples it r
 context back through its block table. That context must equal the request's true tokens, and the
 next token is a deterministic function of the context read back — so a bookkeeping error either
 trips an assertion or changes the output.
+
+With `cost=StepCost(...)` it also reports a synthetic measured cost of each step (and of each
+swap) to the scheduler, as the engine reports real timings, so the adaptive prefill budget and
+`--preemption-mode auto` can be driven without a clock.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from scheduler.scheduler import Scheduler
+
+
+class StepCost(NamedTuple):
+    """Synthetic costs in seconds: a step costs base + per_decode x D + per_token x P."""
+
+    base: float = 0.01
+    per_decode: float = 0.001
+    per_token: float = 0.0005
+    per_block: float = 0.0001          # one block copied to or from the swap pool
+
+    def step(self, num_decodes: int, num_prefill: int) -> float:
+        return self.base + self.per_decode * num_decodes + self.per_token * num_prefill
 
 VOCAB = 97
 
@@ -28,9 +46,10 @@ def next_token(context: list[int], choice_index: int) -> int:
 class FakeRunner:
     """Runs `SchedulerOutput`s against an integer cache; see the module docstring."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: Scheduler, cost: StepCost | None = None) -> None:
         cache = scheduler.cache_config
         self.scheduler = scheduler
+        self.cost = cost
         self.block_size = cache.block_size
         self.gpu = [[None] * cache.block_size for _ in range(cache.num_gpu_blocks)]
         self.cpu = [[None] * cache.block_size for _ in range(cache.num_cpu_blocks)]
@@ -77,7 +96,17 @@ class FakeRunner:
             truth = self.scheduler.requests[s.request_id].all_token_ids[:end]
             assert context == truth, f"{s.request_id}: cache holds {context}, expected {truth}"
             sampled[s.request_id] = [next_token(context, s.choice_index)]
+        if self.cost is not None:
+            self._report_cost(out)
         return ModelRunnerOutput(sampled_token_ids=sampled)
+
+    def _report_cost(self, out: SchedulerOutput) -> None:
+        blocks = len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
+        if blocks:
+            self.scheduler.observe_swap(blocks, blocks * self.cost.per_block)
+        prefill = sum(len(s.token_ids) for s in out.scheduled if len(s.token_ids) > 1)
+        decodes = sum(1 for s in out.scheduled if len(s.token_ids) == 1)
+        self.scheduler.observe_step(decodes, prefill, self.cost.step(decodes, prefill))
 
 
 def run_steps(scheduler: Scheduler, runner: FakeRunner, max_steps: int = 10_000,
@@ -137,5 +166,7 @@ def check_invariants(scheduler: Scheduler, out: SchedulerOutput | None) -> None:
     if out is not None:
         assert out.num_scheduled_tokens == sum(len(s.token_ids) for s in out.scheduled)
         assert out.num_scheduled_tokens <= cfg.max_num_batched_tokens
+        assert sum(len(s.token_ids) for s in out.scheduled if len(s.token_ids) > 1) \
+            <= scheduler.prefill_budget, "prefill tokens beyond the step's prefill budget"
         assert len(out.scheduled) <= cfg.max_num_seqs
         assert len({s.request_id for s in out.scheduled}) == len(out.scheduled)

@@ -2,7 +2,8 @@
 
 After every schedule and every update: free + used == total blocks, each block's reference count
 equals its block-table references, blocks are shared only by fork or prefix, budgets hold (see
-`check_invariants`). At the end, under FCFS, every request finishes (no starvation), and every
+`check_invariants`, including the adaptive prefill budget when a target ITL is set, with
+synthetic step costs reported as the engine reports measured ones). At the end, under FCFS, every request finishes (no starvation), and every
 request that was not aborted produced exactly the tokens it produces when run alone on a large
 pool — whatever preemption, swapping, chunking or prefix sharing happened on the way.
 """
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 from scheduler.config import CacheConfig, SchedulerConfig
 from scheduler.request import Request, RequestStatus, SamplingParams
 from scheduler.scheduler import Scheduler
-from tests.fake_runner import FakeRunner, check_invariants, run_steps
+from tests.fake_runner import FakeRunner, StepCost, check_invariants, run_steps
 
 BS = 4
 MAX_LEN = 32
@@ -40,7 +41,9 @@ op = st.one_of(
 config = st.fixed_dictionaries({
     "num_blocks": st.integers(8, 14),
     "num_cpu_blocks": st.sampled_from([0, 6, 32, 32]),
-    "mode": st.sampled_from(["recompute", "swap", "swap"]),
+    "mode": st.sampled_from(["recompute", "swap", "swap", "auto"]),
+    "target_itl_ms": st.sampled_from([None, None, 12.0, 30.0]),   # with chunked prefill only
+    "per_block": st.sampled_from([1e-6, 1.0]),      # auto: swap cheap, or dearer than recompute
     "prefix": st.booleans(),
     "chunked": st.booleans(),
     "budget": st.sampled_from([7, 16, 40]),
@@ -53,7 +56,8 @@ def build(c, policy="fcfs", num_blocks=None):
     return Scheduler(
         SchedulerConfig(max_num_seqs=c["max_num_seqs"], max_num_batched_tokens=budget,
                         max_model_len=MAX_LEN, enable_chunked_prefill=c["chunked"],
-                        policy=policy, preemption_mode=c["mode"]),
+                        policy=policy, preemption_mode=c["mode"],
+                        target_itl_ms=c["target_itl_ms"] if c["chunked"] else None),
         CacheConfig(BS, num_blocks or c["num_blocks"], c["num_cpu_blocks"], c["prefix"]))
 
 
@@ -66,8 +70,8 @@ def make_request(i, spec):
                    priority=priority)
 
 
-def drive(s, ops):
-    runner = FakeRunner(s)
+def drive(s, ops, c):
+    runner = FakeRunner(s, StepCost(per_block=c["per_block"]))
     outputs, added, aborted = {}, [], set()
     for kind, arg in ops:
         if kind == "add":
@@ -96,9 +100,11 @@ def drive(s, ops):
        policy=st.sampled_from(["fcfs", "priority", "sjf"]))
 def test_random_workloads_keep_invariants_and_outputs(c, ops, policy):
     s = build(c, policy)
-    outputs, added, aborted = drive(s, ops)
+    outputs, added, aborted = drive(s, ops, c)
     k = s.counters
     for name, happened in [("preempted", k.num_preemptions), ("swapped", k.swap_out_blocks),
+                           ("recomputed", k.num_preemptions_recompute),
+                           ("budget below the cap", s.prefill_budget < s.config.max_num_batched_tokens),
                            ("prefix hit", k.prefix_cache_hits), ("aborted", aborted),
                            ("forked", any("#" in rid for rid in outputs))]:
         event(f"{name}: {bool(happened)}")

@@ -1,0 +1,182 @@
+"""Cost models the scheduler decides by: the step's prefill budget against a target ITL, and
+swap against recompute at a preemption. Pure: the engine feeds in its own measured timings; no
+clocks, threads or tensors here.
+
+In: `observe_step(num_decodes, num_prefill_tokens, seconds)` after every engine step and
+`observe_swap(num_blocks, seconds)` after every swap (and once at start, a calibration copy).
+Out: `prefill_budget(num_decodes)` (tokens) and `prefer_swap(num_blocks, num_tokens)`.
+
+Step cost model (`LatencyHistory`, a moving window): a step carrying D decodes and P prefill
+tokens costs  t = base + per_decode * D + per_prefill_token * P  seconds, fitted by least
+squares on the window (decode-only steps and steps with prefill are kept in separate windows,
+so a long decode-only phase does not push out what prefill costs). When the window cannot tell
+the three apart (e.g. every decode step had the same batch size) or the joint fit goes
+negative: base and per_decode come from the decode-only steps alone, and per_prefill_token is
+what the prefill steps cost beyond them per token (a ratio estimate through the origin). A
+coefficient with no data yet is None.
+
+Adaptive prefill budget (Sarathi-Serve, Agrawal et al., OSDI 2024, sec. 4: a token budget per
+iteration chosen so that stall-free batches keep the TBT / ITL SLO; here the budget is not
+profiled once but follows the measured window): with target T,
+    budget = (T - base - per_decode * D) / per_prefill_token,
+clamped to [floor, max_num_batched_tokens - D]. Until a prefill cost is measured the budget is
+the fixed `max_num_batched_tokens`. The floor keeps prefills moving whatever the load: every
+step spends at least `floor` tokens on prefill while any is pending (when the step's seats and
+blocks allow), so with fcfs a waiting request with W prompt tokens of earlier requests still to
+compute ahead of it starts its prefill within ceil(W / floor) + 1 steps.
+
+Preemption cost (`--preemption-mode auto`): swapping a request out and back in moves its blocks
+twice, 2 * blocks * seconds_per_block (the measured copy time per block, i.e. bytes over the
+measured copy bandwidth); recomputing it costs its computed tokens x per_prefill_token. The
+cheaper wins; recompute when the swap pool is full (the scheduler's own fallback).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+DEFAULT_WINDOW = 64           # steps in the moving window
+DEFAULT_FLOOR = 32            # tokens: the adaptive budget's least prefill per step
+
+
+class LatencyHistory:
+    """Moving window of engine step timings and the linear step-cost model fitted on it.
+
+    Units: seconds, tokens. `window`: how many recent steps of each kind (decode-only, with
+    prefill) are kept. Raises ValueError for a window below 2.
+    """
+
+    def __init__(self, window: int = DEFAULT_WINDOW) -> None:
+        if window < 2:
+            raise ValueError(f"the latency window must hold at least 2 steps, got {window}")
+        self.decode_steps: deque[tuple[int, float]] = deque(maxlen=window)           # (D, t)
+        self.prefill_steps: deque[tuple[int, int, float]] = deque(maxlen=window)     # (D, P, t)
+        self._fit: tuple[float | None, float | None, float | None] | None = None
+
+    def observe(self, num_decodes: int, num_prefill_tokens: int, seconds: float) -> None:
+        """Record one step: D decode rows, P prefill tokens, its wall time in seconds."""
+        if num_decodes <= 0 and num_prefill_tokens <= 0:
+            return                                  # an empty step says nothing about cost
+        if num_prefill_tokens > 0:
+            self.prefill_steps.append((num_decodes, num_prefill_tokens, seconds))
+        else:
+            self.decode_steps.append((num_decodes, seconds))
+        self._fit = None
+
+    def coefficients(self) -> tuple[float | None, float | None, float | None]:
+        """(base, per_decode, per_prefill_token) in seconds; None where there is no data."""
+        if self._fit is None:
+            self._fit = self._fit_joint()
+            if self._fit is None:
+                base, per_decode = _fit_decode(self.decode_steps)
+                self._fit = (base, per_decode,
+                             self._fit_prefill(base or 0.0, per_decode or 0.0))
+        return self._fit
+
+    def _fit_joint(self) -> tuple[float, float, float] | None:
+        """Least squares of t on [1, D, P] over both windows; None if not identifiable or
+        not non-negative."""
+        if not self.decode_steps or not self.prefill_steps:
+            return None
+        rows = [(1.0, d, 0.0, t) for d, t in self.decode_steps] + \
+               [(1.0, d, p, t) for d, p, t in self.prefill_steps]
+        a = np.array(rows, dtype=np.float64)
+        coef, _, rank, _ = np.linalg.lstsq(a[:, :3], a[:, 3], rcond=None)
+        if rank < 3 or (coef < 0).any():
+            return None
+        return float(coef[0]), float(coef[1]), float(coef[2])
+
+    def _fit_prefill(self, base: float, per_decode: float) -> float | None:
+        if not self.prefill_steps:
+            return None
+        d, p, t = np.array(self.prefill_steps, dtype=np.float64).T
+        extra = t - base - per_decode * d
+        return max(float(np.dot(extra, p) / np.dot(p, p)), 0.0)
+
+    def predict(self, num_decodes: int, num_prefill_tokens: int) -> float | None:
+        """Predicted step seconds for D decodes and P prefill tokens; None without data."""
+        base, per_decode, per_token = self.coefficients()
+        if base is None and per_token is None:
+            return None
+        return ((base or 0.0) + (per_decode or 0.0) * num_decodes
+                + (per_token or 0.0) * num_prefill_tokens)
+
+
+def _fit_decode(steps) -> tuple[float | None, float | None]:
+    """Non-negative least squares of t = base + per_decode * D on decode-only steps."""
+    if not steps:
+        return None, None
+    d, t = np.array(steps, dtype=np.float64).T
+    if len(steps) < 2 or np.ptp(d) == 0:          # one batch size: no slope to see
+        return float(np.mean(t)) / 2, float(np.mean(t)) / 2 / max(float(np.mean(d)), 1.0)
+    slope, intercept = np.polyfit(d, t, 1)
+    if slope < 0:
+        return float(np.mean(t)), 0.0
+    if intercept < 0:
+        return 0.0, float(np.dot(d, t) / np.dot(d, d))
+    return float(intercept), float(slope)
+
+
+class AdaptivePrefillBudget:
+    """The per-step prefill token budget that keeps a step within `target_itl_s` (see the
+    module docstring for the rule and its bound).
+
+    target_itl_s: seconds; max_num_batched_tokens: the step's token cap; floor: least prefill
+    tokens per step. Raises ValueError for a non-positive target or floor.
+    """
+
+    def __init__(self, target_itl_s: float, max_num_batched_tokens: int,
+                 floor: int = DEFAULT_FLOOR, history: LatencyHistory | None = None) -> None:
+        if not target_itl_s > 0:
+            raise ValueError(f"--target-itl-ms must be positive, got {target_itl_s * 1000}")
+        if floor < 1:
+            raise ValueError(f"the prefill floor must be at least 1 token, got {floor}")
+        self.target_itl_s = target_itl_s
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.floor = min(floor, max_num_batched_tokens)
+        self.history = history or LatencyHistory()
+        self.last_budget = max_num_batched_tokens
+
+    def prefill_budget(self, num_decodes: int) -> int:
+        """Prefill tokens allowed in a step that carries `num_decodes` decodes."""
+        base, per_decode, per_token = self.history.coefficients()
+        cap = max(self.max_num_batched_tokens - num_decodes, 0)
+        if per_token is None or per_token <= 0:
+            budget = cap
+        else:
+            slack = self.target_itl_s - (base or 0.0) - (per_decode or 0.0) * num_decodes
+            budget = int(slack / per_token + 1e-6) if slack > 0 else 0
+        self.last_budget = min(max(budget, self.floor), cap)
+        return self.last_budget
+
+
+class PreemptionCost:
+    """Swap vs recompute by measured cost (`--preemption-mode auto`).
+
+    `history` gives the prefill cost per token; `observe_swap` the copy time per block.
+    """
+
+    def __init__(self, history: LatencyHistory, window: int = DEFAULT_WINDOW) -> None:
+        self.history = history
+        self.swaps: deque[tuple[int, float]] = deque(maxlen=window)    # (blocks, seconds)
+
+    def observe_swap(self, num_blocks: int, seconds: float) -> None:
+        """Record one copy of `num_blocks` blocks between device and swap pool."""
+        if num_blocks > 0:
+            self.swaps.append((num_blocks, seconds))
+
+    def seconds_per_block(self) -> float | None:
+        """Measured copy time per block (one direction); None before any copy."""
+        blocks = sum(b for b, _ in self.swaps)
+        return sum(s for _, s in self.swaps) / blocks if blocks else None
+
+    def prefer_swap(self, num_blocks: int, num_tokens: int) -> bool:
+        """Whether swapping `num_blocks` out and back in is cheaper than recomputing
+        `num_tokens`. Without a measurement of either, swap (it keeps finished work)."""
+        per_block = self.seconds_per_block()
+        per_token = self.history.coefficients()[2]
+        if per_block is None or per_token is None:
+            return True
+        return 2 * num_blocks * per_block <= num_tokens * per_token

@@ -4,7 +4,8 @@ Owns: one `CollectorRegistry` per app. Fed from two places:
 - the engine side, per step (`on_engine_stats(step_stats, snapshot)`): batch size, step and
   scheduler time, iteration tokens, token counters, finished requests (success by reason, E2E
   latency, queue time, prompt / generation token histograms), and the scheduler's gauges and
-  cumulative counters (running / waiting / swapped, KV usage, prefix cache, preemptions, swaps);
+  cumulative counters (running / waiting / swapped, KV usage, prefix cache, preemptions by
+  mode, swaps, the step's prefill budget);
 - the API side, per streamed delta: time to first token and inter-token latency, as the
   client sees them.
 """
@@ -78,7 +79,16 @@ class Metrics:
                                    LATENCY_BUCKETS)
         self.scheduler_counters = {k: counter(v, f"Cumulative {k.replace('_', ' ')}.")
                                    for k, v in _SCHEDULER_COUNTERS.items()}
-        self._last_counters: dict[str, int] = {k: 0 for k in _SCHEDULER_COUNTERS}
+        by_mode = Counter("continuum_preemptions_by_mode",
+                          "Preemptions by the mode used (swap or recompute; with "
+                          "--preemption-mode auto, the choice made).",
+                          labels + ["mode"], registry=r)
+        for mode in ("swap", "recompute"):
+            self.scheduler_counters[f"num_preemptions_{mode}"] = by_mode.labels(model_name, mode)
+        self._last_counters: dict[str, int] = {k: 0 for k in self.scheduler_counters}
+        self.prefill_budget = gauge("continuum_prefill_budget_tokens",
+                                    "Prefill tokens allowed in the last step (adaptive with "
+                                    "--target-itl-ms, else --max-num-batched-tokens).")
 
     def on_engine_stats(self, step_stats: list, snapshot: dict) -> None:
         """Record engine steps and the scheduler snapshot (any thread)."""
@@ -102,6 +112,8 @@ class Metrics:
         self.swapped.set(snapshot["num_swapped"])
         self.kv_usage.set(snapshot["kv_cache_usage"])
         self.cpu_kv_usage.set(snapshot.get("cpu_kv_cache_usage", 0.0))
+        if "prefill_budget" in snapshot:
+            self.prefill_budget.set(snapshot["prefill_budget"])
         for key, value in snapshot["counters"].items():
             if key in self.scheduler_counters and value > self._last_counters[key]:
                 self.scheduler_counters[key].inc(value - self._last_counters[key])
@@ -124,4 +136,5 @@ METRIC_NAMES = (
     "continuum_prefix_cache_queries_total", "continuum_prefix_cache_hits_total",
     "continuum_kv_cache_usage_perc", "continuum_cpu_kv_cache_usage_perc", "continuum_batch_size",
     "continuum_step_duration_seconds", "continuum_scheduler_overhead_seconds",
+    "continuum_preemptions_by_mode_total", "continuum_prefill_budget_tokens",
 )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler.config import check_policy
+from scheduler.config import check_policy, check_preemption_mode
 
 GIB = 1 << 30
 
@@ -22,6 +22,10 @@ class EngineConfig:
     max_model_len: None = the model's `max_position_embeddings`.
     kv_cache_memory: device memory for the KV cache; None = 2 GiB on CPU, 90% of free device
         memory after the weights on an accelerator. `num_gpu_blocks_override` wins over it.
+    preemption_mode: "recompute", "swap" or "auto" (a swap pool of `swap_space` GiB exists
+        with swap and auto).
+    target_itl_ms: None = off; milliseconds, or "auto" = twice the unloaded decode step,
+        measured at start; the step's prefill budget follows it (`scheduler.slo`).
     """
 
     model: str | None = None
@@ -41,6 +45,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     sjf_aging_ms_per_token: float = 1.0
     max_waiting_requests: int = 1024
+    target_itl_ms: float | str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -59,9 +64,15 @@ class EngineConfig:
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError("--max-num-batched-tokens must be at least 1, "
                              f"got {self.max_num_batched_tokens}")
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError("--preemption-mode must be 'recompute' or 'swap', "
-                             f"got {self.preemption_mode!r}")
+        check_preemption_mode(self.preemption_mode)
+        if self.target_itl_ms is not None:
+            if self.target_itl_ms != "auto" and not (
+                    isinstance(self.target_itl_ms, (int, float)) and self.target_itl_ms > 0):
+                raise ValueError("--target-itl-ms must be a positive number of milliseconds, "
+                                 f"auto or off, got {self.target_itl_ms!r}")
+            if not self.enable_chunked_prefill:
+                raise ValueError("--target-itl-ms needs chunked prefill (it budgets prefill "
+                                 "chunks); drop --no-enable-chunked-prefill")
         check_policy(self.scheduling_policy, self.sjf_aging_ms_per_token)
         if self.max_waiting_requests < 1:
             raise ValueError("--max-waiting-requests must be at least 1, "

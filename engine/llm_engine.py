@@ -31,7 +31,7 @@ from engine.structured.grammar import GrammarCompiler, grammar_text
 from engine.outputs import RequestOutput, StepStats
 from scheduler.config import CacheConfig, SchedulerConfig
 from scheduler.request import ParamError, Request, RequestStatus, SamplingParams
-from scheduler.scheduler import Scheduler
+from scheduler.scheduler import Scheduler, SchedulerCounters
 
 logger = logging.getLogger("continuum.engine")
 
@@ -59,17 +59,10 @@ class LLMEngine:
         block_bytes = mcfg.kv_bytes_per_token(self.dtype) * config.block_size
         num_gpu_blocks = self._num_gpu_blocks(block_bytes)
         num_cpu_blocks = (int(config.swap_space * GIB // block_bytes)
-                          if config.preemption_mode == "swap" else 0)
-        batched = config.max_num_batched_tokens or (
-            2048 if config.enable_chunked_prefill else max(2048, self.max_model_len))
+                          if config.preemption_mode in ("swap", "auto") else 0)
+        target = config.target_itl_ms
         self.scheduler = Scheduler(
-            SchedulerConfig(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=batched,
-                            max_model_len=self.max_model_len,
-                            enable_chunked_prefill=config.enable_chunked_prefill,
-                            policy=config.scheduling_policy,
-                            sjf_aging_ms_per_token=config.sjf_aging_ms_per_token,
-                            preemption_mode=config.preemption_mode,
-                            max_waiting_requests=config.max_waiting_requests),
+            self._scheduler_config(None if target == "auto" else target),
             CacheConfig(config.block_size, num_gpu_blocks, num_cpu_blocks,
                         config.enable_prefix_caching))
         self.grammars = GrammarCompiler(self.tokenizer, mcfg.vocab_size)
@@ -80,6 +73,11 @@ class LLMEngine:
                                   config.seed, self.grammars)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_loggers: list[Callable[[StepStats], None]] = []
+        if target == "auto":
+            self._target_from_unloaded_decode()
+        swap = self.runner.time_swap()
+        if swap is not None:
+            self.scheduler.observe_swap(*swap)
         self.load_time = time.perf_counter() - t0
         logger.info("engine ready in %.1f s: %s on %s (%s), %d KV blocks of %d tokens "
                     "(%.2f GiB), max_model_len %d, attention: %s, linear: %s, cpu isa: %s",
@@ -91,6 +89,34 @@ class LLMEngine:
                     if self.runner.kernels is not None else "torch",
                     LINEAR_PATH_NAMES[self.model.linear_path],
                     self.device.cpu_isa() or "n/a")
+
+    def _scheduler_config(self, target_itl_ms: float | None) -> SchedulerConfig:
+        config = self.config
+        batched = config.max_num_batched_tokens or (
+            2048 if config.enable_chunked_prefill else max(2048, self.max_model_len))
+        return SchedulerConfig(
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=batched,
+            max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
+            policy=config.scheduling_policy, sjf_aging_ms_per_token=config.sjf_aging_ms_per_token,
+            preemption_mode=config.preemption_mode,
+            max_waiting_requests=config.max_waiting_requests, target_itl_ms=target_itl_ms)
+
+    def _target_from_unloaded_decode(self, num_tokens: int = 16) -> None:
+        """`--target-itl-ms auto`: time one request's decode steps alone (the median step,
+        after two warm-up steps), then start a fresh scheduler whose target is twice that."""
+        prompt = self.tokenizer.encode("Count from one to twenty: one, two,")
+        self.add_request("target-itl-probe", prompt,
+                         SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True))
+        times = []
+        while self.has_unfinished_requests():
+            t0 = time.perf_counter()
+            self.step()
+            times.append(time.perf_counter() - t0)
+        decode = sorted(times[3:])[len(times[3:]) // 2]       # skip the prefill + 2 warm-ups
+        self.scheduler.set_target_itl(round(2000 * decode, 3))
+        self.scheduler.counters = SchedulerCounters()          # the probe is not traffic
+        logger.info("--target-itl-ms auto: unloaded decode step %.2f ms, target %.2f ms",
+                    decode * 1000, self.scheduler.config.target_itl_ms)
 
     def _max_model_len(self, mcfg: ModelConfig) -> int:
         limit = mcfg.max_position_embeddings
@@ -207,8 +233,24 @@ class LLMEngine:
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED,
                                            include_forks=False)
+        self._observe(sched_out, time.perf_counter() - t0)
         self._record(sched_out, outputs, t0, t3 - t2 + t1 - t0)
         return released + outputs
+
+    def _observe(self, sched_out, seconds: float) -> None:
+        """Feed the step's measured cost (and any swap's) to the scheduler's cost models."""
+        num_prefill = num_decodes = 0
+        for s in sched_out.scheduled:
+            n = len(s.token_ids)
+            if n > 1:
+                num_prefill += n
+            else:
+                num_decodes += 1
+        swap = self.runner.last_swap
+        if swap is not None:
+            self.scheduler.observe_swap(*swap)
+            seconds -= swap[1]             # the step-cost model is per token, not per copy
+        self.scheduler.observe_step(num_decodes, num_prefill, seconds)
 
     def _fail(self, sched_out, error: Exception) -> list[RequestOutput]:
         ids = [s.request_id for s in sched_out.scheduled]

@@ -18,6 +18,7 @@ each matcher consumes its token.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -97,17 +98,24 @@ class ModelRunner:
         self.states: dict[str, _RequestState] = {}
         self.grammars = grammars      # engine.structured.grammar.GrammarCompiler, or None
         self._mask_pool: ThreadPoolExecutor | None = None
+        self.last_swap: tuple[int, float] | None = None   # (blocks, seconds) of the last step
 
     # ------------------------------------------------------------------ block movement
     def _move_blocks(self, out: SchedulerOutput) -> None:
         dev = self.device.torch_device
         # Block dimension is 3: [layer, k/v, kv_head, block, slot, dim].
-        if out.blocks_to_swap_out:
-            src, dst = zip(*out.blocks_to_swap_out)
-            self.cpu_cache[:, :, :, list(dst)] = self.kv_cache[:, :, :, list(src)].to("cpu")
-        if out.blocks_to_swap_in:
-            src, dst = zip(*out.blocks_to_swap_in)
-            self.kv_cache[:, :, :, list(dst)] = self.cpu_cache[:, :, :, list(src)].to(dev)
+        self.last_swap = None
+        if out.blocks_to_swap_out or out.blocks_to_swap_in:
+            t0 = time.perf_counter()
+            if out.blocks_to_swap_out:
+                src, dst = zip(*out.blocks_to_swap_out)
+                self.cpu_cache[:, :, :, list(dst)] = self.kv_cache[:, :, :, list(src)].to("cpu")
+            if out.blocks_to_swap_in:
+                src, dst = zip(*out.blocks_to_swap_in)
+                self.kv_cache[:, :, :, list(dst)] = self.cpu_cache[:, :, :, list(src)].to(dev)
+            self.device.synchronize()
+            self.last_swap = (len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in),
+                              time.perf_counter() - t0)
         if out.blocks_to_copy:
             src, dst = zip(*out.blocks_to_copy)
             self.kv_cache[:, :, :, list(dst)] = self.kv_cache[:, :, :, list(src)]
@@ -128,6 +136,19 @@ class ModelRunner:
             del state.block_table[s.block_table_start:]
             state.block_table.extend(s.new_block_ids)
         return state
+
+    def time_swap(self, num_blocks: int = 8) -> tuple[int, float] | None:
+        """Copy up to `num_blocks` free blocks' worth to the swap pool and back (a calibration
+        before any real swap; the engine calls it at start, when no block holds data).
+        Returns (blocks copied, seconds), or None without a swap pool."""
+        if self.cpu_cache is None:
+            return None
+        n = min(num_blocks, self.kv_cache.shape[3], self.cpu_cache.shape[3])
+        ids = list(range(n))
+        out = SchedulerOutput(blocks_to_swap_out=list(zip(ids, ids)),
+                              blocks_to_swap_in=list(zip(ids, ids)))
+        self._move_blocks(out)
+        return self.last_swap
 
     # ------------------------------------------------------------------ step
     @torch.inference_mode()

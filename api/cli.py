@@ -11,7 +11,18 @@ import os
 import sys
 from pathlib import Path
 
-from scheduler.config import POLICIES
+from engine.profiles import PROFILE_FLAGS, TUNING_PROFILES, resolve_profile
+from scheduler.config import POLICIES, PREEMPTION_MODES
+
+
+def _target_itl(value: str) -> float | str:
+    """`--target-itl-ms`: a number of milliseconds, `auto` or `off`."""
+    if value in ("auto", "off"):
+        return value
+    try:
+        return float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected milliseconds, auto or off, got {value!r}")
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -29,7 +40,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or npu (default: auto)")
     p.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling (default: 0)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
-    p.add_argument("--max-num-seqs", type=int, default=256,
+    p.add_argument("--max-num-seqs", type=int, default=None,
                    help="max sequences per engine step (default: 256)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="max tokens per engine step (default: 2048 with chunked prefill)")
@@ -37,21 +48,37 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    default=True, help="share KV blocks of equal prefixes (default: on)")
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
                    default=True, help="split long prompts across steps (default: on)")
-    p.add_argument("--swap-space", type=float, default=4.0,
-                   help="CPU swap pool in GiB, used with --preemption-mode swap (default: 4)")
-    p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
-                   help="what preemption does with a request's KV blocks (default: recompute)")
+    p.add_argument("--swap-space", type=float, default=None,
+                   help="CPU swap pool in GiB, used with --preemption-mode swap or auto "
+                        "(default: 4)")
+    p.add_argument("--preemption-mode", default=None, choices=PREEMPTION_MODES,
+                   help="what preemption does with a request's KV blocks: recompute, swap, or "
+                        "auto = the cheaper of the two by measured copy and prefill cost, "
+                        "recompute when the swap pool is full (default: recompute)")
     p.add_argument("--num-gpu-blocks-override", type=int, default=None,
                    help="KV-cache size in blocks; overrides --kv-cache-memory")
     p.add_argument("--kv-cache-memory", type=float, default=None,
                    help="KV-cache size in GiB (default: 2 on CPU, 90%% of free device memory)")
-    p.add_argument("--scheduling-policy", default="fcfs", choices=POLICIES,
+    p.add_argument("--scheduling-policy", default=None, choices=POLICIES,
                    help="fcfs; priority: lower value first; sjf: shortest job (prompt + "
                         "max_tokens) first, with aging (default: fcfs)")
     p.add_argument("--sjf-aging-ms-per-token", type=float, default=1.0,
                    help="sjf aging: a waiting request gains one job token of rank per this "
                         "many ms; a request is never passed over by one arriving more than "
                         "its job x this later (default: 1.0)")
+    p.add_argument("--target-itl-ms", type=_target_itl, default=None, metavar="MS|auto|off",
+                   help="inter-token latency target: each step's prefill tokens are budgeted "
+                        "from measured step costs so that a step with the running decodes "
+                        "stays within MS (at least 32 prefill tokens a step still run); auto = "
+                        "twice the unloaded decode step, measured at start (default: off)")
+    p.add_argument("--tuning-profile", default=None, choices=list(TUNING_PROFILES),
+                   help="defaults for the scheduling flags, which explicit flags override. "
+                        "high_throughput: fcfs, --max-num-seqs 256, --max-num-batched-tokens "
+                        "8192, --preemption-mode auto. low_latency: sjf, --max-num-seqs 64, "
+                        "--max-num-batched-tokens 2048, --target-itl-ms auto, "
+                        "--preemption-mode auto. memory_constrained: --max-num-seqs 32, "
+                        "--max-num-batched-tokens 512, --preemption-mode auto, --swap-space 1 "
+                        "(default: none)")
     p.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="waiting-queue bound; past it requests get HTTP 503 (default: 1024)")
     p.add_argument("--api-key", default=None,
@@ -125,17 +152,15 @@ def engine_config(args: argparse.Namespace):
     """The frozen `EngineConfig` from parsed `serve` flags. Raises ValueError naming a bad flag."""
     from engine.config import EngineConfig
 
+    tuned = resolve_profile(args.tuning_profile, {k: getattr(args, k) for k in PROFILE_FLAGS})
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, seed=args.seed,
         max_model_len=args.max_model_len, block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory, num_gpu_blocks_override=args.num_gpu_blocks_override,
-        swap_space=args.swap_space, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=args.enable_chunked_prefill,
-        enable_prefix_caching=args.enable_prefix_caching, preemption_mode=args.preemption_mode,
-        scheduling_policy=args.scheduling_policy,
+        enable_prefix_caching=args.enable_prefix_caching,
         sjf_aging_ms_per_token=args.sjf_aging_ms_per_token,
-        max_waiting_requests=args.max_waiting_requests)
+        max_waiting_requests=args.max_waiting_requests, **tuned)
 
 
 def main(argv: list[str] | None = None) -> None:

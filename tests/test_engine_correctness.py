@@ -1,6 +1,7 @@
 """Greedy outputs of the engine are token-identical to transformers' `generate` (same weights,
 float32) — alone, all at once, with chunked prefill at a 7-token budget, with prefix-cache hits,
-and under a KV pool small enough to preempt, in swap and recompute modes. Real model."""
+under a KV pool small enough to preempt, in swap, recompute and auto modes, and with the SLO
+options (target ITL, sjf, each tuning profile). Real model."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
+from engine.profiles import TUNING_PROFILES, resolve_profile
 from engine.llm_engine import LLMEngine
 from scheduler.request import SamplingParams
 
@@ -139,7 +141,7 @@ def test_prefix_cache_hits_are_exact(shared_prefix_prompts, reference):
     assert first + rest == [reference[f"shared{i}"] for i in range(3)]
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("mode", ["recompute", "swap", "auto"])
 def test_preemption_is_exact(mode, prompts, reference):
     # 72 blocks = 1152 slots: the ~1k-token prompt (first, so it runs throughout) plus the
     # others do not fit, so later arrivals are preempted while it decodes.
@@ -151,8 +153,25 @@ def test_preemption_is_exact(mode, prompts, reference):
     assert counters.num_preemptions > 0
     if mode == "swap":
         assert counters.swap_out_blocks > 0
+    assert counters.num_preemptions_swap + counters.num_preemptions_recompute \
+        == counters.num_preemptions
     assert outputs == [reference[n] for n in names]
     assert eng.scheduler.kv.num_free_blocks == 72
+
+
+@pytest.mark.parametrize("options", [
+    {"target_itl_ms": 1.0}, {"scheduling_policy": "sjf"},
+    *({"profile": name} for name in TUNING_PROFILES)], ids=str)
+def test_slo_options_are_exact(options, prompts, reference):
+    """A 1 ms ITL target holds prefill at the budget's floor (32-token chunks beside the
+    decodes); sjf reorders; each profile sets its flags. Greedy tokens do not change."""
+    if "profile" in options:
+        options = resolve_profile(options["profile"], {})
+    eng = engine(**options)
+    assert run(eng, prompts.values()) == [reference[n] for n in prompts]
+    if options.get("target_itl_ms") == 1.0:
+        assert eng.scheduler.latency.coefficients()[2] is not None
+        assert eng.scheduler.prefill_budget == 32
 
 
 def test_bfloat16_engine_follows_float32_greedy(prompts, reference):

@@ -18,8 +18,10 @@ coefficient with no data yet is None.
 Adaptive prefill budget (Sarathi-Serve, Agrawal et al., OSDI 2024, sec. 4: a token budget per
 iteration chosen so that stall-free batches keep the TBT / ITL SLO; here the budget is not
 profiled once but follows the measured window): with target T,
-    budget = (T - base - per_decode * D) / per_prefill_token,
-clamped to [floor, max_num_batched_tokens - D]. Until a prefill cost is measured the budget is
+    budget = (T - margin - base - per_decode * D) / per_prefill_token,
+clamped to [floor, max_num_batched_tokens - D], where margin is the 90th percentile of how much
+the window's steps with prefill ran over the model's prediction (the host's jitter: planning at
+the mean would put half of the budgeted steps over the target). Until a prefill cost is measured the budget is
 the fixed `max_num_batched_tokens`. The floor keeps prefills moving whatever the load: every
 step spends at least `floor` tokens on prefill while any is pending (when the step's seats and
 blocks allow), so with fcfs a waiting request with W prompt tokens of earlier requests still to
@@ -54,6 +56,7 @@ class LatencyHistory:
         self.decode_steps: deque[tuple[int, float]] = deque(maxlen=window)           # (D, t)
         self.prefill_steps: deque[tuple[int, int, float]] = deque(maxlen=window)     # (D, P, t)
         self._fit: tuple[float | None, float | None, float | None] | None = None
+        self._margin: float | None = None
 
     def observe(self, num_decodes: int, num_prefill_tokens: int, seconds: float) -> None:
         """Record one step: D decode rows, P prefill tokens, its wall time in seconds."""
@@ -63,7 +66,7 @@ class LatencyHistory:
             self.prefill_steps.append((num_decodes, num_prefill_tokens, seconds))
         else:
             self.decode_steps.append((num_decodes, seconds))
-        self._fit = None
+        self._fit = self._margin = None
 
     def coefficients(self) -> tuple[float | None, float | None, float | None]:
         """(base, per_decode, per_prefill_token) in seconds; None where there is no data."""
@@ -94,6 +97,16 @@ class LatencyHistory:
         d, p, t = np.array(self.prefill_steps, dtype=np.float64).T
         extra = t - base - per_decode * d
         return max(float(np.dot(extra, p) / np.dot(p, p)), 0.0)
+
+    def margin(self) -> float:
+        """Seconds: the 90th percentile of (measured - predicted) over the window's steps with
+        prefill, at least 0; 0 without a fitted model."""
+        if self._margin is None:
+            self._margin = 0.0
+            if self.coefficients()[2] is not None and len(self.prefill_steps) >= 8:
+                over = [t - self.predict(d, p) for d, p, t in self.prefill_steps]
+                self._margin = max(float(np.percentile(over, 90)), 0.0)
+        return self._margin
 
     def predict(self, num_decodes: int, num_prefill_tokens: int) -> float | None:
         """Predicted step seconds for D decodes and P prefill tokens; None without data."""
@@ -146,7 +159,8 @@ class AdaptivePrefillBudget:
         if per_token is None or per_token <= 0:
             budget = cap
         else:
-            slack = self.target_itl_s - (base or 0.0) - (per_decode or 0.0) * num_decodes
+            slack = (self.target_itl_s - self.history.margin() - (base or 0.0)
+                     - (per_decode or 0.0) * num_decodes)
             budget = int(slack / per_token + 1e-6) if slack > 0 else 0
         self.last_budget = min(max(budget, self.floor), cap)
         return self.last_budget

@@ -165,3 +165,15 @@ def test_auto_recomputes_when_the_swap_pool_is_full():
         s.add_request(request(i, 20, max_tokens=16))
     run_steps(s, FakeRunner(s, StepCost(per_block=1e-6)), check=check_invariants)
     assert s.counters.num_preemptions_recompute > 0 and s.counters.num_preemptions_swap == 0
+
+
+def test_jittery_steps_widen_the_margin_and_shrink_the_budget():
+    """Steps that run over the model by up to 10 ms leave the budget room for that jitter."""
+    calm = history_from(COST, [(d, p) for d in (1, 4, 9) for p in (0, 50, 200)] * 4)
+    jittery = LatencyHistory()
+    for i, (d, p) in enumerate([(d, p) for d in (1, 4, 9) for p in (0, 50, 200)] * 4):
+        jittery.observe(d, p, COST.step(d, p) + (0.010 if i % 2 else 0.0))
+    assert calm.margin() == pytest.approx(0.0, abs=1e-9)
+    assert 0.003 < jittery.margin() <= 0.010
+    assert AdaptivePrefillBudget(0.060, 2048, history=jittery).prefill_budget(4) \
+        < AdaptivePrefillBudget(0.060, 2048, history=calm).prefill_budget(4)

@@ -238,6 +238,7 @@ def run(args) -> list[dict]:
                         "num_prompts": len(requests), "request_rate": args.request_rate,
                         "burstiness": args.burstiness, "max_concurrency": conc, "seed": seed,
                         "ttfts": [r.ttft for r in per_request if r.success],
+                        "itls": [gap for r in per_request if r.success for gap in r.itl],
                         "tpots": [(r.latency - r.ttft) / (r.output_len - 1)
                                   for r in per_request if r.success and r.output_len > 1]})
         results.append(metrics)

@@ -1,14 +1,21 @@
-"""Scheduling-policy benchmark: `sjf` against `fcfs` on the same ShareGPT burst, one run.
+"""SLO-aware scheduling benchmark (issue "SLO-aware scheduling"), one run, ratios within it.
 
-For each policy a server is started (`continuum serve --scheduling-policy P --max-num-seqs N`,
-default N = 8, so that a queue forms) and `continuum bench serve` sends the same ShareGPT
-prompts all at once (`--request-rate inf`, same seed). Output: mean / median / p99 end-to-end
-latency and TTFT, output throughput, and the sjf / fcfs ratios, as a JSON file and a table.
-The goal (issue "SLO-aware scheduling"): sjf lowers mean end-to-end latency at the same
-throughput. The issue's other parts (adaptive prefill budget, automatic preemption mode,
-goodput under Poisson arrivals) are not here yet.
+Every point starts `continuum serve` with the flags under test and sends ShareGPT prompts with
+`continuum bench serve` (same seed, so the same prompts), then stops the server.
 
-Run: `python benchmarks/slo_bench.py [--num-prompts 64] [--max-num-seqs 8]`.
+1. Target ITL. On the fixed-budget server: the unloaded decode step d (median ITL of one
+   request alone), then the capacity (request throughput at concurrency 64). Then, for the fixed
+   budget and for `--target-itl-ms 2d`: Poisson arrivals at 70% and 100% of that capacity, and
+   concurrency 64. Goals: p99 ITL <= 2d and output throughput >= 0.95x the fixed budget's.
+2. sjf vs fcfs: one burst (`--request-rate inf`) at `--max-num-seqs 8`, so a queue forms.
+   Goal: lower mean end-to-end latency at the same throughput.
+3. Memory pressure: a KV pool of `--pressure-blocks` blocks that forces preemption, at
+   concurrency 16: swap, recompute and auto. Goal: auto >= the better of the two - 5% (output
+   throughput).
+Every point reports vLLM's goodput with SLOs TTFT <= `--ttft-slo-ms` and TPOT <= 2d. A plot of
+the ITL distributions (CDFs) of part 1 goes to `--plot`.
+
+Run: `python benchmarks/slo_bench.py [--num-prompts 64] [--parts itl,sjf,memory]`.
 """
 
 from __future__ import annotations
@@ -20,57 +27,199 @@ import signal
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
-from benchmarks.triton_protocol_bench import free_port, wait_ready
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.triton_protocol_bench import free_port, wait_ready  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-KEYS = ("mean_e2el_ms", "median_e2el_ms", "p99_e2el_ms", "mean_ttft_ms", "p99_ttft_ms",
-        "output_throughput")
+KEYS = ("request_throughput", "output_throughput", "request_goodput", "mean_e2el_ms",
+        "p99_e2el_ms", "mean_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms",
+        "p99_tpot_ms", "completed", "failed")
 
 
-def run_policy(policy: str, args, tmp: Path) -> dict:
-    """Serve with `policy`, send the burst, stop: the bench's figures (KEYS)."""
+@contextmanager
+def server(flags: list[str], tmp: Path, name: str):
+    """A `continuum serve FLAGS` process on a free port; yields its base URL."""
     port = free_port()
-    log = open(tmp / f"server_{policy}.log", "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "api", "serve", "--port", str(port), "--scheduling-policy",
-         policy, "--max-num-seqs", str(args.max_num_seqs), "--uvicorn-log-level", "warning"],
-        stdout=log, stderr=log, cwd=ROOT, start_new_session=True)
+    log = open(tmp / f"server_{name}.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "api", "serve", "--port", str(port),
+                             "--uvicorn-log-level", "warning", *flags],
+                            stdout=log, stderr=log, cwd=ROOT, start_new_session=True)
     try:
         wait_ready(f"http://127.0.0.1:{port}/health/ready", proc, timeout=300)
-        out = tmp / f"{policy}.json"
-        subprocess.run([sys.executable, "-m", "api", "bench", "serve", "--base-url",
-                        f"http://127.0.0.1:{port}", "--dataset-name", "sharegpt",
-                        "--num-prompts", str(args.num_prompts), "--request-rate", "inf",
-                        "--seed", str(args.seed), "--no-progress", "--save-result", str(out)],
-                       check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-        result = json.loads(out.read_text())
-        result = result[0] if isinstance(result, list) else result
-        return {k: result[k] for k in KEYS}
+        yield f"http://127.0.0.1:{port}"
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(60)
 
 
+def bench(base: str, tmp: Path, name: str, args, extra: list[str]) -> dict:
+    """`continuum bench serve` against `base` with the run's dataset and `extra` flags."""
+    out = tmp / f"{name}.json"
+    subprocess.run([sys.executable, "-m", "api", "bench", "serve", "--base-url", base,
+                    "--dataset-name", "sharegpt", "--num-prompts", str(args.num_prompts),
+                    "--seed", str(args.seed), "--no-progress", "--save-result", str(out),
+                    *(["--goodput", f"ttft:{args.ttft_slo_ms}", f"tpot:{args.tpot_slo_ms}"]
+                      if args.tpot_slo_ms else []), *extra],
+                   check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    result = json.loads(out.read_text())[0]
+    print(f"{name}: " + ", ".join(f"{k} {result.get(k)}" for k in KEYS[:9]
+                                  if result.get(k) is not None), flush=True)
+    return result
+
+
+def unloaded_decode_ms(base: str, tmp: Path, args) -> float:
+    """Median ITL of requests sent one at a time (64 output tokens each)."""
+    out = tmp / "unloaded.json"
+    subprocess.run([sys.executable, "-m", "api", "bench", "serve", "--base-url", base,
+                    "--dataset-name", "random", "--random-input-len", "32",
+                    "--random-output-len", "64", "--num-prompts", "4", "--max-concurrency", "1",
+                    "--ignore-eos", "--no-progress", "--save-result", str(out)],
+                   check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    return json.loads(out.read_text())[0]["median_itl_ms"]
+
+
+def part_itl(args, tmp: Path) -> dict:
+    """Fixed budget vs --target-itl-ms 2d at 70% / 100% of capacity (Poisson) and conc 64."""
+    res: dict = {}
+    with server([], tmp, "fixed") as base:
+        d = unloaded_decode_ms(base, tmp, args)
+        res["unloaded_decode_ms"], res["target_itl_ms"] = d, round(2 * d, 2)
+        args.tpot_slo_ms = res["target_itl_ms"]
+        res["fixed_c64"] = bench(base, tmp, "fixed_c64", args, ["--max-concurrency", "64"])
+        capacity = res["fixed_c64"]["request_throughput"]
+        res["capacity_req_s"] = capacity
+        for load in (0.7, 1.0):
+            res[f"fixed_p{int(load * 100)}"] = bench(
+                base, tmp, f"fixed_p{int(load * 100)}", args,
+                ["--request-rate", f"{load * capacity:.4f}"])
+    with server(["--target-itl-ms", str(res["target_itl_ms"])], tmp, "target") as base:
+        for load in (0.7, 1.0):
+            res[f"target_p{int(load * 100)}"] = bench(
+                base, tmp, f"target_p{int(load * 100)}", args,
+                ["--request-rate", f"{load * capacity:.4f}"])
+        res["target_c64"] = bench(base, tmp, "target_c64", args, ["--max-concurrency", "64"])
+    return res
+
+
+def part_sjf(args, tmp: Path) -> dict:
+    """fcfs vs sjf on one burst at --max-num-seqs 8."""
+    res = {}
+    for policy in ("fcfs", "sjf"):
+        with server(["--scheduling-policy", policy, "--max-num-seqs", "8"], tmp, policy) as base:
+            res[policy] = bench(base, tmp, policy, args, ["--request-rate", "inf"])
+    return res
+
+
+def part_memory(args, tmp: Path) -> dict:
+    """swap vs recompute vs auto on a KV pool that forces preemption, concurrency 16."""
+    res = {}
+    for mode in ("swap", "recompute", "auto"):
+        flags = ["--preemption-mode", mode, "--num-gpu-blocks-override",
+                 str(args.pressure_blocks), "--max-model-len", str(args.pressure_blocks * 16),
+                 "--swap-space", "1"]
+        with server(flags, tmp, mode) as base:
+            res[mode] = bench(base, tmp, f"memory_{mode}", args, ["--max-concurrency", "16"])
+            res[mode]["preemptions"] = _preemptions(base)
+    return res
+
+
+def _preemptions(base: str) -> dict:
+    import httpx
+
+    out = {}
+    for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
+        if line.startswith("continuum_preemptions_by_mode_total{"):
+            out[line.split('mode="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def ratios(res: dict) -> dict:
+    """The goals' figures as ratios and checks."""
+    out = {}
+    if "itl" in res:
+        r, target = res["itl"], res["itl"]["target_itl_ms"]
+        for point in ("p70", "p100", "c64"):
+            fixed, tgt = r[f"fixed_{point}"], r[f"target_{point}"]
+            out[f"itl_{point}"] = {
+                "p99_itl_fixed_ms": fixed["p99_itl_ms"], "p99_itl_target_ms": tgt["p99_itl_ms"],
+                "target_ms": target, "p99_itl_within_target": tgt["p99_itl_ms"] <= target,
+                "share_of_itls_within_target": _share(tgt["itls"], target),
+                "share_of_itls_within_target_fixed": _share(fixed["itls"], target),
+                "throughput_ratio": tgt["output_throughput"] / fixed["output_throughput"],
+                "goodput_fixed": fixed.get("request_goodput"),
+                "goodput_target": tgt.get("request_goodput")}
+    if "sjf" in res:
+        f, s = res["sjf"]["fcfs"], res["sjf"]["sjf"]
+        out["sjf_over_fcfs"] = {k: s[k] / f[k] for k in ("mean_e2el_ms", "p99_e2el_ms",
+                                                        "output_throughput") if f[k]}
+    if "memory" in res:
+        m = res["memory"]
+        best = max(m["swap"]["output_throughput"], m["recompute"]["output_throughput"])
+        out["memory"] = {"auto_over_best": m["auto"]["output_throughput"] / best,
+                         **{f"{k}_tok_s": m[k]["output_throughput"] for k in m},
+                         "auto_choices": m["auto"]["preemptions"]}
+    return out
+
+
+def _share(itls: list[float], target_ms: float) -> float:
+    return sum(x * 1000 <= target_ms for x in itls) / len(itls) if itls else float("nan")
+
+
+def plot(res: dict, path: Path) -> None:
+    """CDFs of the ITLs of part 1 (fixed dashed, target solid), the target as a line."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    r = res["itl"]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for point, colour in (("p70", "tab:blue"), ("p100", "tab:orange"), ("c64", "tab:green")):
+        for mode, style in (("fixed", "--"), ("target", "-")):
+            x = np.sort(np.array(r[f"{mode}_{point}"]["itls"]) * 1000)
+            ax.plot(x, np.arange(1, len(x) + 1) / len(x), style, color=colour,
+                    label=f"{mode} {point}")
+    ax.axvline(r["target_itl_ms"], color="k", lw=1, label=f"target {r['target_itl_ms']} ms")
+    ax.set_xscale("log")
+    ax.set_xlabel("inter-token latency (ms)")
+    ax.set_ylabel("fraction of ITLs")
+    ax.set_title("ITL distribution: fixed budget vs --target-itl-ms")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> dict:
-    """Run both policies (flags: see --help); write and return the JSON result."""
+    """Run the parts (flags: see --help); write and return the JSON result."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--parts", default="itl,sjf,memory")
+    p.add_argument("--ttft-slo-ms", type=float, default=5000.0)
+    p.add_argument("--tpot-slo-ms", type=float, default=None,
+                   help="default: the part-1 target (twice the unloaded decode step)")
+    p.add_argument("--pressure-blocks", type=int, default=128)
     p.add_argument("--output", type=Path, default=Path("slo_bench.json"))
+    p.add_argument("--plot", type=Path, default=Path("slo_bench_itl.png"))
     args = p.parse_args(argv)
+    parts = args.parts.split(",")
+    res: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
-        result = {policy: run_policy(policy, args, Path(tmp)) for policy in ("fcfs", "sjf")}
-    result["sjf_over_fcfs"] = {k: result["sjf"][k] / result["fcfs"][k] for k in KEYS}
-    args.output.write_text(json.dumps(result, indent=2))
-    print("| figure | fcfs | sjf | sjf / fcfs |\n|---|---|---|---|")
-    for k in KEYS:
-        print(f"| {k} | {result['fcfs'][k]:.1f} | {result['sjf'][k]:.1f} | "
-              f"{result['sjf_over_fcfs'][k]:.2f} |")
-    return result
+        for name, fn in (("itl", part_itl), ("sjf", part_sjf), ("memory", part_memory)):
+            if name in parts:
+                res[name] = fn(args, Path(tmp))
+    res["ratios"] = ratios(res)
+    args.output.write_text(json.dumps(res, indent=1))
+    if "itl" in res:
+        plot(res, args.plot)
+    print(json.dumps(res["ratios"], indent=1))
+    return res
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from scheduler.config import check_policy, check_preemption_mode
+from scheduler.spec_decode import SpeculativeConfig
 
 GIB = 1 << 30
 
@@ -26,6 +27,8 @@ class EngineConfig:
         with swap and auto).
     target_itl_ms: None = off; milliseconds, or "auto" = twice the unloaded decode step,
         measured at start; the step's prefill budget follows it (`scheduler.slo`).
+    speculative_config: None = off; a `SpeculativeConfig`, or its JSON text / dict
+        (`--speculative-config`, vLLM's keys), parsed here.
     """
 
     model: str | None = None
@@ -46,8 +49,12 @@ class EngineConfig:
     sjf_aging_ms_per_token: float = 1.0
     max_waiting_requests: int = 1024
     target_itl_ms: float | str | None = None
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative_config, (str, dict)):
+            object.__setattr__(self, "speculative_config",
+                               SpeculativeConfig.parse(self.speculative_config))
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a positive power of two, got {self.block_size}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -27,6 +27,7 @@ from engine.loader import resolve_model
 from engine.model_runner import ModelRunner
 from engine.models.llama import ModelConfig, load_model
 from engine.output_processor import OutputProcessor
+from engine.spec_decode.ngram import NgramProposer
 from engine.structured.grammar import GrammarCompiler, grammar_text
 from engine.outputs import RequestOutput, StepStats
 from scheduler.config import CacheConfig, SchedulerConfig
@@ -72,6 +73,7 @@ class LLMEngine:
                                   num_cpu_blocks, (self.eos_token_id,) + self.extra_eos_ids,
                                   config.seed, self.grammars)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.proposer = self._proposer()
         self.stat_loggers: list[Callable[[StepStats], None]] = []
         if target == "auto":
             self._target_from_unloaded_decode()
@@ -90,8 +92,19 @@ class LLMEngine:
                     LINEAR_PATH_NAMES[self.model.linear_path],
                     self.device.cpu_isa() or "n/a")
 
+    def _proposer(self) -> NgramProposer | None:
+        spec = self.config.speculative_config
+        if spec is None:
+            return None
+        if spec.method != "ngram":
+            raise ValueError("--speculative-config: method draft_model is not available in "
+                             "this build; use method ngram")
+        return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                             spec.prompt_lookup_max)
+
     def _scheduler_config(self, target_itl_ms: float | None) -> SchedulerConfig:
         config = self.config
+        spec = config.speculative_config
         batched = config.max_num_batched_tokens or (
             2048 if config.enable_chunked_prefill else max(2048, self.max_model_len))
         return SchedulerConfig(
@@ -99,7 +112,9 @@ class LLMEngine:
             max_model_len=self.max_model_len, enable_chunked_prefill=config.enable_chunked_prefill,
             policy=config.scheduling_policy, sjf_aging_ms_per_token=config.sjf_aging_ms_per_token,
             preemption_mode=config.preemption_mode,
-            max_waiting_requests=config.max_waiting_requests, target_itl_ms=target_itl_ms)
+            max_waiting_requests=config.max_waiting_requests, target_itl_ms=target_itl_ms,
+            num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+            spec_adaptive=spec.adaptive if spec else True)
 
     def _target_from_unloaded_decode(self, num_tokens: int = 16) -> None:
         """`--target-itl-ms auto`: time one request's decode steps alone (the median step,
@@ -235,17 +250,32 @@ class LLMEngine:
                                            include_forks=False)
         self._observe(sched_out, time.perf_counter() - t0)
         self._record(sched_out, outputs, t0, t3 - t2 + t1 - t0)
+        if self.proposer is not None:
+            self._propose()
         return released + outputs
+
+    def _propose(self) -> None:
+        """Drafts for the next step of every running request in decode (none for structured
+        outputs: their grammar would have to vet every draft)."""
+        running = self.scheduler.running
+        propose = self.proposer.propose
+        for req in running:
+            tokens = req.all_token_ids
+            if req.num_computed_tokens == len(tokens) - 1 and req.forked \
+                    and req.sampling_params.structured_outputs is None:
+                req.spec_token_ids = propose(req.request_id, tokens)
+        if self.proposer.num_tracked > 2 * len(running) + 16:
+            self.proposer.forget({r.request_id for r in running})
 
     def _observe(self, sched_out, seconds: float) -> None:
         """Feed the step's measured cost (and any swap's) to the scheduler's cost models."""
         num_prefill = num_decodes = 0
         for s in sched_out.scheduled:
             n = len(s.token_ids)
-            if n > 1:
+            if n > 1 and not s.num_drafts:
                 num_prefill += n
-            else:
-                num_decodes += 1
+            else:                          # a draft row costs what a decode row does
+                num_decodes += n
         swap = self.runner.last_swap
         if swap is not None:
             self.scheduler.observe_swap(*swap)
@@ -273,7 +303,7 @@ class LLMEngine:
         stats = StepStats(
             batch_size=len(sched_out.scheduled), num_tokens=sched_out.num_scheduled_tokens,
             num_prefill_tokens=sum(len(s.token_ids) for s in sched_out.scheduled
-                                   if len(s.token_ids) > 1),
+                                   if len(s.token_ids) > 1 and not s.num_drafts),
             step_time=time.perf_counter() - t0, scheduler_time=scheduler_time,
             num_generation_tokens=sum(len(c.token_ids) for o in outputs for c in o.outputs),
             finished=[(o.outputs[-1].finish_reason, o.metrics, o.num_prompt_tokens,

@@ -13,11 +13,14 @@ chunks; no padding between requests for the dense layers), the slot mapping and 
 metadata (a block table per token for the kernels; decode groups and prefill chunks for the
 torch path) → forward (meanwhile, on a worker thread, the grammar masks of the rows with
 structured outputs, `engine.structured`) → logits only for the requests that sample → sampler →
-each matcher consumes its token.
+each matcher consumes its token. A request verifying speculative drafts runs as a chunk of
+1 + d tokens, is sampled at every one of them, and keeps the accepted prefix
+(`engine.spec_decode.rejection_sampler`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -29,6 +32,7 @@ from engine.attention import (SMALL_DECODE_BATCH, AttentionMetadata, DecodeGroup
 from engine.device import Device
 from engine.models.llama import LlamaForCausalLM
 from engine.sampler import Sampler, SamplingRow
+from engine.spec_decode.rejection_sampler import accepted_prefix
 from engine.structured.mask import fill_bitmask
 from scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
@@ -169,7 +173,7 @@ class ModelRunner:
         states = [self._update_state(s) for s in ordered]
         input_ids, positions, meta, sample_idx = self._prepare(ordered, states, len(decodes))
         rows_at = [i for i, _ in sample_idx]
-        rows = [states[i].row for i in rows_at]
+        rows = self._sampling_rows(ordered, states, rows_at)
         masks = self._start_masks(rows)         # computed while the forward pass runs
         hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
         if not sample_idx:
@@ -177,16 +181,40 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[[i for _, i in sample_idx]])
         result = self.sampler(logits, rows, masks.result() if masks is not None else None)
         sampled, logprobs = {}, {}
-        for i, tok, lp in zip(rows_at, result.token_ids, result.logprobs):
-            rid = ordered[i].request_id
-            sampled[rid] = [tok]
-            row = states[i].row
-            row.output_token_ids.append(tok)
+        k = 0
+        while k < len(rows_at):
+            s, row = ordered[rows_at[k]], states[rows_at[k]].row
+            n = 1 + s.num_drafts
+            drawn = result.token_ids[k:k + n]
+            emit = accepted_prefix(s.token_ids[1:], drawn) if s.num_drafts else drawn
+            sampled[s.request_id] = emit
+            row.output_token_ids.extend(emit)
             if row.matcher is not None:
-                row.matcher.consume_token(tok)
-            if lp is not None:
-                logprobs[rid] = [(tok,) + lp]
+                for tok in emit:
+                    row.matcher.consume_token(tok)
+            if result.logprobs[k] is not None:
+                logprobs[s.request_id] = [(tok,) + lp for tok, lp
+                                          in zip(emit, result.logprobs[k:k + len(emit)])]
+            k += n
         return ModelRunnerOutput(sampled, logprobs or None)
+
+    @staticmethod
+    def _sampling_rows(ordered: list[ScheduledRequest], states: list[_RequestState],
+                       rows_at: list[int]) -> list[SamplingRow]:
+        """The sampler's row for each sampled position. A request verifying d drafts has d + 1
+        rows; row j sees drafts[:j] as output already (penalties, min_tokens, the seeded
+        draw's output index), exactly what non-speculative decoding would see there."""
+        rows = []
+        prev, j = -1, 0
+        for i in rows_at:
+            j = j + 1 if i == prev else 0
+            prev = i
+            row = states[i].row
+            if j:
+                row = dataclasses.replace(
+                    row, output_token_ids=row.output_token_ids + ordered[i].token_ids[1:j + 1])
+            rows.append(row)
+        return rows
 
     def _start_masks(self, rows: list[SamplingRow]) -> Future | None:
         """Grammar masks of the constrained rows, (row indices, bitmask), computed on a worker
@@ -229,7 +257,9 @@ class ModelRunner:
             slot_parts.append(table[p // bs] * bs + p % bs)
             pos_parts.append(p)
             chunks.append((offset, n, start, table))
-            if s.sample:
+            if s.num_drafts:                    # verify: a row at every position
+                sample_idx.extend((i, offset + j) for j in range(n))
+            elif s.sample:
                 sample_idx.append((i, offset + n - 1))
             offset += n
         positions = torch.cat(pos_parts)

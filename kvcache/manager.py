@@ -226,6 +226,20 @@ class KVCacheManager:
         if not keep_hashes:
             self._hashes.pop(request_id, None)
 
+    def trim(self, request_id: str, num_tokens: int) -> int:
+        """Free the request's trailing device blocks beyond the `cdiv(num_tokens, block_size)`
+        that hold its first `num_tokens` tokens: the slots of rejected speculative drafts. Those
+        blocks never hold a full block of verified tokens, so none is in the prefix cache.
+        Returns the number of blocks freed (0 for a request without a device table)."""
+        table = self.block_tables.get(request_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if table is None or len(table) <= keep:
+            return 0
+        extra = table[keep:]
+        del table[keep:]
+        self.pool.free(extra)
+        return len(extra)
+
     def forget(self, request_id: str) -> None:
         """Drop per-request memo state of a request that holds no blocks (finished while waiting)."""
         self._hashes.pop(request_id, None)

@@ -48,7 +48,11 @@ class SchedulerConfig:
         the current decodes takes about this many milliseconds (`scheduler.slo`). Needs
         chunked prefill.
     max_waiting_requests: bound on the waiting queue; admission past it raises QueueFullError.
-    num_lookahead_tokens: extra slots reserved per running request (speculative decoding).
+    num_lookahead_tokens: extra slots reserved per running request.
+    num_speculative_tokens: the most speculative drafts a request verifies per step (0 = no
+        speculative decoding); each draft is a token of the step's budget.
+    spec_adaptive: choose each request's drafts per step by measured cost
+        (`scheduler.spec_decode`); False = verify every proposed draft.
     """
 
     max_num_seqs: int = 256
@@ -61,6 +65,8 @@ class SchedulerConfig:
     max_waiting_requests: int = 1024
     num_lookahead_tokens: int = 0
     target_itl_ms: float | None = None
+    num_speculative_tokens: int = 0
+    spec_adaptive: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
@@ -68,8 +74,9 @@ class SchedulerConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, "
                                  f"got {getattr(self, name)}")
-        if self.num_lookahead_tokens < 0:
-            raise ValueError("num_lookahead_tokens must be non-negative")
+        if self.num_lookahead_tokens < 0 or self.num_speculative_tokens < 0:
+            raise ValueError("num_lookahead_tokens and num_speculative_tokens must be "
+                             "non-negative")
         check_policy(self.policy, self.sjf_aging_ms_per_token)
         check_preemption_mode(self.preemption_mode)
         if self.target_itl_ms is not None:

@@ -29,7 +29,7 @@ class ScheduledRequest:
     """
 
     request_id: str
-    token_ids: list[int]          # ids of the tokens computed this step (prefill chunk or 1)
+    token_ids: list[int]          # ids computed this step: a prefill chunk, or 1 + num_drafts
     start_position: int           # = num_computed_tokens before this step
     block_table_start: int        # first table index that changed (0 for a new/resumed request)
     new_block_ids: list[int]      # table[block_table_start:]; empty when the table is unchanged
@@ -42,6 +42,9 @@ class ScheduledRequest:
     # resumed request starts mid-sequence, so token_ids alone do not carry it).
     prompt_token_ids: list[int] | None = None
     output_token_ids: list[int] | None = None
+    # Speculative drafts: the last `num_drafts` of `token_ids`. The runner samples at every
+    # one of the 1 + num_drafts positions and returns the accepted prefix plus one token.
+    num_drafts: int = 0
 
 
 @dataclass(slots=True)
@@ -56,7 +59,8 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)      # (src, dst) device
     preempted_request_ids: list[str] = field(default_factory=list)  # runner drops their state
     finished_request_ids: list[str] = field(default_factory=list)   # since last step; drop state
-    num_lookahead_tokens: int = 0                                   # spec-decode slots reserved
+    num_lookahead_tokens: int = 0                                   # slots reserved per request
+    num_draft_tokens: int = 0                   # speculative drafts among num_scheduled_tokens
 
     @property
     def is_empty(self) -> bool:

@@ -193,6 +193,8 @@ class Request:
     num_preemptions: int = 0
     forked: bool = False                   # True once the n-way fork happened (or n == 1)
     grammar_pending: bool = False          # its structured-output grammar is still compiling
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts proposed for the next step
+    spec_window: object = None             # scheduler.spec_decode.AcceptanceWindow, once drafted
     seq: int = field(init=False)           # tie-breaker: admission order among equal arrivals
 
     def __post_init__(self) -> None:

@@ -53,6 +53,7 @@ from scheduler.config import CacheConfig, SchedulerConfig
 from scheduler.output import ModelRunnerOutput, RequestStepOutput, ScheduledRequest, SchedulerOutput
 from scheduler.request import QueueFullError, Request, RequestStatus, RequestTooLongError
 from scheduler.slo import AdaptivePrefillBudget, LatencyHistory, PreemptionCost
+from scheduler.spec_decode import AcceptanceWindow, SpecDecodeCounters, plan_drafts
 
 RUNNING = RequestStatus.RUNNING
 
@@ -102,6 +103,8 @@ class Scheduler:
                                                        history=self.latency)
                                  if config.target_itl_ms is not None else None)
         self._prefill_left = 0                     # this step's prefill tokens still allowed
+        self.spec_counters = SpecDecodeCounters()
+        self._drafts: dict[str, int] = {}          # this step's speculative drafts per request
         if config.policy == "priority":
             self._key = lambda r: (r.priority, r.arrival_time, r.seq)
         elif config.policy == "sjf":
@@ -157,6 +160,8 @@ class Scheduler:
             num_decodes = sum(self._seats(r) for r in self.running
                               if r.num_computed_tokens == len(r.all_token_ids) - 1)
             self._prefill_left = self.prefill_budgeter.prefill_budget(num_decodes)
+        if cfg.num_speculative_tokens:
+            self._drafts = plan_drafts(self.running, cfg, self.latency, self.spec_counters)
         budget = self._schedule_running(out, budget)
         if not out.preempted_request_ids and (self.swapped or self.waiting):
             seats = self._seats_taken()
@@ -189,7 +194,7 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         kv, running, lookahead = self.kv, self.running, self.config.num_lookahead_tokens
-        chunked = self.config.enable_chunked_prefill
+        chunked, drafts_of = self.config.enable_chunked_prefill, self._drafts
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -204,9 +209,12 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
+            drafts = 0              # speculative drafts ride on a decode, within the budget
+            if num_new == 1 and drafts_of and req.request_id in drafts_of:
+                drafts = min(drafts_of[req.request_id], budget - 1)
             while True:
                 start = kv.allocate_slots(req.request_id, req.all_token_ids,
-                                          req.num_computed_tokens, num_new, lookahead,
+                                          req.num_computed_tokens, num_new, lookahead + drafts,
                                           extra_keys=req.extra_keys)
                 if start is not None:
                     break
@@ -220,8 +228,8 @@ class Scheduler:
             if is_new:
                 self._unsent.discard(req.request_id)
                 start = 0
-            self._emit(out, req, num_new, start, is_new)
-            budget -= num_new
+            self._emit(out, req, num_new, start, is_new, drafts)
+            budget -= num_new + drafts
             i += 1
         return budget
 
@@ -285,17 +293,21 @@ class Scheduler:
             self._unsent.add(req.request_id)
 
     def _emit(self, out: SchedulerOutput, req: Request, num_new: int, table_start: int,
-              is_new: bool) -> None:
+              is_new: bool, drafts: int = 0) -> None:
+        """Schedule `num_new` tokens of `req` (+ `drafts` speculative drafts after them; their
+        slots are lookahead: `num_computed_tokens` counts only verified tokens)."""
         start = req.num_computed_tokens
         end = start + num_new
         tokens = req.all_token_ids
         out.scheduled.append(ScheduledRequest(
-            req.request_id, tokens[start:end], start, table_start,
+            req.request_id, tokens[start:end] + req.spec_token_ids[:drafts] if drafts
+            else tokens[start:end], start, table_start,
             self.kv.block_ids(req.request_id, table_start), is_new, end == len(tokens),
             req.sampling_params, len(tokens) - req.num_prompt_tokens, req.index,
             req.prompt_token_ids if is_new else None,
-            req.output_token_ids if is_new else None))
-        out.num_scheduled_tokens += num_new
+            req.output_token_ids if is_new else None, drafts))
+        out.num_scheduled_tokens += num_new + drafts
+        out.num_draft_tokens += drafts
         if num_new > 1:
             self._prefill_left -= num_new
         req.num_computed_tokens = end
@@ -345,10 +357,15 @@ class Scheduler:
         outputs = []
         logprobs = runner_output.logprobs or {}
         requests = self.requests
+        drafted = ({s.request_id: s.num_drafts for s in scheduler_output.scheduled
+                    if s.num_drafts} if scheduler_output.num_draft_tokens else None)
         for rid, tokens in runner_output.sampled_token_ids.items():
             req = requests.get(rid)
             if req is None or req.status != RUNNING:
                 continue
+            num_drafts = drafted.get(rid, 0) if drafted else 0
+            if num_drafts:
+                self._record_verification(req, num_drafts, len(tokens) - 1)
             if len(tokens) == 1:
                 req.all_token_ids.append(tokens[0])
                 status = self._check_stop(req, tokens[0])
@@ -362,9 +379,17 @@ class Scheduler:
                         break
             if status is not RUNNING:
                 self._finish(req, status)
+            elif num_drafts:            # rejected drafts' whole blocks go back to the pool
+                self.kv.trim(rid, len(req.all_token_ids))
             outputs.append(RequestStepOutput(rid, tokens, status, req.stop_reason,
                                              logprobs.get(rid), req.parent_id, req.index))
         return outputs
+
+    def _record_verification(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        if req.spec_window is None:
+            req.spec_window = AcceptanceWindow()
+        req.spec_window.record(num_drafts, num_accepted)
+        self.spec_counters.record(num_drafts, num_accepted)
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus:
         """The one place stop conditions live (stop strings are the detokenizer's, engine side).

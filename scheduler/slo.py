@@ -56,6 +56,7 @@ class LatencyHistory:
         self.decode_steps: deque[tuple[int, float]] = deque(maxlen=window)           # (D, t)
         self.prefill_steps: deque[tuple[int, int, float]] = deque(maxlen=window)     # (D, P, t)
         self._fit: tuple[float | None, float | None, float | None] | None = None
+        self._row_seen = False         # whether the fit saw per_decode (not the fallback split)
         self._margin: float | None = None
 
     def observe(self, num_decodes: int, num_prefill_tokens: int, seconds: float) -> None:
@@ -72,11 +73,21 @@ class LatencyHistory:
         """(base, per_decode, per_prefill_token) in seconds; None where there is no data."""
         if self._fit is None:
             self._fit = self._fit_joint()
+            self._row_seen = self._fit is not None or len({d for d, _ in self.decode_steps}) > 1
             if self._fit is None:
                 base, per_decode = _fit_decode(self.decode_steps)
                 self._fit = (base, per_decode,
                              self._fit_prefill(base or 0.0, per_decode or 0.0))
         return self._fit
+
+    def row_cost(self) -> float | None:
+        """Seconds one more row (a decode or a speculative draft) adds to a step: per_decode
+        when the window shows it (the joint fit, or decode-only steps of different batch
+        sizes), else per_prefill_token; None without data."""
+        base, per_decode, per_token = self.coefficients()
+        if self._row_seen and per_decode is not None:
+            return per_decode
+        return per_token
 
     def _fit_joint(self) -> tuple[float, float, float] | None:
         """Least squares of t on [1, D, P] over both windows; None if not identifiable or

@@ -1,0 +1,202 @@
+"""Speculative decoding, the scheduler's half: the configuration, each request's acceptance
+window, and the per-step choice of how many drafts each request verifies. Pure: no torch, no
+clocks; the engine proposes the drafts (`engine.spec_decode`) and feeds in its step timings.
+
+In: a request's proposed drafts (`Request.spec_token_ids`, set by the engine after each step),
+the step's measured cost model (`scheduler.slo.LatencyHistory`), and after the step how many
+drafts were accepted. Out: k per request for this step, and counters for /metrics.
+
+Adaptive speculation (the rule). A request whose drafts are accepted with probability a each
+(i.i.d., the model of Leviathan et al. 2023, "Fast Inference from Transformers via Speculative
+Decoding", sec. 3.1) emits E(k) = 1 + a + a^2 + ... + a^k tokens when it verifies k drafts, so
+its j-th draft adds a^j expected tokens. A draft is one more row in the step: it costs c seconds
+(the measured marginal cost of a row, `LatencyHistory.row_cost`). With N expected tokens and
+T predicted seconds so far (N = the step's decodes, T = the model's time of a step with them),
+adding a draft of gain g raises N / T iff g / c > N / T. Gains fall along each request's drafts
+(a^1 > a^2 > ...) and every draft costs the same c, so taking drafts in decreasing order of gain
+while g / c > N / T maximises N / T (the Dinkelbach argument for a ratio objective). At batch 1
+on a copying prompt (a near 1, N / T = 1 / T small against 1 / c) every draft pays; in a big batch
+N / T approaches 1 / c and only near-certain drafts do, so speculation switches itself off.
+This is seed 002's AdaptiveSpeculator with its constant "draft costs 10%" replaced by the
+measured c and T. `a` comes from the request's recent steps (a ring buffer, seed 002's
+UpdateAcceptRate): a step that verified d drafts and accepted m of them tested m + (m < d)
+drafts (those after the first rejection were never tested) and passed m; the estimate is
+(passed + PRIOR_ACCEPTED) / (tested + PRIOR_TESTED) over the window, so it never reaches 0 or 1.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+from collections import deque
+from dataclasses import dataclass, field, fields
+
+SPEC_METHODS = ("ngram", "draft_model")
+ACCEPT_WINDOW = 16            # steps of one request kept in its acceptance window
+PRIOR_ACCEPTED = 1.4          # pseudo-counts: an unseen request is assumed to accept 70%
+PRIOR_TESTED = 2.0
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`--speculative-config` (vLLM's keys).
+
+    method: "ngram" (prompt lookup) or "draft_model" (a smaller model with the same tokenizer).
+    num_speculative_tokens: the most drafts per request per step (k), at least 1.
+    prompt_lookup_min / prompt_lookup_max: n-gram lengths the ngram proposer matches, in tokens.
+    model / dtype: the draft model (HF directory or GGUF) and its dtype ("auto" = the target's).
+    adaptive: choose k per request and step by measured cost (module docstring); False = always
+        verify every proposed draft.
+    Raises ValueError naming the key for an unknown key or a bad value.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    model: str | None = None
+    dtype: str = "auto"
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        def bad(key: str, why: str) -> None:
+            raise ValueError(f"--speculative-config: {key} {why}, got {getattr(self, key)!r}")
+
+        if self.method not in SPEC_METHODS:
+            bad("method", f"must be one of {', '.join(SPEC_METHODS)}")
+        for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                bad(key, "must be a positive integer")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            bad("prompt_lookup_min", f"must not exceed prompt_lookup_max "
+                                     f"({self.prompt_lookup_max})")
+        if not isinstance(self.adaptive, bool):
+            bad("adaptive", "must be true or false")
+        if self.method == "draft_model" and not self.model:
+            bad("model", "is required with method draft_model")
+        if self.method == "ngram" and self.model is not None:
+            bad("model", "is only used with method draft_model")
+
+    @classmethod
+    def parse(cls, value: str | dict) -> SpeculativeConfig:
+        """From the flag's JSON text (or a dict). Raises ValueError naming the bad key."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError("--speculative-config must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"--speculative-config: unknown key {unknown[0]!r}; expected "
+                             f"{', '.join(sorted(known))}")
+        return cls(**value)
+
+
+@dataclass
+class AcceptanceWindow:
+    """One request's recent speculation outcomes: (drafts tested, drafts passed) per step."""
+
+    steps: deque = field(default_factory=lambda: deque(maxlen=ACCEPT_WINDOW))
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        """A step verified `num_drafts` drafts and accepted the first `num_accepted`."""
+        if num_drafts > 0:
+            self.steps.append((num_accepted + (num_accepted < num_drafts), num_accepted))
+
+    def rate(self) -> float:
+        """Estimated per-draft acceptance probability, in (0, 1)."""
+        tested = sum(t for t, _ in self.steps)
+        passed = sum(p for _, p in self.steps)
+        return (passed + PRIOR_ACCEPTED) / (tested + PRIOR_TESTED)
+
+
+@dataclass
+class SpecDecodeCounters:
+    """Cumulative speculation counters (vLLM's spec_decode metrics) and the last step's mean k."""
+
+    num_drafts: int = 0                 # request-steps that verified at least one draft
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)   # accepted at draft position i
+    mean_k: float = 0.0                 # mean drafts chosen per decode in the last step
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        """One request's verification: `num_drafts` drafts, the first `num_accepted` accepted."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        while len(self.accepted_per_pos) < num_drafts:
+            self.accepted_per_pos.append(0)
+        for i in range(num_accepted):
+            self.accepted_per_pos[i] += 1
+
+
+def choose_num_drafts(candidates: list[tuple[int, float]], num_decodes: int,
+                      step_seconds: float | None, row_seconds: float | None) -> list[int]:
+    """Drafts to verify per candidate (the module docstring's rule).
+
+    candidates: (drafts available, acceptance estimate a) per decoding request that has drafts.
+    num_decodes: decode rows in the step (candidates included). step_seconds: predicted time of
+    the step without drafts; row_seconds: marginal cost of one more row. Either None (not yet
+    measured) = verify everything available (measure first).
+    Returns k per candidate, 0 <= k <= drafts available.
+    """
+    if step_seconds is None or row_seconds is None or row_seconds <= 0 or step_seconds <= 0:
+        return [avail for avail, _ in candidates]
+    chosen = [0] * len(candidates)
+    heap = [(-a, i) for i, (avail, a) in enumerate(candidates) if avail > 0]
+    heapq.heapify(heap)
+    tokens, seconds = float(max(num_decodes, 1)), step_seconds
+    while heap:
+        neg_gain, i = heap[0]
+        gain = -neg_gain
+        if gain * seconds <= tokens * row_seconds:     # g / c <= N / T: no draft left pays
+            break
+        heapq.heappop(heap)
+        tokens += gain
+        seconds += row_seconds
+        chosen[i] += 1
+        avail, a = candidates[i]
+        if chosen[i] < avail:
+            heapq.heappush(heap, (-gain * a, i))
+    return chosen
+
+
+def plan_drafts(running: list, config, latency, counters: SpecDecodeCounters) -> dict[str, int]:
+    """This step's drafts per request id, for the running requests (`Request`s) in decode
+    with proposed drafts. A request never verifies more drafts than `num_speculative_tokens`,
+    than positions left before `max_model_len`, or than tokens left before `max_tokens` minus
+    one (so verification never computes past what the request may emit). With
+    `config.spec_adaptive`, `choose_num_drafts` decides from `latency` (a `LatencyHistory`).
+    Sets `counters.mean_k`."""
+    k_max, limit = config.num_speculative_tokens, config.max_model_len
+    candidates, ids = [], []
+    num_decodes = 0
+    for req in running:
+        tokens = req.all_token_ids
+        if not req.forked or req.num_computed_tokens != len(tokens) - 1:
+            continue
+        num_decodes += 1
+        if not req.spec_token_ids:
+            continue
+        max_tokens = req.sampling_params.max_tokens
+        room = limit - len(tokens)
+        if max_tokens is not None:
+            room = min(room, max_tokens - (len(tokens) - req.num_prompt_tokens) - 1)
+        avail = min(len(req.spec_token_ids), k_max, room)
+        if avail > 0:
+            window = req.spec_window
+            candidates.append((avail, window.rate() if window is not None
+                               else PRIOR_ACCEPTED / PRIOR_TESTED))
+            ids.append(req.request_id)
+    if not config.spec_adaptive:
+        chosen = [avail for avail, _ in candidates]
+    else:
+        chosen = choose_num_drafts(candidates, num_decodes, latency.predict(num_decodes, 0),
+                                   latency.row_cost())
+    counters.mean_k = sum(chosen) / num_decodes if num_decodes else 0.0
+    return {rid: k for rid, k in zip(ids, chosen) if k}

@@ -79,6 +79,13 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "--preemption-mode auto. memory_constrained: --max-num-seqs 32, "
                         "--max-num-batched-tokens 512, --preemption-mode auto, --swap-space 1 "
                         "(default: none)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="speculative decoding, vLLM's keys: method (ngram), "
+                        "num_speculative_tokens (k, default 4), prompt_lookup_min / "
+                        "prompt_lookup_max (default 2 / 5), adaptive (default true: k per "
+                        "request and step by measured cost), e.g. "
+                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
+                        "(default: off)")
     p.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="waiting-queue bound; past it requests get HTTP 503 (default: 1024)")
     p.add_argument("--api-key", default=None,
@@ -160,7 +167,8 @@ def engine_config(args: argparse.Namespace):
         enable_chunked_prefill=args.enable_chunked_prefill,
         enable_prefix_caching=args.enable_prefix_caching,
         sjf_aging_ms_per_token=args.sjf_aging_ms_per_token,
-        max_waiting_requests=args.max_waiting_requests, **tuned)
+        max_waiting_requests=args.max_waiting_requests,
+        speculative_config=args.speculative_config, **tuned)
 
 
 def main(argv: list[str] | None = None) -> None:

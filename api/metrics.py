@@ -5,7 +5,8 @@ Owns: one `CollectorRegistry` per app. Fed from two places:
   scheduler time, iteration tokens, token counters, finished requests (success by reason, E2E
   latency, queue time, prompt / generation token histograms), and the scheduler's gauges and
   cumulative counters (running / waiting / swapped, KV usage, prefix cache, preemptions by
-  mode, swaps, the step's prefill budget);
+  mode, swaps, the step's prefill budget) and, with --speculative-config, vLLM's spec_decode
+  counters (drafts, draft tokens, accepted tokens, accepted per position) and the mean k chosen;
 - the API side, per streamed delta: time to first token and inter-token latency, as the
   client sees them.
 """
@@ -89,6 +90,22 @@ class Metrics:
         self.prefill_budget = gauge("continuum_prefill_budget_tokens",
                                     "Prefill tokens allowed in the last step (adaptive with "
                                     "--target-itl-ms, else --max-num-batched-tokens).")
+        self.spec_counters = {
+            "num_drafts": counter("continuum_spec_decode_num_drafts",
+                                  "Request-steps that verified speculative drafts."),
+            "num_draft_tokens": counter("continuum_spec_decode_num_draft_tokens",
+                                        "Speculative draft tokens verified."),
+            "num_accepted_tokens": counter("continuum_spec_decode_num_accepted_tokens",
+                                           "Speculative draft tokens accepted."),
+        }
+        self._spec_per_pos = Counter("continuum_spec_decode_num_accepted_tokens_per_pos",
+                                     "Accepted draft tokens by draft position (0 = first).",
+                                     labels + ["position"], registry=r)
+        self._last_spec: dict = {"num_drafts": 0, "num_draft_tokens": 0,
+                                 "num_accepted_tokens": 0, "accepted_per_pos": []}
+        self.spec_mean_k = gauge("continuum_spec_decode_mean_k",
+                                 "Mean speculative drafts chosen per decoding request in the "
+                                 "last step (0 when speculation switched itself off).")
 
     def on_engine_stats(self, step_stats: list, snapshot: dict) -> None:
         """Record engine steps and the scheduler snapshot (any thread)."""
@@ -114,10 +131,27 @@ class Metrics:
         self.cpu_kv_usage.set(snapshot.get("cpu_kv_cache_usage", 0.0))
         if "prefill_budget" in snapshot:
             self.prefill_budget.set(snapshot["prefill_budget"])
+        if snapshot.get("spec_decode"):
+            self._on_spec(snapshot["spec_decode"])
         for key, value in snapshot["counters"].items():
             if key in self.scheduler_counters and value > self._last_counters[key]:
                 self.scheduler_counters[key].inc(value - self._last_counters[key])
                 self._last_counters[key] = value
+
+    def _on_spec(self, spec: dict) -> None:
+        last = self._last_spec
+        for key, metric in self.spec_counters.items():
+            if spec[key] > last[key]:
+                metric.inc(spec[key] - last[key])
+                last[key] = spec[key]
+        per_pos = spec["accepted_per_pos"]
+        for pos, value in enumerate(per_pos):
+            seen = last["accepted_per_pos"][pos] if pos < len(last["accepted_per_pos"]) else 0
+            child = self._spec_per_pos.labels(self.model_name, str(pos))
+            if value > seen:
+                child.inc(value - seen)
+        last["accepted_per_pos"] = list(per_pos)
+        self.spec_mean_k.set(spec["mean_k"])
 
     def render(self) -> bytes:
         """All metrics in Prometheus' text exposition format."""
@@ -137,4 +171,9 @@ METRIC_NAMES = (
     "continuum_kv_cache_usage_perc", "continuum_cpu_kv_cache_usage_perc", "continuum_batch_size",
     "continuum_step_duration_seconds", "continuum_scheduler_overhead_seconds",
     "continuum_preemptions_by_mode_total", "continuum_prefill_budget_tokens",
+)
+SPEC_DECODE_METRIC_NAMES = (
+    "continuum_spec_decode_num_drafts_total", "continuum_spec_decode_num_draft_tokens_total",
+    "continuum_spec_decode_num_accepted_tokens_total",
+    "continuum_spec_decode_num_accepted_tokens_per_pos_total", "continuum_spec_decode_mean_k",
 )

@@ -211,7 +211,9 @@ def engine_snapshot(engine: LLMEngine) -> dict:
             "num_swapped": s.num_swapped, "kv_cache_usage": s.kv.usage(),
             "cpu_kv_cache_usage": s.kv.cpu_pool.usage() if s.kv.cpu_pool is not None else 0.0,
             "prefill_budget": s.prefill_budget,
-            "counters": dataclasses.asdict(s.counters)}
+            "counters": dataclasses.asdict(s.counters),
+            "spec_decode": (dataclasses.asdict(s.spec_counters)
+                            if s.config.num_speculative_tokens else None)}
 
 
 def engine_info(engine: LLMEngine) -> dict:

@@ -5,6 +5,10 @@ primed with the prompt's tail; it returns nothing until a UTF-8 sequence is comp
 character is ever emitted), the text held back while it could be the start of a stop string, and
 the request's timing metrics.
 
+A step may bring several tokens (accepted speculative drafts); with stop strings they are
+decoded one at a time and those after the token that completes a stop string are dropped, so
+output and usage end where they would without speculation.
+
 In: the scheduler's `RequestStepOutput`s. Out: `RequestOutput` deltas, and the ids of sequences a
 stop string ended (the engine finishes them in the scheduler).
 """
@@ -115,9 +119,18 @@ class OutputProcessor:
     def _process_choice(self, state: _RequestState, u: RequestStepOutput) -> CompletionOutput:
         choice = self._choice(state, u.index)
         params = state.params
-        pieces = [choice.stream.step(self._backend, t) for t in u.new_token_ids]
-        text = choice.held + "".join(p for p in pieces if p)
-        choice.num_tokens += len(u.new_token_ids)
+        tokens = list(u.new_token_ids)
+        text = choice.held
+        if params.stop and len(tokens) > 1:     # speculative tokens: none past a stop string
+            for n, t in enumerate(tokens, 1):
+                text += choice.stream.step(self._backend, t) or ""
+                if any(stop in text for stop in params.stop):
+                    tokens = tokens[:n]
+                    break
+        else:
+            text += "".join(p for p in (choice.stream.step(self._backend, t) for t in tokens)
+                            if p)
+        choice.num_tokens += len(tokens)
         finish_reason = u.status.finish_reason
         stop_reason = u.stop_reason
         if params.stop:
@@ -136,8 +149,8 @@ class OutputProcessor:
         choice.finished = finish_reason is not None
         logprobs = None
         if params.logprobs is not None and u.logprobs:
-            logprobs = [TokenLogprob(t, lp, top) for t, lp, top in u.logprobs]
-        return CompletionOutput(u.index, text, list(u.new_token_ids), choice.num_tokens,
+            logprobs = [TokenLogprob(t, lp, top) for t, lp, top in u.logprobs[:len(tokens)]]
+        return CompletionOutput(u.index, text, tokens, choice.num_tokens,
                                 finish_reason, stop_reason, logprobs)
 
     def finish(self, request_ids: list[str], finish_reason: str,

@@ -46,10 +46,12 @@ def next_token(context: list[int], choice_index: int) -> int:
 class FakeRunner:
     """Runs `SchedulerOutput`s against an integer cache; see the module docstring."""
 
-    def __init__(self, scheduler: Scheduler, cost: StepCost | None = None) -> None:
+    def __init__(self, scheduler: Scheduler, cost: StepCost | None = None,
+                 draft_rng=None) -> None:
         cache = scheduler.cache_config
         self.scheduler = scheduler
         self.cost = cost
+        self.draft_rng = draft_rng        # random.Random: propose drafts, some of them wrong
         self.block_size = cache.block_size
         self.gpu = [[None] * cache.block_size for _ in range(cache.num_gpu_blocks)]
         self.cpu = [[None] * cache.block_size for _ in range(cache.num_cpu_blocks)]
@@ -93,19 +95,48 @@ class FakeRunner:
                 assert entry is not None and entry[0] == pos, \
                     f"{s.request_id}: slot for position {pos} holds {entry}"
                 context.append(entry[1])
+            if s.num_drafts:        # verify: sample at every position, keep the agreeing prefix
+                drafts = s.token_ids[1:]
+                end -= s.num_drafts
+                context = context[:end]
             truth = self.scheduler.requests[s.request_id].all_token_ids[:end]
             assert context == truth, f"{s.request_id}: cache holds {context}, expected {truth}"
-            sampled[s.request_id] = [next_token(context, s.choice_index)]
+            emitted = [next_token(context, s.choice_index)]
+            for j in range(s.num_drafts):
+                if drafts[j] != emitted[-1]:
+                    break
+                emitted.append(next_token(context + drafts[:j + 1], s.choice_index))
+            sampled[s.request_id] = emitted
         if self.cost is not None:
             self._report_cost(out)
         return ModelRunnerOutput(sampled_token_ids=sampled)
+
+    def propose(self) -> None:
+        """Drafts for every running request in decode (as the engine's proposer does after
+        each step): a random number of right tokens, then wrong ones."""
+        k = self.scheduler.config.num_speculative_tokens
+        if self.draft_rng is None or not k:
+            return
+        for req in self.scheduler.running:
+            if req.num_computed_tokens != req.num_tokens - 1:
+                continue
+            right = self.draft_rng.randint(0, k)
+            context, drafts = list(req.all_token_ids), []
+            for j in range(self.draft_rng.randint(0, k)):
+                tok = next_token(context, req.index)
+                tok = tok if j < right else (tok + 1) % VOCAB
+                drafts.append(tok)
+                context.append(tok)
+            req.spec_token_ids = drafts
 
     def _report_cost(self, out: SchedulerOutput) -> None:
         blocks = len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
         if blocks:
             self.scheduler.observe_swap(blocks, blocks * self.cost.per_block)
-        prefill = sum(len(s.token_ids) for s in out.scheduled if len(s.token_ids) > 1)
-        decodes = sum(1 for s in out.scheduled if len(s.token_ids) == 1)
+        prefill = sum(len(s.token_ids) for s in out.scheduled
+                      if len(s.token_ids) > 1 and not s.num_drafts)
+        decodes = sum(len(s.token_ids) for s in out.scheduled
+                      if len(s.token_ids) == 1 or s.num_drafts)
         self.scheduler.observe_step(decodes, prefill, self.cost.step(decodes, prefill))
 
 
@@ -126,6 +157,7 @@ def run_steps(scheduler: Scheduler, runner: FakeRunner, max_steps: int = 10_000,
         result = runner.execute(out)
         for o in scheduler.update_from_output(out, result):
             outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+        runner.propose()
         if check:
             check(scheduler, None)
     raise AssertionError(f"requests still unfinished after {max_steps} steps: "
@@ -166,7 +198,16 @@ def check_invariants(scheduler: Scheduler, out: SchedulerOutput | None) -> None:
     if out is not None:
         assert out.num_scheduled_tokens == sum(len(s.token_ids) for s in out.scheduled)
         assert out.num_scheduled_tokens <= cfg.max_num_batched_tokens
-        assert sum(len(s.token_ids) for s in out.scheduled if len(s.token_ids) > 1) \
+        assert sum(len(s.token_ids) for s in out.scheduled
+                   if len(s.token_ids) > 1 and not s.num_drafts) \
             <= scheduler.prefill_budget, "prefill tokens beyond the step's prefill budget"
+        assert out.num_draft_tokens == sum(s.num_drafts for s in out.scheduled)
+        for s in out.scheduled:
+            if s.num_drafts:
+                req = scheduler.requests[s.request_id]
+                assert s.num_drafts <= cfg.num_speculative_tokens
+                assert s.start_position + len(s.token_ids) <= cfg.max_model_len
+                left = req.sampling_params.max_tokens
+                assert left is None or req.num_output_tokens + s.num_drafts < left
         assert len(out.scheduled) <= cfg.max_num_seqs
         assert len({s.request_id for s in out.scheduled}) == len(out.scheduled)

@@ -3,10 +3,13 @@
 After every schedule and every update: free + used == total blocks, each block's reference count
 equals its block-table references, blocks are shared only by fork or prefix, budgets hold (see
 `check_invariants`, including the adaptive prefill budget when a target ITL is set, with
-synthetic step costs reported as the engine reports measured ones). At the end, under FCFS, every request finishes (no starvation), and every
+synthetic step costs reported as the engine reports measured ones, and with speculative drafts
+of which a random part is wrong). At the end, under FCFS, every request finishes (no starvation), and every
 request that was not aborted produced exactly the tokens it produces when run alone on a large
 pool — whatever preemption, swapping, chunking or prefix sharing happened on the way.
 """
+
+import random
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -48,6 +51,8 @@ config = st.fixed_dictionaries({
     "chunked": st.booleans(),
     "budget": st.sampled_from([7, 16, 40]),
     "max_num_seqs": st.integers(2, 10),
+    "spec_k": st.sampled_from([0, 0, 2, 4]),        # speculative drafts, some rejected
+    "spec_adaptive": st.booleans(),
 })
 
 
@@ -57,7 +62,8 @@ def build(c, policy="fcfs", num_blocks=None):
         SchedulerConfig(max_num_seqs=c["max_num_seqs"], max_num_batched_tokens=budget,
                         max_model_len=MAX_LEN, enable_chunked_prefill=c["chunked"],
                         policy=policy, preemption_mode=c["mode"],
-                        target_itl_ms=c["target_itl_ms"] if c["chunked"] else None),
+                        target_itl_ms=c["target_itl_ms"] if c["chunked"] else None,
+                        num_speculative_tokens=c["spec_k"], spec_adaptive=c["spec_adaptive"]),
         CacheConfig(BS, num_blocks or c["num_blocks"], c["num_cpu_blocks"], c["prefix"]))
 
 
@@ -71,7 +77,8 @@ def make_request(i, spec):
 
 
 def drive(s, ops, c):
-    runner = FakeRunner(s, StepCost(per_block=c["per_block"]))
+    runner = FakeRunner(s, StepCost(per_block=c["per_block"]),
+                        draft_rng=random.Random(len(ops)))
     outputs, added, aborted = {}, [], set()
     for kind, arg in ops:
         if kind == "add":
@@ -89,6 +96,7 @@ def drive(s, ops, c):
                 check_invariants(s, out)
                 for o in s.update_from_output(out, runner.execute(out)):
                     outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+                runner.propose()
                 check_invariants(s, None)
     for rid, toks in run_steps(s, runner, max_steps=2000, check=check_invariants).items():
         outputs.setdefault(rid, []).extend(toks)
@@ -106,7 +114,10 @@ def test_random_workloads_keep_invariants_and_outputs(c, ops, policy):
                            ("recomputed", k.num_preemptions_recompute),
                            ("budget below the cap", s.prefill_budget < s.config.max_num_batched_tokens),
                            ("prefix hit", k.prefix_cache_hits), ("aborted", aborted),
-                           ("forked", any("#" in rid for rid in outputs))]:
+                           ("forked", any("#" in rid for rid in outputs)),
+                           ("drafts accepted", s.spec_counters.num_accepted_tokens),
+                           ("drafts rejected", s.spec_counters.num_accepted_tokens
+                            < s.spec_counters.num_draft_tokens)]:
         event(f"{name}: {bool(happened)}")
     # Everything finished and returned its blocks (FCFS: no starvation; priority: drained).
     assert not s.has_unfinished_requests()

@@ -35,6 +35,13 @@ n > 1: the request is computed once up to its last prompt token, then forked int
 that share its blocks by reference count; each computes the last prompt token itself (so
 each samples from the same logits), copying the shared partial block first (copy-on-write).
 
+Speculative decoding (`scheduler.spec_decode`): a running request in decode carries the drafts
+the engine proposed (`Request.spec_token_ids`); `plan_drafts` chooses how many it verifies this
+step, and it is scheduled for 1 + d tokens, d capped by the step's remaining token budget. Draft
+slots are lookahead: `num_computed_tokens` advances past the drafts only as far as the runner
+accepted them (`update_from_output`), and the whole blocks that held only rejected drafts go
+back to the pool in the same call.
+
 Structured outputs: a waiting request with `grammar_pending` (its grammar still compiling off
 the step loop, vLLM's WAITING_FOR_FSM) is passed over, keeping its place, until the engine
 clears the flag.

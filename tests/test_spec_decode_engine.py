@@ -159,6 +159,14 @@ def test_server_streams_with_speculation_and_reports_it(spec_server, server):
     assert 'continuum_spec_decode_num_accepted_tokens_per_pos_total{model_name=' in body
     assert "continuum_spec_decode_mean_k" in body
     assert greedy(spec_server) == greedy(server, KEY)        # same tokens as without
+    # Logprobs are the target's: the same as without speculation (up to float rounding).
+    plain = OpenAI(base_url=f"{server}/v1", api_key=KEY)
+    got = [client.completions.create(model=MODEL, prompt=PARAGRAPH + " " + PARAGRAPH,
+                                     max_tokens=24, temperature=0, logprobs=2).choices[0].logprobs
+           for client in (client, plain)]
+    assert got[0].tokens == got[1].tokens
+    assert got[0].token_logprobs == pytest.approx(got[1].token_logprobs, abs=1e-3)
+    assert [sorted(t) for t in got[0].top_logprobs] == [sorted(t) for t in got[1].top_logprobs]
 
 
 @pytest.mark.parametrize("value,words", [

@@ -80,9 +80,11 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "--max-num-batched-tokens 512, --preemption-mode auto, --swap-space 1 "
                         "(default: none)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
-                   help="speculative decoding, vLLM's keys: method (ngram), "
+                   help="speculative decoding, vLLM's keys: method (ngram or draft_model), "
                         "num_speculative_tokens (k, default 4), prompt_lookup_min / "
-                        "prompt_lookup_max (default 2 / 5), adaptive (default true: k per "
+                        "prompt_lookup_max (ngram, default 2 / 5), model and dtype "
+                        "(draft_model: a GGUF or HF directory with the target's vocabulary; "
+                        "dtype defaults to the target's), adaptive (default true: k per "
                         "request and step by measured cost), e.g. "
                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
                         "(default: off)")

@@ -57,7 +57,10 @@ class LLMEngine:
         self.eos_token_id = eos if eos is not None else (mcfg.eos_token_ids or (None,))[0]
         self.extra_eos_ids = tuple(t for t in mcfg.eos_token_ids if t != self.eos_token_id)
 
-        block_bytes = mcfg.kv_bytes_per_token(self.dtype) * config.block_size
+        draft = self._load_draft_model()
+        block_bytes = (mcfg.kv_bytes_per_token(self.dtype) + (
+            draft.cfg.kv_bytes_per_token(draft.dtype) if draft is not None else 0)
+        ) * config.block_size
         num_gpu_blocks = self._num_gpu_blocks(block_bytes)
         num_cpu_blocks = (int(config.swap_space * GIB // block_bytes)
                           if config.preemption_mode in ("swap", "auto") else 0)
@@ -71,7 +74,7 @@ class LLMEngine:
         self._compiling: dict[str, Future] = {}
         self.runner = ModelRunner(self.model, self.device, config.block_size, num_gpu_blocks,
                                   num_cpu_blocks, (self.eos_token_id,) + self.extra_eos_ids,
-                                  config.seed, self.grammars)
+                                  config.seed, self.grammars, draft)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.proposer = self._proposer()
         self.stat_loggers: list[Callable[[StepStats], None]] = []
@@ -82,10 +85,11 @@ class LLMEngine:
             self.scheduler.observe_swap(*swap)
         self.load_time = time.perf_counter() - t0
         logger.info("engine ready in %.1f s: %s on %s (%s), %d KV blocks of %d tokens "
-                    "(%.2f GiB), max_model_len %d, attention: %s, linear: %s, cpu isa: %s",
+                    "(%.2f GiB%s), max_model_len %d, attention: %s, linear: %s, cpu isa: %s",
                     self.load_time,
                     mcfg.architecture, self.device.kind, str(self.dtype).removeprefix("torch."),
                     num_gpu_blocks, config.block_size, num_gpu_blocks * block_bytes / GIB,
+                    "" if draft is None else ", with the draft model's",
                     self.max_model_len,
                     f"compiled CPU kernels ({self.runner.kernels.isa})"
                     if self.runner.kernels is not None else "torch",
@@ -94,13 +98,40 @@ class LLMEngine:
 
     def _proposer(self) -> NgramProposer | None:
         spec = self.config.speculative_config
-        if spec is None:
+        if spec is None or spec.method != "ngram":
             return None
-        if spec.method != "ngram":
-            raise ValueError("--speculative-config: method draft_model is not available in "
-                             "this build; use method ngram")
         return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
                              spec.prompt_lookup_max)
+
+    def _load_draft_model(self):
+        """The draft model of `method: draft_model`, in its own dtype ("auto" = the target's),
+        or None. Raises ValueError (one line, naming the key) when it cannot be a draft: not
+        found or unreadable, another vocabulary, or shorter positions than max_model_len."""
+        spec = self.config.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return None
+        from transformers import AutoTokenizer
+        try:
+            draft_dir = resolve_model(spec.model)
+            dcfg = ModelConfig.from_dir(draft_dir)
+            vocab = AutoTokenizer.from_pretrained(str(draft_dir)).get_vocab()
+        except Exception as e:            # ModelLoadError, or the tokenizer's own errors
+            raise ValueError(f"--speculative-config: model {spec.model!r} cannot be loaded: "
+                             f"{e}") from None
+        target = self.tokenizer.get_vocab()
+        if vocab != target or dcfg.vocab_size != self.model_config.vocab_size:
+            diff = sorted(set(vocab.items()) ^ set(target.items()))[:1]
+            raise ValueError(
+                f"--speculative-config: model {spec.model!r} has another vocabulary than the "
+                f"target ({len(vocab)} vs {len(target)} tokens, {dcfg.vocab_size} vs "
+                f"{self.model_config.vocab_size} logits{', e.g. ' + repr(diff[0]) if diff else ''}"
+                "); a draft model must share the target's tokenizer")
+        if dcfg.max_position_embeddings < self.max_model_len:
+            raise ValueError(f"--speculative-config: model {spec.model!r} handles "
+                             f"{dcfg.max_position_embeddings} positions, fewer than max_model_len "
+                             f"{self.max_model_len}")
+        dtype = self.dtype if spec.dtype == "auto" else resolve_dtype(spec.dtype, self.device)
+        return load_model(draft_dir, self.device, dtype, self.max_model_len)
 
     def _scheduler_config(self, target_itl_ms: float | None) -> SchedulerConfig:
         config = self.config
@@ -114,7 +145,8 @@ class LLMEngine:
             preemption_mode=config.preemption_mode,
             max_waiting_requests=config.max_waiting_requests, target_itl_ms=target_itl_ms,
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
-            spec_adaptive=spec.adaptive if spec else True)
+            spec_adaptive=spec.adaptive if spec else True,
+            spec_method=spec.method if spec else "ngram")
 
     def _target_from_unloaded_decode(self, num_tokens: int = 16) -> None:
         """`--target-itl-ms auto`: time one request's decode steps alone (the median step,
@@ -271,15 +303,20 @@ class LLMEngine:
         """Feed the step's measured cost (and any swap's) to the scheduler's cost models."""
         num_prefill = num_decodes = 0
         for s in sched_out.scheduled:
-            n = len(s.token_ids)
-            if n > 1 and not s.num_drafts:
-                num_prefill += n
-            else:                          # a draft row costs what a decode row does
-                num_decodes += n
+            if s.num_drafts:               # a draft row costs what a decode row does
+                num_decodes += 1 + s.num_drafts
+            elif len(s.token_ids) > 1:
+                num_prefill += len(s.token_ids)
+            else:
+                num_decodes += 1
         swap = self.runner.last_swap
         if swap is not None:
             self.scheduler.observe_swap(*swap)
             seconds -= swap[1]             # the step-cost model is per token, not per copy
+        drafter = self.runner.drafter
+        if drafter is not None and drafter.last_passes is not None:
+            self.scheduler.draft_cost.observe(*drafter.last_passes)
+            seconds -= drafter.last_passes[1]  # drafting passes: their own cost model
         self.scheduler.observe_step(num_decodes, num_prefill, seconds)
 
     def _fail(self, sched_out, error: Exception) -> list[RequestOutput]:

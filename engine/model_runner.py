@@ -15,7 +15,9 @@ torch path) → forward (meanwhile, on a worker thread, the grammar masks of the
 structured outputs, `engine.structured`) → logits only for the requests that sample → sampler →
 each matcher consumes its token. A request verifying speculative drafts runs as a chunk of
 1 + d tokens, is sampled at every one of them, and keeps the accepted prefix
-(`engine.spec_decode.rejection_sampler`).
+(`engine.spec_decode.rejection_sampler`). With a draft model the runner also owns the draft's
+caches (same block ids and layout, so the one block table serves both; swaps and copies are
+mirrored) and lets `engine.spec_decode.draft_model` draft before the target's forward.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from engine.attention import (SMALL_DECODE_BATCH, AttentionMetadata, DecodeGroup
 from engine.device import Device
 from engine.models.llama import LlamaForCausalLM
 from engine.sampler import Sampler, SamplingRow
+from engine.spec_decode.draft_model import DraftModelProposer
 from engine.spec_decode.rejection_sampler import accepted_prefix
 from engine.structured.mask import fill_bitmask
 from scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -86,15 +89,15 @@ class ModelRunner:
 
     def __init__(self, model: LlamaForCausalLM, device: Device, block_size: int,
                  num_gpu_blocks: int, num_cpu_blocks: int, eos_token_ids: tuple[int, ...],
-                 seed: int = 0, grammars=None) -> None:
-        cfg = model.cfg
+                 seed: int = 0, grammars=None, draft_model: LlamaForCausalLM | None = None
+                 ) -> None:
         self.model, self.device, self.block_size = model, device, block_size
-        shape = (cfg.num_layers, 2, cfg.num_kv_heads, num_gpu_blocks, block_size, cfg.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=model.dtype, device=device.torch_device)
-        self.cpu_cache = None
-        if num_cpu_blocks:
-            self.cpu_cache = torch.zeros(shape[:3] + (num_cpu_blocks,) + shape[4:],
-                                         dtype=model.dtype, pin_memory=device.pin_memory)
+        self.kv_cache, self.cpu_cache = self._caches(model, num_gpu_blocks, num_cpu_blocks)
+        self.drafter = self.draft_kv_cache = self.draft_cpu_cache = None
+        if draft_model is not None:       # speculative decoding with a draft model
+            self.drafter = DraftModelProposer(draft_model, device.kernels(draft_model.dtype))
+            self.draft_kv_cache, self.draft_cpu_cache = self._caches(
+                draft_model, num_gpu_blocks, num_cpu_blocks)
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler(device.torch_device, seed)
         self.kernels = device.kernels(model.dtype)
@@ -104,25 +107,43 @@ class ModelRunner:
         self._mask_pool: ThreadPoolExecutor | None = None
         self.last_swap: tuple[int, float] | None = None   # (blocks, seconds) of the last step
 
+    def _caches(self, model: LlamaForCausalLM, num_gpu_blocks: int, num_cpu_blocks: int):
+        """(device cache, CPU swap cache or None) for `model`, block-aligned with each other."""
+        cfg = model.cfg
+        shape = (cfg.num_layers, 2, cfg.num_kv_heads, num_gpu_blocks, self.block_size,
+                 cfg.head_dim)
+        gpu = torch.zeros(shape, dtype=model.dtype, device=self.device.torch_device)
+        cpu = None
+        if num_cpu_blocks:
+            cpu = torch.zeros(shape[:3] + (num_cpu_blocks,) + shape[4:], dtype=model.dtype,
+                              pin_memory=self.device.pin_memory)
+        return gpu, cpu
+
     # ------------------------------------------------------------------ block movement
     def _move_blocks(self, out: SchedulerOutput) -> None:
+        """Swap out, swap in, copy-on-write — in the target's caches and the draft's."""
         dev = self.device.torch_device
+        pairs = [(self.kv_cache, self.cpu_cache)]
+        if self.drafter is not None:
+            pairs.append((self.draft_kv_cache, self.draft_cpu_cache))
         # Block dimension is 3: [layer, k/v, kv_head, block, slot, dim].
         self.last_swap = None
         if out.blocks_to_swap_out or out.blocks_to_swap_in:
             t0 = time.perf_counter()
-            if out.blocks_to_swap_out:
-                src, dst = zip(*out.blocks_to_swap_out)
-                self.cpu_cache[:, :, :, list(dst)] = self.kv_cache[:, :, :, list(src)].to("cpu")
-            if out.blocks_to_swap_in:
-                src, dst = zip(*out.blocks_to_swap_in)
-                self.kv_cache[:, :, :, list(dst)] = self.cpu_cache[:, :, :, list(src)].to(dev)
+            for gpu, cpu in pairs:
+                if out.blocks_to_swap_out:
+                    src, dst = zip(*out.blocks_to_swap_out)
+                    cpu[:, :, :, list(dst)] = gpu[:, :, :, list(src)].to("cpu")
+                if out.blocks_to_swap_in:
+                    src, dst = zip(*out.blocks_to_swap_in)
+                    gpu[:, :, :, list(dst)] = cpu[:, :, :, list(src)].to(dev)
             self.device.synchronize()
             self.last_swap = (len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in),
                               time.perf_counter() - t0)
         if out.blocks_to_copy:
             src, dst = zip(*out.blocks_to_copy)
-            self.kv_cache[:, :, :, list(dst)] = self.kv_cache[:, :, :, list(src)]
+            for gpu, _ in pairs:
+                gpu[:, :, :, list(dst)] = gpu[:, :, :, list(src)]
 
     def _update_state(self, s: ScheduledRequest) -> _RequestState:
         if s.is_new:
@@ -158,19 +179,26 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step. Raises whatever the forward pass raises (the engine handles it)."""
+        drafter = self.drafter
         for rid in out.finished_request_ids:
             self.states.pop(rid, None)
+            if drafter is not None:
+                drafter.forget(rid)
         for rid in out.preempted_request_ids:
             self.states.pop(rid, None)
         self._move_blocks(out)
         if not out.scheduled:
             return ModelRunnerOutput()
-        decodes = [s for s in out.scheduled if len(s.token_ids) == 1]
+        by_id = {s.request_id: self._update_state(s) for s in out.scheduled}
+        scheduled = out.scheduled
+        if drafter is not None:               # draft, then score (engine.spec_decode.draft_model)
+            scheduled = drafter.run(self, scheduled, by_id, self.draft_kv_cache)
+        decodes = [s for s in scheduled if len(s.token_ids) == 1]
         if self.kernels is None:
             decodes.sort(key=lambda s: s.start_position)      # by context, for decode_groups
-        prefills = [s for s in out.scheduled if len(s.token_ids) > 1]
+        prefills = [s for s in scheduled if len(s.token_ids) > 1]
         ordered = decodes + prefills
-        states = [self._update_state(s) for s in ordered]
+        states = [by_id[s.request_id] for s in ordered]
         input_ids, positions, meta, sample_idx = self._prepare(ordered, states, len(decodes))
         rows_at = [i for i, _ in sample_idx]
         rows = self._sampling_rows(ordered, states, rows_at)
@@ -188,6 +216,8 @@ class ModelRunner:
             drawn = result.token_ids[k:k + n]
             emit = accepted_prefix(s.token_ids[1:], drawn) if s.num_drafts else drawn
             sampled[s.request_id] = emit
+            if drafter is not None and s.num_drafts:
+                drafter.verified(s.request_id, s.start_position, len(emit))
             row.output_token_ids.extend(emit)
             if row.matcher is not None:
                 for tok in emit:
@@ -230,8 +260,10 @@ class ModelRunner:
             lambda: (constrained, fill_bitmask(matchers, self.model.cfg.vocab_size)))
 
     def _prepare(self, ordered: list[ScheduledRequest], states: list[_RequestState],
-                 num_decodes: int):
-        """Flat input ids, positions, slot mapping and attention metadata for the step."""
+                 num_decodes: int, kernels=False):
+        """Flat input ids, positions, slot mapping and attention metadata for the step (for
+        `kernels`, by default the target's: a draft model's may differ)."""
+        kernels = self.kernels if kernels is False else kernels
         bs, dev = self.block_size, self.device.torch_device
         ids: list[int] = []
         pos: list[int] = []
@@ -263,8 +295,8 @@ class ModelRunner:
                 sample_idx.append((i, offset + n - 1))
             offset += n
         positions = torch.cat(pos_parts)
-        meta = AttentionMetadata(slot_mapping=torch.cat(slot_parts).to(dev), kernels=self.kernels)
-        if self.kernels is not None:
+        meta = AttentionMetadata(slot_mapping=torch.cat(slot_parts).to(dev), kernels=kernels)
+        if kernels is not None:
             self._kernel_metadata(meta, ordered, states, positions)
         else:
             self._torch_metadata(meta, states, pos[:num_decodes], chunks)

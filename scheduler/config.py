@@ -53,6 +53,9 @@ class SchedulerConfig:
         speculative decoding); each draft is a token of the step's budget.
     spec_adaptive: choose each request's drafts per step by measured cost
         (`scheduler.spec_decode`); False = verify every proposed draft.
+    spec_method: "ngram" (drafts proposed before the step, `Request.spec_token_ids`) or
+        "draft_model" (the runner drafts during the step: every decoding request may verify up
+        to `num_speculative_tokens`).
     """
 
     max_num_seqs: int = 256
@@ -67,6 +70,7 @@ class SchedulerConfig:
     target_itl_ms: float | None = None
     num_speculative_tokens: int = 0
     spec_adaptive: bool = True
+    spec_method: str = "ngram"
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
@@ -77,6 +81,8 @@ class SchedulerConfig:
         if self.num_lookahead_tokens < 0 or self.num_speculative_tokens < 0:
             raise ValueError("num_lookahead_tokens and num_speculative_tokens must be "
                              "non-negative")
+        if self.spec_method not in ("ngram", "draft_model"):
+            raise ValueError(f"spec_method must be ngram or draft_model, got {self.spec_method!r}")
         check_policy(self.policy, self.sjf_aging_ms_per_token)
         check_preemption_mode(self.preemption_mode)
         if self.target_itl_ms is not None:

@@ -60,7 +60,7 @@ from scheduler.config import CacheConfig, SchedulerConfig
 from scheduler.output import ModelRunnerOutput, RequestStepOutput, ScheduledRequest, SchedulerOutput
 from scheduler.request import QueueFullError, Request, RequestStatus, RequestTooLongError
 from scheduler.slo import AdaptivePrefillBudget, LatencyHistory, PreemptionCost
-from scheduler.spec_decode import AcceptanceWindow, SpecDecodeCounters, plan_drafts
+from scheduler.spec_decode import AcceptanceWindow, DraftCost, SpecDecodeCounters, plan_drafts
 
 RUNNING = RequestStatus.RUNNING
 
@@ -111,6 +111,7 @@ class Scheduler:
                                  if config.target_itl_ms is not None else None)
         self._prefill_left = 0                     # this step's prefill tokens still allowed
         self.spec_counters = SpecDecodeCounters()
+        self.draft_cost = DraftCost()              # a draft model's drafting passes (measured)
         self._drafts: dict[str, int] = {}          # this step's speculative drafts per request
         if config.policy == "priority":
             self._key = lambda r: (r.priority, r.arrival_time, r.seq)
@@ -168,7 +169,8 @@ class Scheduler:
                               if r.num_computed_tokens == len(r.all_token_ids) - 1)
             self._prefill_left = self.prefill_budgeter.prefill_budget(num_decodes)
         if cfg.num_speculative_tokens:
-            self._drafts = plan_drafts(self.running, cfg, self.latency, self.spec_counters)
+            self._drafts = plan_drafts(self.running, cfg, self.latency, self.spec_counters,
+                                      self.draft_cost)
         budget = self._schedule_running(out, budget)
         if not out.preempted_request_ids and (self.swapped or self.waiting):
             seats = self._seats_taken()

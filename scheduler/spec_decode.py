@@ -17,6 +17,10 @@ adding a draft of gain g raises N / T iff g / c > N / T. Gains fall along each r
 while g / c > N / T maximises N / T (the Dinkelbach argument for a ratio objective). At batch 1
 on a copying prompt (a near 1, N / T = 1 / T small against 1 / c) every draft pays; in a big batch
 N / T approaches 1 / c and only near-certain drafts do, so speculation switches itself off.
+With a draft model, a request's 2nd and later drafts each need one more drafting pass, so they
+cost c + c_d (c_d: the measured seconds per row of those passes, `DraftCost`); the 1st comes
+from the pass that keeps the draft's cache in step anyway. Ratios g / cost still fall along a
+request's drafts, so taking them in decreasing order of g / cost is the same argument.
 This is seed 002's AdaptiveSpeculator with its constant "draft costs 10%" replaced by the
 measured c and T. `a` comes from the request's recent steps (a ring buffer, seed 002's
 UpdateAcceptRate): a step that verified d drafts and accepted m of them tested m + (m < d)
@@ -73,6 +77,8 @@ class SpeculativeConfig:
                                      f"({self.prompt_lookup_max})")
         if not isinstance(self.adaptive, bool):
             bad("adaptive", "must be true or false")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            bad("dtype", "must be auto, float32, bfloat16 or float16")
         if self.method == "draft_model" and not self.model:
             bad("model", "is required with method draft_model")
         if self.method == "ngram" and self.model is not None:
@@ -136,44 +142,69 @@ class SpecDecodeCounters:
 
 
 def choose_num_drafts(candidates: list[tuple[int, float]], num_decodes: int,
-                      step_seconds: float | None, row_seconds: float | None) -> list[int]:
+                      step_seconds: float | None, row_seconds: float | None,
+                      draft_seconds: float = 0.0) -> list[int]:
     """Drafts to verify per candidate (the module docstring's rule).
 
     candidates: (drafts available, acceptance estimate a) per decoding request that has drafts.
     num_decodes: decode rows in the step (candidates included). step_seconds: predicted time of
     the step without drafts; row_seconds: marginal cost of one more row. Either None (not yet
-    measured) = verify everything available (measure first).
+    measured) = verify everything available (measure first). draft_seconds: what making a
+    request's 2nd, 3rd, ... draft costs on top (a draft model's pass per draft; its 1st draft
+    comes from the pass that runs anyway; 0 for n-gram drafts).
     Returns k per candidate, 0 <= k <= drafts available.
     """
     if step_seconds is None or row_seconds is None or row_seconds <= 0 or step_seconds <= 0:
         return [avail for avail, _ in candidates]
     chosen = [0] * len(candidates)
-    heap = [(-a, i) for i, (avail, a) in enumerate(candidates) if avail > 0]
+    extra = row_seconds + draft_seconds
+    # By gain per second of cost; along one request both fall, so its drafts come in order.
+    heap = [(-a / row_seconds, a, i) for i, (avail, a) in enumerate(candidates) if avail > 0]
     heapq.heapify(heap)
     tokens, seconds = float(max(num_decodes, 1)), step_seconds
     while heap:
-        neg_gain, i = heap[0]
-        gain = -neg_gain
-        if gain * seconds <= tokens * row_seconds:     # g / c <= N / T: no draft left pays
+        neg_ratio, gain, i = heap[0]
+        if -neg_ratio * seconds <= tokens:            # g / c <= N / T: no draft left pays
             break
         heapq.heappop(heap)
         tokens += gain
-        seconds += row_seconds
+        seconds += row_seconds if chosen[i] == 0 else extra
         chosen[i] += 1
         avail, a = candidates[i]
         if chosen[i] < avail:
-            heapq.heappush(heap, (-gain * a, i))
+            heapq.heappush(heap, (-gain * a / extra, gain * a, i))
     return chosen
 
 
-def plan_drafts(running: list, config, latency, counters: SpecDecodeCounters) -> dict[str, int]:
+class DraftCost:
+    """Seconds per row of a draft model's drafting passes (2nd draft onwards), over a moving
+    window of (rows, seconds) per step; None before any was measured."""
+
+    def __init__(self, window: int = 64) -> None:
+        self.steps: deque[tuple[int, float]] = deque(maxlen=window)
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """A step's drafting passes computed `rows` rows in `seconds`."""
+        if rows > 0:
+            self.steps.append((rows, seconds))
+
+    def per_row(self) -> float | None:
+        """Mean seconds per drafting row over the window."""
+        rows = sum(r for r, _ in self.steps)
+        return sum(t for _, t in self.steps) / rows if rows else None
+
+
+def plan_drafts(running: list, config, latency, counters: SpecDecodeCounters,
+                draft_cost: DraftCost | None = None) -> dict[str, int]:
     """This step's drafts per request id, for the running requests (`Request`s) in decode
-    with proposed drafts. A request never verifies more drafts than `num_speculative_tokens`,
-    than positions left before `max_model_len`, or than tokens left before `max_tokens` minus
-    one (so verification never computes past what the request may emit). With
-    `config.spec_adaptive`, `choose_num_drafts` decides from `latency` (a `LatencyHistory`).
-    Sets `counters.mean_k`."""
+    with proposed drafts (n-gram), or every one without structured outputs (draft model: the
+    runner drafts during the step). A request never verifies more drafts than
+    `num_speculative_tokens`, than positions left before `max_model_len`, or than tokens left
+    before `max_tokens` minus one (so verification never computes past what the request may
+    emit). With `config.spec_adaptive`, `choose_num_drafts` decides from `latency` (a
+    `LatencyHistory`) and `draft_cost`. Sets `counters.mean_k`."""
     k_max, limit = config.num_speculative_tokens, config.max_model_len
+    on_demand = config.spec_method == "draft_model"
     candidates, ids = [], []
     num_decodes = 0
     for req in running:
@@ -181,13 +212,19 @@ def plan_drafts(running: list, config, latency, counters: SpecDecodeCounters) ->
         if not req.forked or req.num_computed_tokens != len(tokens) - 1:
             continue
         num_decodes += 1
-        if not req.spec_token_ids:
-            continue
+        if on_demand:
+            if req.sampling_params.structured_outputs is not None:
+                continue
+            proposed = k_max
+        else:
+            proposed = len(req.spec_token_ids)
+            if not proposed:
+                continue
         max_tokens = req.sampling_params.max_tokens
         room = limit - len(tokens)
         if max_tokens is not None:
             room = min(room, max_tokens - (len(tokens) - req.num_prompt_tokens) - 1)
-        avail = min(len(req.spec_token_ids), k_max, room)
+        avail = min(proposed, k_max, room)
         if avail > 0:
             window = req.spec_window
             candidates.append((avail, window.rate() if window is not None
@@ -196,7 +233,8 @@ def plan_drafts(running: list, config, latency, counters: SpecDecodeCounters) ->
     if not config.spec_adaptive:
         chosen = [avail for avail, _ in candidates]
     else:
+        per_row = draft_cost.per_row() if draft_cost is not None else None
         chosen = choose_num_drafts(candidates, num_decodes, latency.predict(num_decodes, 0),
-                                   latency.row_cost())
+                                   latency.row_cost(), per_row or 0.0)
     counters.mean_k = sum(chosen) / num_decodes if num_decodes else 0.0
     return {rid: k for rid, k in zip(ids, chosen) if k}

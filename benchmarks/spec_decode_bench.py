@@ -1,7 +1,8 @@
 """Speculative decoding benchmark (issue "Speculative decoding"), one run, ratios within it.
 
 Every configuration starts `continuum serve` with the same flags plus its `--speculative-config`
-(none, ngram adaptive, ngram with `adaptive: false`), then:
+(none, ngram adaptive, ngram with `adaptive: false`, and the same two with the embedded model in
+bfloat16 as the float32 target's draft), then:
 
 1. Input-grounded, single stream: 32 prompts whose answers copy long spans of the prompt, built
    from what is installed (not typed here): 16 "rewrite this function with one change" over
@@ -10,7 +11,7 @@ Every configuration starts `continuum serve` with the same flags plus its `--spe
    (letters swapped, seeded). Sent one at a time, greedy, `--grounded-max-tokens` each. Goal:
    output tok/s with ngram >= 1.8x without, every output identical.
 2. Open chat: ShareGPT prompts with `continuum bench serve` at concurrency 1, 16 and 64. Goal:
-   adaptive ngram >= 0.97x off in output throughput at each.
+   adaptive speculation (either method) >= 0.97x off in output throughput at each.
 While each run goes, /metrics is polled to pair the running batch size with the mean k the
 scheduler chose (`continuum_spec_decode_mean_k`); acceptance rate and mean accepted length come
 from the spec_decode counters (vLLM's definitions: accepted / draft tokens, and
@@ -38,11 +39,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import httpx  # noqa: E402
 
 from benchmarks.slo_bench import bench, server  # noqa: E402
+from engine.loader import embedded_gguf_path  # noqa: E402
 
 CONFIGS = {
     "off": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 4},
     "ngram-fixed": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
+    # The embedded model in bfloat16 drafting for itself in float32 (the server's default dtype).
+    "draft-bf16": {"method": "draft_model", "model": str(embedded_gguf_path()),
+                   "dtype": "bfloat16", "num_speculative_tokens": 4},
+    "draft-bf16-fixed": {"method": "draft_model", "model": str(embedded_gguf_path()),
+                         "dtype": "bfloat16", "num_speculative_tokens": 4, "adaptive": False},
 }
 STDLIB_MODULES = ("textwrap", "shlex", "fnmatch", "posixpath", "csv", "difflib", "calendar",
                   "string", "glob", "ipaddress", "urllib.parse", "json.decoder", "statistics",
@@ -248,7 +255,7 @@ def report(results: dict, levels: list[int]) -> None:
     c = results["chat"]
     for level in levels:
         off = c.get(f"off_c{level}")
-        for name in ("ngram", "ngram-fixed"):
+        for name in [n for n in CONFIGS if n != "off"]:
             on = c.get(f"{name}_c{level}")
             if off and on:
                 print(f"chat c{level} {name} / off: "

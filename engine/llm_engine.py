@@ -314,9 +314,10 @@ class LLMEngine:
             self.scheduler.observe_swap(*swap)
             seconds -= swap[1]             # the step-cost model is per token, not per copy
         drafter = self.runner.drafter
-        if drafter is not None and drafter.last_passes is not None:
-            self.scheduler.draft_cost.observe(*drafter.last_passes)
-            seconds -= drafter.last_passes[1]  # drafting passes: their own cost model
+        if drafter is not None:            # the draft's passes: their own cost model
+            if drafter.last_passes is not None:
+                self.scheduler.draft_cost.observe(*drafter.last_passes)
+            seconds -= drafter.last_seconds
         self.scheduler.observe_step(num_decodes, num_prefill, seconds)
 
     def _fail(self, sched_out, error: Exception) -> list[RequestOutput]:

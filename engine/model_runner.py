@@ -95,7 +95,8 @@ class ModelRunner:
         self.kv_cache, self.cpu_cache = self._caches(model, num_gpu_blocks, num_cpu_blocks)
         self.drafter = self.draft_kv_cache = self.draft_cpu_cache = None
         if draft_model is not None:       # speculative decoding with a draft model
-            self.drafter = DraftModelProposer(draft_model, device.kernels(draft_model.dtype))
+            self.drafter = DraftModelProposer(draft_model, device.kernels(draft_model.dtype),
+                                              block_size)
             self.draft_kv_cache, self.draft_cpu_cache = self._caches(
                 draft_model, num_gpu_blocks, num_cpu_blocks)
         self.eos_token_ids = eos_token_ids
@@ -144,6 +145,8 @@ class ModelRunner:
             src, dst = zip(*out.blocks_to_copy)
             for gpu, _ in pairs:
                 gpu[:, :, :, list(dst)] = gpu[:, :, :, list(src)]
+        if self.drafter is not None:
+            self.drafter.moved(out)
 
     def _update_state(self, s: ScheduledRequest) -> _RequestState:
         if s.is_new:
@@ -217,7 +220,8 @@ class ModelRunner:
             emit = accepted_prefix(s.token_ids[1:], drawn) if s.num_drafts else drawn
             sampled[s.request_id] = emit
             if drafter is not None and s.num_drafts:
-                drafter.verified(s.request_id, s.start_position, len(emit))
+                drafter.verified(s.request_id, s.start_position, len(emit),
+                                 states[rows_at[k]].block_table)
             row.output_token_ids.extend(emit)
             if row.matcher is not None:
                 for tok in emit:

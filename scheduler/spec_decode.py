@@ -17,10 +17,11 @@ adding a draft of gain g raises N / T iff g / c > N / T. Gains fall along each r
 while g / c > N / T maximises N / T (the Dinkelbach argument for a ratio objective). At batch 1
 on a copying prompt (a near 1, N / T = 1 / T small against 1 / c) every draft pays; in a big batch
 N / T approaches 1 / c and only near-certain drafts do, so speculation switches itself off.
-With a draft model, a request's 2nd and later drafts each need one more drafting pass, so they
-cost c + c_d (c_d: the measured seconds per row of those passes, `DraftCost`); the 1st comes
-from the pass that keeps the draft's cache in step anyway. Ratios g / cost still fall along a
-request's drafts, so taking them in decreasing order of g / cost is the same argument.
+With a draft model every draft also needs a row of a drafting pass (the draft runs only for
+requests that draft: `engine.spec_decode.draft_model`), so each costs c + c_d (c_d: the measured
+seconds per row of those passes, `DraftCost`); the same argument holds with g / (c + c_d). A
+request that sat out some steps makes the draft catch up those positions when it drafts again;
+that one-off cost is not charged (it is at most the tokens the draft skipped).
 This is seed 002's AdaptiveSpeculator with its constant "draft costs 10%" replaced by the
 measured c and T. `a` comes from the request's recent steps (a ring buffer, seed 002's
 UpdateAcceptRate): a step that verified d drafts and accepted m of them tested m + (m < d)
@@ -149,9 +150,8 @@ def choose_num_drafts(candidates: list[tuple[int, float]], num_decodes: int,
     candidates: (drafts available, acceptance estimate a) per decoding request that has drafts.
     num_decodes: decode rows in the step (candidates included). step_seconds: predicted time of
     the step without drafts; row_seconds: marginal cost of one more row. Either None (not yet
-    measured) = verify everything available (measure first). draft_seconds: what making a
-    request's 2nd, 3rd, ... draft costs on top (a draft model's pass per draft; its 1st draft
-    comes from the pass that runs anyway; 0 for n-gram drafts).
+    measured) = verify everything available (measure first). draft_seconds: what making one
+    draft costs on top (a draft model's row in a drafting pass; 0 for n-gram drafts).
     Returns k per candidate, 0 <= k <= drafts available.
     """
     if step_seconds is None or row_seconds is None or row_seconds <= 0 or step_seconds <= 0:
@@ -159,7 +159,7 @@ def choose_num_drafts(candidates: list[tuple[int, float]], num_decodes: int,
     chosen = [0] * len(candidates)
     extra = row_seconds + draft_seconds
     # By gain per second of cost; along one request both fall, so its drafts come in order.
-    heap = [(-a / row_seconds, a, i) for i, (avail, a) in enumerate(candidates) if avail > 0]
+    heap = [(-a / extra, a, i) for i, (avail, a) in enumerate(candidates) if avail > 0]
     heapq.heapify(heap)
     tokens, seconds = float(max(num_decodes, 1)), step_seconds
     while heap:
@@ -168,7 +168,7 @@ def choose_num_drafts(candidates: list[tuple[int, float]], num_decodes: int,
             break
         heapq.heappop(heap)
         tokens += gain
-        seconds += row_seconds if chosen[i] == 0 else extra
+        seconds += extra
         chosen[i] += 1
         avail, a = candidates[i]
         if chosen[i] < avail:
@@ -177,8 +177,8 @@ def choose_num_drafts(candidates: list[tuple[int, float]], num_decodes: int,
 
 
 class DraftCost:
-    """Seconds per row of a draft model's drafting passes (2nd draft onwards), over a moving
-    window of (rows, seconds) per step; None before any was measured."""
+    """Seconds per row of a draft model's drafting passes (those without catch-up), over a
+    moving window of (rows, seconds) per step; None before any was measured."""
 
     def __init__(self, window: int = 64) -> None:
         self.steps: deque[tuple[int, float]] = deque(maxlen=window)

@@ -7,6 +7,7 @@ n = 2 and seeded sampling. Then the server with the OpenAI SDK, and the start er
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import subprocess
@@ -14,6 +15,7 @@ import sys
 
 import pytest
 
+import scheduler.scheduler as scheduler_module
 from engine.loader import embedded_gguf_path
 from scheduler.request import SamplingParams
 from tests.conftest import KEY, MODEL, free_port, greedy, metric, start_server, stop_server
@@ -63,6 +65,46 @@ def test_own_draft_through_preemption(mode, prompts, tokenizer):
     assert counters.num_preemptions > 0
     assert (counters.num_preemptions_swap if mode == "swap"
             else counters.num_preemptions_recompute) > 0
+    assert all_accepted(eng), eng.scheduler.spec_counters
+    assert_drained(eng)
+
+
+def sit_out(monkeypatch, skip) -> None:
+    """Drop the drafts the scheduler chose where `skip(request_id, step)`, as adaptive
+    speculation does when drafting stops paying: the draft then skips those requests."""
+    real, steps = scheduler_module.plan_drafts, itertools.count()
+
+    def plan(*args, **kwargs):
+        step = next(steps)
+        return {rid: k for rid, k in real(*args, **kwargs).items() if not skip(rid, step)}
+    monkeypatch.setattr(scheduler_module, "plan_drafts", plan)
+
+
+def test_own_draft_catches_up_after_sitting_out(monkeypatch, prompts, expected):
+    """Requests draft one step in three: each time the draft must first compute the positions
+    it skipped (prompt included), or a draft would be rejected."""
+    sit_out(monkeypatch, lambda rid, step: step % 3 != 0)
+    eng = engine(speculative_config=OWN)
+    assert run(eng, prompts.values()) == list(expected.values())
+    assert all_accepted(eng), eng.scheduler.spec_counters
+    assert_drained(eng)
+
+
+def test_prefix_hit_on_blocks_the_draft_never_computed(monkeypatch, prompts, tokenizer):
+    """A first turn decodes without drafting, so its output blocks hold the target's K/V only;
+    the second turn's prompt (first prompt + answer + a new question) hits those blocks in the
+    prefix cache, and the draft must recompute them rather than trust its cache there."""
+    drafting = {"on": False}
+    sit_out(monkeypatch, lambda rid, step: not drafting["on"])
+    eng, base = engine(speculative_config=OWN), engine()
+    first = prompts["copy"]
+    answer = run(eng, [first], SamplingParams(max_tokens=64, temperature=0))[0]
+    assert eng.scheduler.spec_counters.num_draft_tokens == 0
+    drafting["on"] = True
+    second = first + answer + tokenizer.encode("\nNow say it again, shorter.\n")
+    hits = eng.scheduler.counters.prefix_cache_hits
+    assert run(eng, [second]) == run(base, [second])
+    assert eng.scheduler.counters.prefix_cache_hits - hits > len(first) + 16  # output blocks
     assert all_accepted(eng), eng.scheduler.spec_counters
     assert_drained(eng)
 

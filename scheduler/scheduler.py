@@ -112,6 +112,7 @@ class Scheduler:
         self._prefill_left = 0                     # this step's prefill tokens still allowed
         self.spec_counters = SpecDecodeCounters()
         self.draft_cost = DraftCost()              # a draft model's drafting passes (measured)
+        self.spec_pooled = AcceptanceWindow.pooled()   # every request's recent acceptance
         self._drafts: dict[str, int] = {}          # this step's speculative drafts per request
         if config.policy == "priority":
             self._key = lambda r: (r.priority, r.arrival_time, r.seq)
@@ -170,7 +171,7 @@ class Scheduler:
             self._prefill_left = self.prefill_budgeter.prefill_budget(num_decodes)
         if cfg.num_speculative_tokens:
             self._drafts = plan_drafts(self.running, cfg, self.latency, self.spec_counters,
-                                      self.draft_cost)
+                                      self.draft_cost, self.spec_pooled)
         budget = self._schedule_running(out, budget)
         if not out.preempted_request_ids and (self.swapped or self.waiting):
             seats = self._seats_taken()
@@ -399,6 +400,7 @@ class Scheduler:
             req.spec_window = AcceptanceWindow()
         req.spec_window.record(num_drafts, num_accepted)
         self.spec_counters.record(num_drafts, num_accepted)
+        self.spec_pooled.record(num_drafts, num_accepted)
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus:
         """The one place stop conditions live (stop strings are the detokenizer's, engine side).

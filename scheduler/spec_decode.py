@@ -26,7 +26,11 @@ This is seed 002's AdaptiveSpeculator with its constant "draft costs 10%" replac
 measured c and T. `a` comes from the request's recent steps (a ring buffer, seed 002's
 UpdateAcceptRate): a step that verified d drafts and accepted m of them tested m + (m < d)
 drafts (those after the first rejection were never tested) and passed m; the estimate is
-(passed + PRIOR_ACCEPTED) / (tested + PRIOR_TESTED) over the window, so it never reaches 0 or 1.
+(passed + PRIOR_TESTED * prior) / (tested + PRIOR_TESTED) over the window, so it never reaches 0
+or 1. The prior is the pooled estimate over all requests' recent steps (empirical Bayes, as in
+Efron and Morris 1973: a new request is assumed to accept like the recent ones), PRIOR_ACCEPTED /
+PRIOR_TESTED before any step verified a draft. A fixed prior would lock a new request out when
+drafts are dear: at a prior below the break-even acceptance it never drafts, so never learns.
 """
 
 from __future__ import annotations
@@ -38,8 +42,9 @@ from dataclasses import dataclass, field, fields
 
 SPEC_METHODS = ("ngram", "draft_model")
 ACCEPT_WINDOW = 16            # steps of one request kept in its acceptance window
-PRIOR_ACCEPTED = 1.4          # pseudo-counts: an unseen request is assumed to accept 70%
+PRIOR_ACCEPTED = 1.4          # pseudo-counts: before any draft was verified, assume 70%
 PRIOR_TESTED = 2.0
+POOLED_WINDOW = 256           # request-steps (all requests) in the pooled acceptance window
 
 
 @dataclass(frozen=True)
@@ -105,20 +110,27 @@ class SpeculativeConfig:
 
 @dataclass
 class AcceptanceWindow:
-    """One request's recent speculation outcomes: (drafts tested, drafts passed) per step."""
+    """Recent speculation outcomes, (drafts tested, drafts passed) per request-step: one
+    request's (`ACCEPT_WINDOW` steps) or all requests' pooled (`pooled()`)."""
 
     steps: deque = field(default_factory=lambda: deque(maxlen=ACCEPT_WINDOW))
+
+    @classmethod
+    def pooled(cls) -> AcceptanceWindow:
+        """A window over the last `POOLED_WINDOW` request-steps of every request."""
+        return cls(deque(maxlen=POOLED_WINDOW))
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         """A step verified `num_drafts` drafts and accepted the first `num_accepted`."""
         if num_drafts > 0:
             self.steps.append((num_accepted + (num_accepted < num_drafts), num_accepted))
 
-    def rate(self) -> float:
-        """Estimated per-draft acceptance probability, in (0, 1)."""
+    def rate(self, prior: float = PRIOR_ACCEPTED / PRIOR_TESTED) -> float:
+        """Estimated per-draft acceptance probability, in (0, 1) for a prior in (0, 1):
+        `PRIOR_TESTED` pseudo-draws at the `prior` rate, then the window's."""
         tested = sum(t for t, _ in self.steps)
         passed = sum(p for _, p in self.steps)
-        return (passed + PRIOR_ACCEPTED) / (tested + PRIOR_TESTED)
+        return (passed + PRIOR_TESTED * prior) / (tested + PRIOR_TESTED)
 
 
 @dataclass
@@ -195,18 +207,21 @@ class DraftCost:
 
 
 def plan_drafts(running: list, config, latency, counters: SpecDecodeCounters,
-                draft_cost: DraftCost | None = None) -> dict[str, int]:
+                draft_cost: DraftCost | None = None,
+                pooled: AcceptanceWindow | None = None) -> dict[str, int]:
     """This step's drafts per request id, for the running requests (`Request`s) in decode
     with proposed drafts (n-gram), or every one without structured outputs (draft model: the
     runner drafts during the step). A request never verifies more drafts than
     `num_speculative_tokens`, than positions left before `max_model_len`, or than tokens left
     before `max_tokens` minus one (so verification never computes past what the request may
     emit). With `config.spec_adaptive`, `choose_num_drafts` decides from `latency` (a
-    `LatencyHistory`) and `draft_cost`. Sets `counters.mean_k`."""
+    `LatencyHistory`), `draft_cost` and each request's acceptance window with the `pooled`
+    window's rate as its prior. Sets `counters.mean_k`."""
     k_max, limit = config.num_speculative_tokens, config.max_model_len
     on_demand = config.spec_method == "draft_model"
     candidates, ids = [], []
     num_decodes = 0
+    prior = pooled.rate() if pooled is not None else PRIOR_ACCEPTED / PRIOR_TESTED
     for req in running:
         tokens = req.all_token_ids
         if not req.forked or req.num_computed_tokens != len(tokens) - 1:
@@ -227,8 +242,7 @@ def plan_drafts(running: list, config, latency, counters: SpecDecodeCounters,
         avail = min(proposed, k_max, room)
         if avail > 0:
             window = req.spec_window
-            candidates.append((avail, window.rate() if window is not None
-                               else PRIOR_ACCEPTED / PRIOR_TESTED))
+            candidates.append((avail, window.rate(prior) if window is not None else prior))
             ids.append(req.request_id)
     if not config.spec_adaptive:
         chosen = [avail for avail, _ in candidates]

@@ -92,6 +92,24 @@ def test_acceptance_window_counts_tested_drafts():
     assert w.rate() < 0.5 < prior
 
 
+def test_new_request_takes_the_pooled_acceptance_as_its_prior():
+    """Drafts that cost almost a step (a draft model nearly the target's size): at the fixed
+    70% prior a new request would never draft, so never learn; with recent requests accepting
+    97% it drafts from its first step, and with them failing at the first draft 15 times in 16 it does not."""
+    step = lambda rows: 0.030 + 0.002 * rows          # noqa: E731
+    pooled = AcceptanceWindow.pooled()
+    assert choose_num_drafts([(4, pooled.rate())], 1, step(1), 0.002, 0.025) == [0]
+    for _ in range(64):
+        pooled.record(4, 4 if _ % 8 else 3)
+    assert pooled.rate() > 0.95
+    assert choose_num_drafts([(4, pooled.rate())], 1, step(1), 0.002, 0.025)[0] >= 2
+    assert AcceptanceWindow().rate(pooled.rate()) == pytest.approx(pooled.rate())
+    for _ in range(256):
+        pooled.record(4, 4 if _ % 16 == 0 else 0)
+    assert pooled.rate() < 0.3
+    assert choose_num_drafts([(4, pooled.rate())], 1, step(1), 0.002, 0.025) == [0]
+
+
 def test_latency_history_row_cost_is_the_decode_slope_once_seen():
     h = LatencyHistory()
     for _ in range(4):

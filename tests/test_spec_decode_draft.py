@@ -123,10 +123,17 @@ def test_bfloat16_draft_gives_float32_tokens(prompts):
         want = run(base, [prompts["copy"]], params)
         assert run(spec, [prompts["copy"]], params) == want, params
         assert run(spec, [prompts["copy"]], params) == want, params
-    assert run(spec, prompts.values()) == run(base, prompts.values())
-    c = spec.scheduler.spec_counters
-    assert c.num_accepted_tokens >= 0.8 * c.num_draft_tokens > 0, c
+    greedy = run(base, prompts.values())
+    assert run(spec, prompts.values()) == greedy
     assert_drained(spec)
+    # Greedy, a bf16 copy agrees with float32 nearly everywhere (measured with every draft
+    # verified: random sampling above accepts an argmax draft only as often as the target
+    # draws its argmax, and adaptive k depends on timings).
+    fixed = engine(speculative_config=dict(BF16, adaptive=False))
+    assert run(fixed, prompts.values()) == greedy
+    c = fixed.scheduler.spec_counters
+    assert c.num_accepted_tokens >= 0.8 * c.num_draft_tokens > 0, c
+    assert_drained(fixed)
 
 
 # ----------------------------------------------------------------------------- start errors

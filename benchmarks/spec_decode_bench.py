@@ -41,15 +41,16 @@ import httpx  # noqa: E402
 from benchmarks.slo_bench import bench, server  # noqa: E402
 from engine.loader import embedded_gguf_path  # noqa: E402
 
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+# The embedded model in bfloat16 drafting for itself in float32 (the server's default dtype).
+DRAFT_BF16 = {"method": "draft_model", "model": str(embedded_gguf_path()), "dtype": "bfloat16",
+              "num_speculative_tokens": 4}
 CONFIGS = {
     "off": None,
-    "ngram": {"method": "ngram", "num_speculative_tokens": 4},
-    "ngram-fixed": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
-    # The embedded model in bfloat16 drafting for itself in float32 (the server's default dtype).
-    "draft-bf16": {"method": "draft_model", "model": str(embedded_gguf_path()),
-                   "dtype": "bfloat16", "num_speculative_tokens": 4},
-    "draft-bf16-fixed": {"method": "draft_model", "model": str(embedded_gguf_path()),
-                         "dtype": "bfloat16", "num_speculative_tokens": 4, "adaptive": False},
+    "ngram": NGRAM,
+    "ngram-fixed": dict(NGRAM, adaptive=False),
+    "draft-bf16": DRAFT_BF16,
+    "draft-bf16-fixed": dict(DRAFT_BF16, adaptive=False),
 }
 STDLIB_MODULES = ("textwrap", "shlex", "fnmatch", "posixpath", "csv", "difflib", "calendar",
                   "string", "glob", "ipaddress", "urllib.parse", "json.decoder", "statistics",

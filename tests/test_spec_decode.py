@@ -95,7 +95,8 @@ def test_acceptance_window_counts_tested_drafts():
 def test_new_request_takes_the_pooled_acceptance_as_its_prior():
     """Drafts that cost almost a step (a draft model nearly the target's size): at the fixed
     70% prior a new request would never draft, so never learn; with recent requests accepting
-    97% it drafts from its first step, and with them failing at the first draft 15 times in 16 it does not."""
+    97% it drafts from its first step, and with them failing at the first draft 15 times in 16
+    it does not."""
     step = lambda rows: 0.030 + 0.002 * rows          # noqa: E731
     pooled = AcceptanceWindow.pooled()
     assert choose_num_drafts([(4, pooled.rate())], 1, step(1), 0.002, 0.025) == [0]

@@ -87,7 +87,6 @@ class DraftModelProposer:
                 self._mark(table, s.start_position, s.start_position + len(s.token_ids), True)
         if not want:
             return scheduled
-        since = {rid: self.computed[rid] for rid in want}
         t0 = time.perf_counter()
         drafts, caught_up = self._pass_one(runner, list(want.values()), states, kv_cache)
         rows, t1 = len(want), time.perf_counter()
@@ -107,8 +106,9 @@ class DraftModelProposer:
         out = []
         for s in scheduled:
             if s.num_drafts:
-                end = s.start_position + s.num_drafts
-                self._mark(states[s.request_id].block_table, since[s.request_id], end, False)
+                end = s.start_position + s.num_drafts     # computed[rid]: where pass 1 began
+                self._mark(states[s.request_id].block_table, self.computed[s.request_id], end,
+                           False)
                 self.computed[s.request_id] = end
                 s = dataclasses.replace(s, token_ids=s.token_ids + drafts[s.request_id])
             out.append(s)
@@ -151,9 +151,10 @@ class DraftModelProposer:
         Returns (draft 1 per request, whether any request caught up)."""
         items = []
         for s in want:
-            done = self.computed[s.request_id]
-            row = states[s.request_id].row
-            context = (row.prompt_token_ids + row.output_token_ids)[done:s.start_position]
+            done, context = self.computed[s.request_id], []
+            if done < s.start_position:                # catch-up (not the common case)
+                row = states[s.request_id].row
+                context = (row.prompt_token_ids + row.output_token_ids)[done:s.start_position]
             items.append(dataclasses.replace(s, token_ids=context + s.token_ids,
                                              start_position=done, sample=True, num_drafts=0))
         decodes = [s for s in items if len(s.token_ids) == 1]

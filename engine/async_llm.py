@@ -22,6 +22,7 @@ import asyncio
 import dataclasses
 import logging
 import multiprocessing
+import os
 import queue
 import signal
 import threading
@@ -29,6 +30,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import Future, InvalidStateError
 
 from engine.config import EngineConfig
+from engine.distributed.parallel import TensorParallelError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from scheduler.request import QueueFullError, SamplingParams
@@ -242,13 +244,31 @@ def _engine_core_main(config: EngineConfig, conn) -> None:
         return
 
 
+def _rank_died(message: str) -> None:
+    """A tensor-parallel rank died (the engine logged it): this process exits at once, which
+    the parent's reader sees as the engine dying (every stream fails, the server exits)."""
+    os._exit(1)
+
+
 def _engine_core_loop(config: EngineConfig, conn) -> None:
-    """Build the engine, then serve commands and step until "stop" (see `_engine_core_main`)."""
+    """Build the engine, then serve commands and step until "stop" (see `_engine_core_main`).
+    Sends ("dead", message) and returns if the engine cannot start or must stop."""
     try:
-        engine = LLMEngine(config)
+        engine = LLMEngine(config, on_fatal=_rank_died)
     except BaseException as e:
         conn.send(("dead", f"{type(e).__name__}: {e}"))
         return
+    try:
+        _serve(engine, conn)
+    except TensorParallelError as e:
+        logger.error("engine stopped: %s", e)
+        conn.send(("dead", str(e)))
+    finally:
+        engine.shutdown()
+
+
+def _serve(engine: LLMEngine, conn) -> None:
+    """Serve commands and step until "stop"."""
     step_stats: list = []
     engine.stat_loggers.append(step_stats.append)
     conn.send(("ready", engine_info(engine)))
@@ -303,7 +323,12 @@ class ProcessAsyncLLM(_StreamRouter):
         self._proc.start()
         if not self._conn.poll(start_timeout):
             raise EngineDeadError("engine process did not start in time")
-        kind, detail = self._conn.recv()
+        try:
+            kind, detail = self._conn.recv()
+        except EOFError:                   # it exited without a word (killed, os._exit)
+            self._proc.join(5)
+            raise EngineDeadError("engine process exited during start (exit code "
+                                  f"{self._proc.exitcode})") from None
         if kind != "ready":
             self._proc.join(5)
             raise EngineDeadError(f"engine process failed to start: {detail}")
@@ -344,6 +369,7 @@ class ProcessAsyncLLM(_StreamRouter):
             pass
 
     def _read(self) -> None:
+        reason = None
         try:
             while True:
                 kind, payload = self._conn.recv()
@@ -357,12 +383,15 @@ class ProcessAsyncLLM(_StreamRouter):
                 elif kind == "add_error":
                     rid, err = payload
                     _resolve(self._pending.pop(rid), err)
+                elif kind == "dead":            # it stopped itself and says why
+                    reason = payload
         except (EOFError, OSError):       # the pipe closed: shutdown, or the child died
             if self._stopping:
                 self._fail_all(EngineDeadError("the engine was shut down"))
                 return
             self._proc.join(1)
-            message = f"engine process exited unexpectedly (exit code {self._proc.exitcode})"
+            message = (f"engine stopped: {reason}" if reason else
+                       f"engine process exited unexpectedly (exit code {self._proc.exitcode})")
             logger.error("%s", message)
             self._fail_all(EngineDeadError(message))
             if self.on_dead is not None:

@@ -29,6 +29,8 @@ class EngineConfig:
         measured at start; the step's prefill budget follows it (`scheduler.slo`).
     speculative_config: None = off; a `SpeculativeConfig`, or its JSON text / dict
         (`--speculative-config`, vLLM's keys), parsed here.
+    tensor_parallel_size: ranks the model is split over (`engine.distributed`); each rank holds
+        `kv_cache_memory` / `swap_space` of its own KV heads (per-device sizes, as in vLLM).
     """
 
     model: str | None = None
@@ -50,6 +52,7 @@ class EngineConfig:
     max_waiting_requests: int = 1024
     target_itl_ms: float | str | None = None
     speculative_config: SpeculativeConfig | dict | str | None = None
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, (str, dict)):
@@ -81,6 +84,13 @@ class EngineConfig:
                 raise ValueError("--target-itl-ms needs chunked prefill (it budgets prefill "
                                  "chunks); drop --no-enable-chunked-prefill")
         check_policy(self.scheduling_policy, self.sjf_aging_ms_per_token)
+        if self.tensor_parallel_size < 1:
+            raise ValueError("--tensor-parallel-size must be at least 1, "
+                             f"got {self.tensor_parallel_size}")
+        spec = self.speculative_config
+        if self.tensor_parallel_size > 1 and spec is not None and spec.method == "draft_model":
+            raise ValueError("--speculative-config: method draft_model is not supported with "
+                             "--tensor-parallel-size > 1 (use method ngram)")
         if self.max_waiting_requests < 1:
             raise ValueError("--max-waiting-requests must be at least 1, "
                              f"got {self.max_waiting_requests}")

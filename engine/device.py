@@ -68,6 +68,19 @@ class Device:
         return linear_path(self.kind, dtype, self.kernels(dtype))
 
     @property
+    def dist_backend(self) -> str:
+        """The `torch.distributed` backend for tensor parallelism on this kind of device:
+        gloo on the CPU, nccl on CUDA, hccl on an Ascend NPU (registered by `torch_npu`)."""
+        return {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}[self.kind]
+
+    def for_rank(self, rank: int) -> Device:
+        """The device a tensor-parallel rank runs on: `cuda:rank` / `npu:rank` (one accelerator
+        per rank, as vLLM places them); the CPU is shared by every rank."""
+        if self.kind == "cpu":
+            return self
+        return Device(self.kind, torch.device(self.kind, rank))
+
+    @property
     def pin_memory(self) -> bool:
         """Whether host buffers for swapping should be pinned (only with an accelerator)."""
         return self.kind != "cpu"

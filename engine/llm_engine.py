@@ -22,6 +22,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 from engine.config import GIB, EngineConfig
 from engine.device import resolve_device, resolve_dtype
+from engine.distributed.executor import TensorParallelRunner, start_tensor_parallel
+from engine.distributed.parallel import TensorParallelError, check_tensor_parallel
 from engine.linear import LINEAR_PATH_NAMES
 from engine.loader import resolve_model
 from engine.model_runner import ModelRunner
@@ -38,27 +40,66 @@ logger = logging.getLogger("continuum.engine")
 
 
 class LLMEngine:
-    """See the module docstring. Construction raises ModelLoadError, DeviceUnavailableError or
-    ValueError (bad configuration) with a one-line message."""
+    """See the module docstring. Construction raises ModelLoadError, DeviceUnavailableError,
+    TensorParallelError (the ranks could not start) or ValueError (bad configuration) with a
+    one-line message.
 
-    def __init__(self, config: EngineConfig) -> None:
-        t0 = time.perf_counter()
-        self.config = config
+    With `tensor_parallel_size` N > 1 this process is rank 0 and starts ranks 1..N-1
+    (`engine.distributed`); `on_fatal(message)` is then called from a monitor thread if a rank
+    dies (the engine core process exits on it; the next `step` raises TensorParallelError in
+    any case). Call `shutdown()` to stop the ranks."""
+
+    def __init__(self, config: EngineConfig,
+                 on_fatal: Callable[[str], None] | None = None) -> None:
+        self._started = time.perf_counter()
+        self.config, self.on_fatal = config, on_fatal
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model_dir = resolve_model(config.model)
         self.model_config = mcfg = ModelConfig.from_dir(self.model_dir)
         self.max_model_len = self._max_model_len(mcfg)
+        self.runner = None
+        self._tp = self._start_tensor_parallel(mcfg) if config.tensor_parallel_size > 1 else None
+        try:
+            self._build(config, mcfg)
+        except BaseException:
+            self.shutdown()
+            raise
 
+    def _start_tensor_parallel(self, mcfg: ModelConfig):
+        """(group, workers) with ranks 1..N-1 started and joined (`engine.distributed`)."""
+        check_tensor_parallel(mcfg, self.config.tensor_parallel_size)
+        self.device.kernels(self.dtype)          # compiled once, before the ranks load it
+        return start_tensor_parallel(self.config.tensor_parallel_size, self.device, self.dtype,
+                                     str(self.model_dir), self.max_model_len, self._rank_died)
+
+    def _rank_died(self, message: str) -> None:
+        logger.error("%s; the engine stops", message)
+        if self.on_fatal is not None:
+            self.on_fatal(message)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks (nothing to do with one rank)."""
+        if self._tp is not None:
+            group, workers = self._tp
+            workers.shutdown()
+            group.destroy()
+            self._tp = None
+
+    def _build(self, config: EngineConfig, mcfg: ModelConfig) -> None:
+        """Tokenizer, model (rank 0's shard under tensor parallelism), KV cache sizes,
+        scheduler and runner."""
         from transformers import AutoTokenizer
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
-        self.model = load_model(self.model_dir, self.device, self.dtype, self.max_model_len)
+        group = self._tp[0] if self._tp is not None else None
+        self.model = load_model(self.model_dir, self.device, self.dtype, self.max_model_len,
+                                tp=group)
         eos = self.tokenizer.eos_token_id
         self.eos_token_id = eos if eos is not None else (mcfg.eos_token_ids or (None,))[0]
         self.extra_eos_ids = tuple(t for t in mcfg.eos_token_ids if t != self.eos_token_id)
 
         draft = self._load_draft_model()
-        block_bytes = (mcfg.kv_bytes_per_token(self.dtype) + (
+        block_bytes = (self.model.cfg.kv_bytes_per_token(self.dtype) + (
             draft.cfg.kv_bytes_per_token(draft.dtype) if draft is not None else 0)
         ) * config.block_size
         num_gpu_blocks = self._num_gpu_blocks(block_bytes)
@@ -72,9 +113,15 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, mcfg.vocab_size)
         self._compile_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self._compiling: dict[str, Future] = {}
-        self.runner = ModelRunner(self.model, self.device, config.block_size, num_gpu_blocks,
-                                  num_cpu_blocks, (self.eos_token_id,) + self.extra_eos_ids,
-                                  config.seed, self.grammars, draft)
+        eos_ids = (self.eos_token_id,) + self.extra_eos_ids
+        if self._tp is not None:     # the ranks' runners start with the same cache
+            self.runner = TensorParallelRunner(*self._tp, self.model, self.device,
+                                               config.block_size, num_gpu_blocks, num_cpu_blocks,
+                                               eos_ids, config.seed, self.grammars)
+        else:
+            self.runner = ModelRunner(self.model, self.device, config.block_size,
+                                      num_gpu_blocks, num_cpu_blocks, eos_ids, config.seed,
+                                      self.grammars, draft)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.proposer = self._proposer()
         self.stat_loggers: list[Callable[[StepStats], None]] = []
@@ -83,13 +130,15 @@ class LLMEngine:
         swap = self.runner.time_swap()
         if swap is not None:
             self.scheduler.observe_swap(*swap)
-        self.load_time = time.perf_counter() - t0
+        self.load_time = time.perf_counter() - self._started
+        cache_note = ("" if draft is None else ", with the draft model's") if self._tp is None \
+            else f" per rank, tensor parallel over {config.tensor_parallel_size} ranks"
         logger.info("engine ready in %.1f s: %s on %s (%s), %d KV blocks of %d tokens "
                     "(%.2f GiB%s), max_model_len %d, attention: %s, linear: %s, cpu isa: %s",
                     self.load_time,
                     mcfg.architecture, self.device.kind, str(self.dtype).removeprefix("torch."),
                     num_gpu_blocks, config.block_size, num_gpu_blocks * block_bytes / GIB,
-                    "" if draft is None else ", with the draft model's",
+                    cache_note,
                     self.max_model_len,
                     f"compiled CPU kernels ({self.runner.kernels.isa})"
                     if self.runner.kernels is not None else "torch",
@@ -270,6 +319,8 @@ class LLMEngine:
         t1 = time.perf_counter()
         try:
             runner_out = self.runner.execute(sched_out)
+        except TensorParallelError:  # the ranks are out of step: the engine must stop
+            raise
         except Exception as e:       # the step's requests fail; the engine keeps serving
             logger.exception("model runner failed")
             return released + self._fail(sched_out, e)

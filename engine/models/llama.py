@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from engine.attention import AttentionMetadata, paged_attention
+from engine.distributed.parallel import TensorParallelGroup, shard_weights, vocab_shard
 from engine.linear import Linear
 from engine.device import Device
 from engine.loader import ModelLoadError, check_architecture
@@ -110,11 +111,21 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 class LlamaForCausalLM:
     """The decoder with its weights on `device` in `dtype`; see the module docstring. Linear
-    layers run on `linear_path` (`engine.linear`; "kernel" needs `kernels`)."""
+    layers run on `linear_path` (`engine.linear`; "kernel" needs `kernels`).
+
+    With `tp` (a `TensorParallelGroup`) the model is that rank's shard
+    (`engine.distributed.parallel.shard_weights`): `cfg` becomes the rank's (its heads, KV heads
+    and MLP width; the KV cache it writes holds its KV heads only), the forward pass all-reduces
+    after the embedding and each row-parallel projection, and `compute_logits` gathers the
+    vocabulary, so every rank returns the same full logits."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
                  dtype: torch.dtype, max_positions: int, linear_path: str = "torch",
-                 kernels=None) -> None:
+                 kernels=None, tp: TensorParallelGroup | None = None) -> None:
+        self.tp, self.vocab_start = tp, 0
+        if tp is not None:
+            cfg, weights = shard_weights(cfg, weights, tp.rank, tp.world_size)
+            self.vocab_start = vocab_shard(cfg.vocab_size, tp.rank, tp.world_size)[0]
         self.cfg, self.device, self.dtype = cfg, device, dtype
         self.linear_path = linear_path
         lin = partial(Linear, path=linear_path, kernels=kernels)
@@ -191,7 +202,7 @@ class LlamaForCausalLM:
         if fused is None:
             cos = self.cos[positions].unsqueeze(1)          # [T, 1, D]
             sin = self.sin[positions].unsqueeze(1)
-        x = self.embed[input_ids]                           # the residual stream (a copy)
+        x = self._embed(input_ids)                          # the residual stream (a copy)
         h = fused.rms_norm(x, self.layers[0][0], eps) if fused else None
         for (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj), (k_cache, v_cache), \
                 next_norm in zip(self.layers, self._layer_caches(kv_cache), self._next_norms):
@@ -206,27 +217,47 @@ class LlamaForCausalLM:
                 fused.rotary(qk, positions, self.cos, self.sin)
             q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
             v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
-            attn = o_proj(paged_attention(q, k, v, k_cache, v_cache, meta, self.scale))
+            attn = self._reduce(o_proj(paged_attention(q, k, v, k_cache, v_cache, meta,
+                                                       self.scale)))
             if fused is None:
                 x = x + attn
                 gate, up = gate_up_proj(self._rms_norm(x, ln2)).chunk(2, dim=-1)
-                x = x + down_proj(F.silu(gate) * up)
+                x = x + self._reduce(down_proj(F.silu(gate) * up))
             else:        # x += attn; h = norm(x), and likewise after the MLP, in place
                 h = fused.add_rms_norm(attn, x, ln2, eps)
-                h = fused.add_rms_norm(down_proj(fused.silu_and_mul(gate_up_proj(h))), x,
-                                       next_norm, eps)
+                h = fused.add_rms_norm(self._reduce(down_proj(fused.silu_and_mul(
+                    gate_up_proj(h)))), x, next_norm, eps)
         return self._rms_norm(x, self.norm) if fused is None else h
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[N, hidden]` → float32 logits `[N, vocab]`."""
-        return self.lm_head(hidden, torch.float32)
+        logits = self.lm_head(hidden, torch.float32)
+        if self.tp is None:
+            return logits
+        return self.tp.all_gather_columns(logits)[:, :self.cfg.vocab_size]
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embedding rows `[T, hidden]` (a copy); under tensor parallelism each rank looks up
+        the ids in its vocabulary shard, zeroes the others' and the ranks sum (exact: one
+        non-zero term per row)."""
+        if self.tp is None:
+            return self.embed[input_ids]
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.embed.shape[0])
+        x = self.embed[local.clamp(0, self.embed.shape[0] - 1)]
+        return self.tp.all_reduce(x.masked_fill_(outside[:, None], 0))
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """A row-parallel projection's partial sums, summed over the ranks (identity alone)."""
+        return x if self.tp is None else self.tp.all_reduce(x)
 
 
 def load_model(model_dir: Path, device: Device, dtype: torch.dtype,
-               max_positions: int) -> LlamaForCausalLM:
+               max_positions: int, tp: TensorParallelGroup | None = None) -> LlamaForCausalLM:
     """Read `config.json` and every `*.safetensors` in `model_dir` and build the model on
-    `device` (`engine.device.Device`, which picks the linear path for `dtype`).
+    `device` (`engine.device.Device`, which picks the linear path for `dtype`); with `tp`, this
+    rank's shard of it.
 
     Raises: ModelLoadError (missing or unreadable weights), UnsupportedArchitectureError,
     ValueError (a dtype this device cannot run, one line).
@@ -246,4 +277,4 @@ def load_model(model_dir: Path, device: Device, dtype: torch.dtype,
         except Exception as e:   # safetensors raises its own error types
             raise ModelLoadError(f"{f}: cannot read weights: {e}") from e
     return LlamaForCausalLM(cfg, weights, device.torch_device, dtype, max_positions, path,
-                            kernels)
+                            kernels, tp)

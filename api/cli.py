@@ -79,6 +79,11 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "--preemption-mode auto. memory_constrained: --max-num-seqs 32, "
                         "--max-num-batched-tokens 512, --preemption-mode auto, --swap-space 1 "
                         "(default: none)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="split the model over N ranks (processes; one device each on CUDA / "
+                        "NPU) with torch.distributed: heads, KV heads and the MLP width must "
+                        "divide by N; --kv-cache-memory and --swap-space are per rank "
+                        "(default: 1)")
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help="speculative decoding, vLLM's keys: method (ngram or draft_model), "
                         "num_speculative_tokens (k, default 4), prompt_lookup_min / "
@@ -142,6 +147,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                              "use them for inputs and outputs (Triton's flag; default: false)")
     triton.add_argument("--no-llm", action="store_true",
                         help="serve only the model repository, no language model")
+    from api.ray_serve.config import add_data_parallel_flags
+    add_data_parallel_flags(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -170,7 +177,8 @@ def engine_config(args: argparse.Namespace):
         enable_prefix_caching=args.enable_prefix_caching,
         sjf_aging_ms_per_token=args.sjf_aging_ms_per_token,
         max_waiting_requests=args.max_waiting_requests,
-        speculative_config=args.speculative_config, **tuned)
+        speculative_config=args.speculative_config,
+        tensor_parallel_size=args.tensor_parallel_size, **tuned)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -224,10 +232,26 @@ def main(argv: list[str] | None = None) -> None:
         if args.model is not None and not Path(args.model).exists():
             raise ValueError(f"model {args.model!r} is not a local path "
                              "(Continuum never downloads weights)")
+        if config.tensor_parallel_size > 1 and not args.no_llm:
+            _check_tensor_parallel(config)
+        from api.ray_serve.config import data_parallel_config
+        data_parallel = data_parallel_config(args)
     except ValueError as e:
         print(f"continuum: error: {e}", file=sys.stderr)
         sys.exit(2)
+    if data_parallel is not None:        # N replicas of this server behind Ray Serve
+        from api.ray_serve.app import serve_ray
+        serve_ray(argv[1:], args, data_parallel)
     serve(args, config)
+
+
+def _check_tensor_parallel(config) -> None:
+    """Raise ValueError (one line) where the model's heads do not split over the ranks."""
+    from engine.distributed.parallel import check_tensor_parallel
+    from engine.loader import resolve_model
+    from engine.models.llama import ModelConfig
+    check_tensor_parallel(ModelConfig.from_dir(resolve_model(config.model)),
+                          config.tensor_parallel_size)
 
 
 def _bool_flag(flag: str, value: str) -> bool:

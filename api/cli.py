@@ -246,12 +246,15 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _check_tensor_parallel(config) -> None:
-    """Raise ValueError (one line) where the model's heads do not split over the ranks."""
+    """Raise ValueError (one line) where the model's heads do not split over the ranks, or
+    an accelerator has fewer devices than ranks."""
+    from engine.device import resolve_device
     from engine.distributed.parallel import check_tensor_parallel
     from engine.loader import resolve_model
     from engine.models.llama import ModelConfig
     check_tensor_parallel(ModelConfig.from_dir(resolve_model(config.model)),
                           config.tensor_parallel_size)
+    resolve_device(config.device).check_world_size(config.tensor_parallel_size)
 
 
 def _bool_flag(flag: str, value: str) -> bool:

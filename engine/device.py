@@ -73,6 +73,16 @@ class Device:
         gloo on the CPU, nccl on CUDA, hccl on an Ascend NPU (registered by `torch_npu`)."""
         return {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}[self.kind]
 
+    def check_world_size(self, world_size: int) -> None:
+        """Raise ValueError (one line) when an accelerator has fewer devices than `world_size`
+        ranks need (one each); the CPU takes any number of ranks."""
+        if self.kind == "cpu":
+            return
+        count = getattr(torch, self.kind).device_count()
+        if count < world_size:
+            raise ValueError(f"--tensor-parallel-size {world_size} needs {world_size} {self.kind} "
+                             f"devices, one per rank; {count} visible")
+
     def for_rank(self, rank: int) -> Device:
         """The device a tensor-parallel rank runs on: `cuda:rank` / `npu:rank` (one accelerator
         per rank, as vLLM places them); the CPU is shared by every rank."""

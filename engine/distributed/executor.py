@@ -46,13 +46,15 @@ class TensorParallelWorkers:
     """Ranks 1..`world_size`-1 as child processes of this one (see the module docstring).
 
     `on_death(message)` is called from a monitor thread when a worker exits while the group is
-    not shutting down; `failure` keeps the first such message."""
+    not shutting down; `failure` keeps the first such message; `send_seconds` accumulates the
+    control plane's time (pickling and writing each step)."""
 
     def __init__(self, world_size: int, device: str, dtype: str, model_dir: str,
                  max_model_len: int, on_death: Callable[[str], None] | None = None) -> None:
         self.port = _free_port()
         self.on_death = on_death
         self.failure: str | None = None
+        self.send_seconds = 0.0
         self._stopping = False
         threads = threads_per_rank(world_size)
         self.procs: list[subprocess.Popen] = []
@@ -88,9 +90,11 @@ class TensorParallelWorkers:
         worker is gone."""
         if self.failure is not None:
             raise TensorParallelError(self.failure)
+        t0 = time.perf_counter()
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         for proc in self.procs:
             self._write(proc, data)
+        self.send_seconds += time.perf_counter() - t0
 
     def diagnose(self, wait_s: float = 2.0) -> str | None:
         """The first worker death, waiting up to `wait_s` seconds for exits to be reaped (a

@@ -280,9 +280,11 @@ def _chat_template(value: str | None) -> str | None:
     raise ValueError(f"--chat-template {value}: no such file")
 
 
-def serve(args: argparse.Namespace, config) -> None:
-    """Run the server until it stops; exits with the lifecycle's status (0 after a drain, 1 if
-    the engine died or failed to start)."""
+def build_server(args: argparse.Namespace, config, host: str, port: int,
+                 grpc_address: tuple[str, int]):
+    """(uvicorn-based `Server`, `ServerState`) of `continuum serve` from parsed `args` and its
+    `EngineConfig`, for host:port (the server binds there unless given sockets), with KServe
+    v2 gRPC on `grpc_address` when a model repository is served (port 0: none)."""
     import uvicorn
 
     from api.lifecycle import Lifecycle, Server
@@ -293,7 +295,7 @@ def serve(args: argparse.Namespace, config) -> None:
     api_key = args.api_key if args.api_key is not None else os.environ.get("CONTINUUM_API_KEY")
     lifecycle = Lifecycle(args.shutdown_timeout)
     state = ServerState(None if args.no_llm else config, name, api_key or None,
-                        base_url=f"http://{args.host}:{args.port}/v1", lifecycle=lifecycle,
+                        base_url=f"http://{host}:{port}/v1", lifecycle=lifecycle,
                         http_max_input_size=args.http_max_input_size,
                         chat_template=args.chat_template_text,
                         enable_auto_tool_choice=args.enable_auto_tool_choice)
@@ -302,14 +304,22 @@ def serve(args: argparse.Namespace, config) -> None:
                                  args.load_model)
         state.restricted_apis = args.restrictions
         state.grpc_restrictions = args.grpc_restrictions
-        state.grpc_address = (args.grpc_address or args.host, args.grpc_port)
+        state.grpc_address = grpc_address
         state.allow_client_shm = args.allow_client_shm
-    uv_config = uvicorn.Config(build_app(state), host=args.host, port=args.port,
+    uv_config = uvicorn.Config(build_app(state), host=host, port=port,
                                log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5)
-    Server(uv_config, lifecycle).run()
+    return Server(uv_config, lifecycle), state
+
+
+def serve(args: argparse.Namespace, config) -> None:
+    """Run the server until it stops; exits with the lifecycle's status (0 after a drain, 1 if
+    the engine died or failed to start)."""
+    server, state = build_server(args, config, args.host, args.port,
+                                 (args.grpc_address or args.host, args.grpc_port))
+    server.run()
     if state.llm is not None:            # after a forced stop the lifespan did not run
         state.llm.shutdown()
-    sys.exit(lifecycle.exit_code)
+    sys.exit(server.lifecycle.exit_code)
 
 
 if __name__ == "__main__":

@@ -23,12 +23,10 @@ In: `ForwardedRequest` (from the ingress). Out: `ResponseHead` then `bytes` chun
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 from ray import serve
@@ -67,31 +65,12 @@ class ResponseHead:
 
 def _build_server(argv: list[str], host: str, port: int):
     """(uvicorn `Server`, `ServerState`) of `continuum serve ARGV` on host:port, as
-    `api.cli.serve` builds them. Raises ValueError for a bad flag."""
-    import uvicorn
-
-    from api.lifecycle import Lifecycle, Server
-    from api.server import ServerState, build_app
+    `api.cli.serve` builds them, without gRPC (only this replica reaches it). Raises
+    ValueError for a bad flag."""
+    from api.cli import build_server
 
     args, config = replica_args(argv)
-    name = args.served_model_name or (Path(args.model).stem if args.model
-                                      else "SmolLM2-135M-Instruct")
-    api_key = args.api_key if args.api_key is not None else os.environ.get("CONTINUUM_API_KEY")
-    lifecycle = Lifecycle(args.shutdown_timeout)
-    state = ServerState(config, name, api_key or None, base_url=f"http://{host}:{port}/v1",
-                        lifecycle=lifecycle, http_max_input_size=args.http_max_input_size,
-                        chat_template=args.chat_template_text,
-                        enable_auto_tool_choice=args.enable_auto_tool_choice)
-    if args.model_repository is not None:
-        state.repository_args = (args.model_repository, args.model_control_mode,
-                                 args.load_model)
-        state.restricted_apis = args.restrictions
-        state.grpc_restrictions = args.grpc_restrictions
-        state.grpc_address = (host, 0)          # port 0: no gRPC (not behind the ingress)
-        state.allow_client_shm = args.allow_client_shm
-    uv_config = uvicorn.Config(build_app(state), log_level=args.uvicorn_log_level,
-                               timeout_graceful_shutdown=5)
-    return Server(uv_config, lifecycle), state
+    return build_server(args, config, host, port, (host, 0))
 
 
 @serve.deployment(name="ContinuumReplica")

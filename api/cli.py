@@ -253,8 +253,7 @@ def _check_tensor_parallel(config) -> None:
     from engine.loader import resolve_model
     from engine.models.llama import ModelConfig
     check_tensor_parallel(ModelConfig.from_dir(resolve_model(config.model)),
-                          config.tensor_parallel_size)
-    resolve_device(config.device).check_world_size(config.tensor_parallel_size)
+                          config.tensor_parallel_size, resolve_device(config.device))
 
 
 def _bool_flag(flag: str, value: str) -> bool:

@@ -68,8 +68,7 @@ class LLMEngine:
 
     def _start_tensor_parallel(self, mcfg: ModelConfig):
         """(group, workers) with ranks 1..N-1 started and joined (`engine.distributed`)."""
-        check_tensor_parallel(mcfg, self.config.tensor_parallel_size)
-        self.device.check_world_size(self.config.tensor_parallel_size)
+        check_tensor_parallel(mcfg, self.config.tensor_parallel_size, self.device)
         self.device.kernels(self.dtype)          # compiled once, before the ranks load it
         return start_tensor_parallel(self.config.tensor_parallel_size, self.device, self.dtype,
                                      str(self.model_dir), self.max_model_len, self._rank_died)

@@ -54,20 +54,19 @@ def build_app(args: dict) -> Application:
     return bind_app(argv, data_parallel_config(parsed))
 
 
-def _start_ray(address: str | None, dp: DataParallelConfig) -> bool:
+def _start_ray(address: str | None, dp: DataParallelConfig) -> None:
     """Join the cluster at `address`, or start a local single-node one with enough CPUs for
     the replicas (Ray itself binds the node's address; Continuum's replica servers listen on
-    127.0.0.1). Returns whether this process started the cluster."""
+    127.0.0.1)."""
     import ray
 
     if address is not None:
         ray.init(address=address, namespace="serve", log_to_driver=False)
-        return False
+        return
     replicas = dp.num_replicas or dp.max_replicas
     num_cpus = max(os.cpu_count() or 1, int(replicas * dp.replica_num_cpus + 0.999))
     ray.init(num_cpus=num_cpus, include_dashboard=False,
              namespace="serve", log_to_driver=False)
-    return True
 
 
 def serve_ray(argv: list[str], args: argparse.Namespace, dp: DataParallelConfig) -> None:

@@ -35,9 +35,10 @@ class TensorParallelError(RuntimeError):
     engine must stop (it is never retried as a per-request failure)."""
 
 
-def check_tensor_parallel(cfg, size: int) -> None:
+def check_tensor_parallel(cfg, size: int, device=None) -> None:
     """Raise ValueError (one line, naming `--tensor-parallel-size`) unless the model's query
-    heads, KV heads and MLP width all divide evenly by `size` (`cfg`: `ModelConfig`)."""
+    heads, KV heads and MLP width all divide evenly by `size` (`cfg`: `ModelConfig`) and
+    `device` (an `engine.device.Device`, if given) has a device for every rank."""
     if size < 1:
         raise ValueError(f"--tensor-parallel-size must be at least 1, got {size}")
     for what, n in (("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads),
@@ -46,6 +47,8 @@ def check_tensor_parallel(cfg, size: int) -> None:
             raise ValueError(f"--tensor-parallel-size {size} does not divide the model's {n} "
                              f"{what} (it has {cfg.num_heads} attention heads, "
                              f"{cfg.num_kv_heads} KV heads, MLP width {cfg.intermediate_size})")
+    if device is not None:
+        device.check_world_size(size)
 
 
 class TensorParallelGroup:

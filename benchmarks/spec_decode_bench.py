@@ -12,6 +12,10 @@ bfloat16 as the float32 target's draft), then:
    output tok/s with ngram >= 1.8x without, every output identical.
 2. Open chat: ShareGPT prompts with `continuum bench serve` at concurrency 1, 16 and 64. Goal:
    adaptive speculation (either method) >= 0.97x off in output throughput at each.
+With `--repeats R` (default 3) the chat part runs R rounds; each round starts every config's
+server afresh (a cold prefix cache for the same prompts) in an order rotated by one, and the
+report gives each point's median over rounds of (config / off in the same round): single runs of
+the c64 point were seen to vary by 16%.
 While each run goes, /metrics is polled to pair the running batch size with the mean k the
 scheduler chose (`continuum_spec_decode_mean_k`); acceptance rate and mean accepted length come
 from the spec_decode counters (vLLM's definitions: accepted / draft tokens, and
@@ -27,6 +31,7 @@ import inspect
 import json
 import random
 import re
+import statistics
 import sys
 import tempfile
 import threading
@@ -38,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx  # noqa: E402
 
-from benchmarks.slo_bench import bench, server  # noqa: E402
+from benchmarks.slo_bench import _preemptions, bench, server  # noqa: E402
 from engine.loader import embedded_gguf_path  # noqa: E402
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
@@ -205,44 +210,63 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--grounded-max-tokens", type=int, default=256)
     ap.add_argument("--concurrency", default="1,16,64")
     ap.add_argument("--chat-prompts", default="12,64,128",
-                    help="ShareGPT prompts per concurrency level")
+                    help="ShareGPT prompts per concurrency level (one count per level)")
     ap.add_argument("--chat-output-len", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="chat rounds; each round starts every config's server afresh, in an "
+                         "order rotated by one per round, and the report gives median ratios")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="spec_decode_bench.json")
     ap.add_argument("--server-flags", default="", help="extra flags for every server")
     args = ap.parse_args(argv)
     parts, configs = args.parts.split(","), args.configs.split(",")
-    prompts = grounded_prompts(args.seed)
     levels = [int(c) for c in args.concurrency.split(",")]
     counts = [int(n) for n in args.chat_prompts.split(",")]
-    results: dict = {"grounded": {}, "chat": {}}
+    if len(counts) != len(levels):
+        ap.error(f"--chat-prompts has {len(counts)} counts for {len(levels)} concurrency levels")
+    results: dict = {"grounded": {}, "chat": []}
     tmp = Path(tempfile.mkdtemp(prefix="spec_bench_"))
-    for name in configs:
-        flags = args.server_flags.split() + (
-            ["--speculative-config", json.dumps(CONFIGS[name])] if CONFIGS[name] else [])
-        with server(flags, tmp, name) as base:
-            if "grounded" in parts:
-                r = results["grounded"][name] = run_grounded(base, prompts,
-                                                             args.grounded_max_tokens)
-                print(f"grounded {name}: {r['output_tok_s']:.1f} tok/s, acceptance "
-                      f"{r['acceptance_rate']}, k by running {r['mean_k_by_running']}",
-                      flush=True)
-            if "chat" in parts:
-                for level, count in zip(levels, counts):
-                    chat_args = argparse.Namespace(num_prompts=count, seed=args.seed,
-                                                   tpot_slo_ms=None)
-                    with MetricsPoller(base) as poll:
-                        r = bench(base, tmp, f"{name}_c{level}", chat_args,
-                                  ["--max-concurrency", str(level), "--sharegpt-output-len",
-                                   str(args.chat_output_len), "--endpoint", "chat"])
-                    results["chat"][f"{name}_c{level}"] = {
-                        "output_throughput": r["output_throughput"],
-                        "median_itl_ms": r.get("median_itl_ms"), **poll.summary()}
+    rounds = max(1, args.repeats) if "chat" in parts else 1
+    for r in range(rounds):
+        results["chat"].append({})
+        for name in configs[r % len(configs):] + configs[:r % len(configs)]:
+            flags = args.server_flags.split() + (
+                ["--speculative-config", json.dumps(CONFIGS[name])] if CONFIGS[name] else [])
+            with server(flags, tmp, f"{name}_r{r}") as base:
+                if "grounded" in parts and r == 0:
+                    g = results["grounded"][name] = run_grounded(
+                        base, grounded_prompts(args.seed), args.grounded_max_tokens)
+                    print(f"grounded {name}: {g['output_tok_s']:.1f} tok/s, acceptance "
+                          f"{g['acceptance_rate']}, k by running {g['mean_k_by_running']}",
+                          flush=True)
+                if "chat" in parts:
+                    results["chat"][r].update(run_chat(base, tmp, f"{name}_r{r}", name, args,
+                                                       zip(levels, counts)))
     report(results, levels)
     Path(args.out).write_text(json.dumps(results, indent=1))
 
 
+def run_chat(base: str, tmp: Path, tag: str, name: str, args, points) -> dict:
+    """`continuum bench serve` on ShareGPT at each (concurrency, prompts) point, with the
+    spec_decode counters and preemptions of each; keys `{name}_c{level}`."""
+    out = {}
+    for level, count in points:
+        chat_args = argparse.Namespace(num_prompts=count, seed=args.seed, tpot_slo_ms=None)
+        before = _preemptions(base)
+        with MetricsPoller(base) as poll:
+            r = bench(base, tmp, f"{tag}_c{level}", chat_args,
+                      ["--max-concurrency", str(level), "--sharegpt-output-len",
+                       str(args.chat_output_len), "--endpoint", "chat"])
+        after = _preemptions(base)
+        out[f"{name}_c{level}"] = {
+            "output_throughput": r["output_throughput"], "median_itl_ms": r.get("median_itl_ms"),
+            "preemptions": sum(after.values()) - sum(before.values()), **poll.summary()}
+    return out
+
+
 def report(results: dict, levels: list[int]) -> None:
+    """Prints the goals' ratios: grounded speed-up and identity, and per chat point the median
+    over rounds of (config / off in the same round)."""
     g = results["grounded"]
     if "off" in g:
         for name in g:
@@ -253,15 +277,21 @@ def report(results: dict, levels: list[int]) -> None:
                   f" output tok/s; identical outputs {same}/{len(g['off']['texts'])}; acceptance "
                   f"{g[name]['acceptance_rate']}, mean accepted length "
                   f"{g[name]['mean_accepted_length']}")
-    c = results["chat"]
+    rounds = results["chat"]
     for level in levels:
-        off = c.get(f"off_c{level}")
         for name in [n for n in CONFIGS if n != "off"]:
-            on = c.get(f"{name}_c{level}")
-            if off and on:
-                print(f"chat c{level} {name} / off: "
-                      f"{on['output_throughput'] / off['output_throughput']:.2f}x output tok/s; "
-                      f"acceptance {on['acceptance_rate']}, k by running {on['mean_k_by_running']}")
+            pairs = [(c[f"{name}_c{level}"], c[f"off_c{level}"]) for c in rounds
+                     if f"{name}_c{level}" in c and f"off_c{level}" in c]
+            if not pairs:
+                continue
+            each = [on["output_throughput"] / off["output_throughput"] for on, off in pairs]
+            on = pairs[0][0]
+            results.setdefault("median_ratios", {})[f"{name}_c{level}"] = \
+                statistics.median(each)
+            print(f"chat c{level} {name} / off: median {statistics.median(each):.2f}x output "
+                  f"tok/s (rounds: {', '.join(f'{x:.2f}' for x in each)}); preemptions "
+                  f"{[p[0]['preemptions'] for p in pairs]} vs off {[p[1]['preemptions'] for p in pairs]};"
+                  f" acceptance {on['acceptance_rate']}, k by running {on['mean_k_by_running']}")
 
 
 if __name__ == "__main__":

@@ -90,6 +90,11 @@ class Metrics:
         self.prefill_budget = gauge("continuum_prefill_budget_tokens",
                                     "Prefill tokens allowed in the last step (adaptive with "
                                     "--target-itl-ms, else --max-num-batched-tokens).")
+        self.step_cost = Gauge(
+            "continuum_step_cost_seconds",
+            "The scheduler's fitted step-cost model, t = base + per_decode * decodes + "
+            "per_prefill_token * prefill tokens, on its moving window of step timings "
+            "(absent until measured).", labels + ["term"], registry=r)
         self.spec_counters = {
             "num_drafts": counter("continuum_spec_decode_num_drafts",
                                   "Request-steps that verified speculative drafts."),
@@ -131,6 +136,10 @@ class Metrics:
         self.cpu_kv_usage.set(snapshot.get("cpu_kv_cache_usage", 0.0))
         if "prefill_budget" in snapshot:
             self.prefill_budget.set(snapshot["prefill_budget"])
+        for term, value in zip(("base", "per_decode", "per_prefill_token"),
+                               snapshot.get("step_cost", ())):
+            if value is not None:
+                self.step_cost.labels(self.model_name, term).set(value)
         if snapshot.get("spec_decode"):
             self._on_spec(snapshot["spec_decode"])
         for key, value in snapshot["counters"].items():

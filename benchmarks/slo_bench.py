@@ -7,6 +7,9 @@ Every point starts `continuum serve` with the flags under test and sends ShareGP
    request alone), then the capacity (request throughput at concurrency 64). Then, for the fixed
    budget and for `--target-itl-ms 2d`: Poisson arrivals at 70% and 100% of that capacity, and
    concurrency 64. Goals: p99 ITL <= 2d and output throughput >= 0.95x the fixed budget's.
+   Also reported: the most load at which every step could fit in 2d at all (`feasibility`,
+   from the server's own fitted step costs, `continuum_step_cost_seconds`), and the same pair
+   of runs at 80% of that load (the `feasible` point).
 2. sjf vs fcfs: one burst (`--request-rate inf`) at `--max-num-seqs 8`, so a queue forms.
    Goal: lower mean end-to-end latency at the same throughput.
 3. Memory pressure: a KV pool of `--pressure-blocks` blocks that forces preemption, at
@@ -84,7 +87,8 @@ def unloaded_decode_ms(base: str, tmp: Path, args) -> float:
 
 
 def part_itl(args, tmp: Path) -> dict:
-    """Fixed budget vs --target-itl-ms 2d at 70% / 100% of capacity (Poisson) and conc 64.
+    """Fixed budget vs --target-itl-ms 2d at 70% / 100% of capacity (Poisson) and conc 64, and
+    at the `feasible` load (FEASIBLE_SHARE of the most load the target allows; `feasibility`).
     Every point gets a fresh server: the points send the same prompts, and a prefix cache
     warmed by an earlier point would turn its prompts into a few uncached tokens."""
     res: dict = {}
@@ -92,18 +96,65 @@ def part_itl(args, tmp: Path) -> dict:
         d = unloaded_decode_ms(base, tmp, args)
         res["unloaded_decode_ms"], res["target_itl_ms"] = d, round(2 * d, 2)
         args.tpot_slo_ms = res["target_itl_ms"]
+        before = _engine_figures(base)
         res["fixed_c64"] = bench(base, tmp, "fixed_c64", args, ["--max-concurrency", "64"])
+        res["fixed_c64"]["engine"] = _engine_figures(base, before)
     capacity = res["capacity_req_s"] = res["fixed_c64"]["request_throughput"]
+    res["most_load_within_target"] = most = feasibility(res["fixed_c64"], res["target_itl_ms"])
     loads = {"p70": ["--request-rate", f"{0.7 * capacity:.4f}"],
              "p100": ["--request-rate", f"{capacity:.4f}"],
-             "c64": ["--max-concurrency", "64"]}
+             "c64": ["--max-concurrency", "64"],
+             "feasible": ["--request-rate", f"{FEASIBLE_SHARE * most * capacity:.4f}"]}
     target = ["--target-itl-ms", str(res["target_itl_ms"])]
-    runs = [("fixed", [], "p70"), ("fixed", [], "p100"),
-            ("target", target, "p70"), ("target", target, "p100"), ("target", target, "c64")]
+    runs = [("fixed", [], "p70"), ("fixed", [], "p100"), ("target", target, "p70"),
+            ("target", target, "p100"), ("target", target, "c64"), ("fixed", [], "feasible"),
+            ("target", target, "feasible")]
     for name, flags, point in runs:
         with server(flags, tmp, f"{name}_{point}") as base:
             res[f"{name}_{point}"] = bench(base, tmp, f"{name}_{point}", args, loads[point])
+            res[f"{name}_{point}"]["engine"] = _engine_figures(base)
     return res
+
+
+FEASIBLE_SHARE = 0.8     # the `feasible` point's load: this share of the most the target allows
+
+
+def _engine_figures(base: str, before: dict | None = None) -> dict:
+    """The server's fitted step-cost model (`continuum_step_cost_seconds`, seconds) and the
+    prefill tokens it computed (`continuum_prompt_tokens_total`, less `before`'s)."""
+    import httpx
+
+    out: dict = {"step_cost": {}, "prefill_tokens": 0.0}
+    for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
+        if line.startswith("continuum_step_cost_seconds{"):
+            out["step_cost"][line.split('term="')[1].split('"')[0]] = float(line.split()[-1])
+        elif line.startswith("continuum_prompt_tokens_total{"):
+            out["prefill_tokens"] = float(line.split()[-1]) - (before or {}).get(
+                "prefill_tokens", 0.0)
+    return out
+
+
+def work_share(run: dict) -> float:
+    """Seconds of token work per second of a run, by its server's fitted step costs: decode
+    rows (output tokens less each request's first, which its prefill step gives) x per_decode
+    + computed prefill tokens x per_prefill_token, over the run's duration."""
+    cost = run["engine"]["step_cost"]
+    decodes = run["total_output_tokens"] - run["completed"]
+    return (decodes * cost["per_decode"]
+            + run["engine"]["prefill_tokens"] * cost["per_prefill_token"]) / run["duration"]
+
+
+def feasibility(at_capacity: dict, target_ms: float) -> float:
+    """The most load, as a share of capacity, at which every step can fit in the target T.
+
+    A necessary condition, from the linear step cost t = base + per_decode*D + per_prefill*P
+    (`scheduler.slo`): if every step takes <= T, a second of busy time holds >= 1/T steps, each
+    paying `base`, so the token work (`work_share`) can take at most 1 - base/T of it. A load of
+    share x of capacity needs x times the capacity run's token work, hence
+    x <= (1 - base/T) / work_share(capacity run). Host jitter only lowers it.
+    """
+    base = at_capacity["engine"]["step_cost"]["base"]
+    return (1 - base / (target_ms / 1000)) / work_share(at_capacity)
 
 
 def part_sjf(args, tmp: Path) -> dict:
@@ -143,7 +194,7 @@ def ratios(res: dict) -> dict:
     out = {}
     if "itl" in res:
         r, target = res["itl"], res["itl"]["target_itl_ms"]
-        for point in ("p70", "p100", "c64"):
+        for point in ("p70", "p100", "c64", "feasible"):
             fixed, tgt = r[f"fixed_{point}"], r[f"target_{point}"]
             out[f"itl_{point}"] = {
                 "p99_itl_fixed_ms": fixed["p99_itl_ms"], "p99_itl_target_ms": tgt["p99_itl_ms"],
@@ -151,8 +202,13 @@ def ratios(res: dict) -> dict:
                 "share_of_itls_within_target": _share(tgt["itls"], target),
                 "share_of_itls_within_target_fixed": _share(fixed["itls"], target),
                 "throughput_ratio": tgt["output_throughput"] / fixed["output_throughput"],
+                "load_share_of_capacity": fixed["request_throughput"] / r["capacity_req_s"],
                 "goodput_fixed": fixed.get("request_goodput"),
                 "goodput_target": tgt.get("request_goodput")}
+        out["most_load_within_target"] = r["most_load_within_target"]
+        out["step_cost_ms_at_capacity"] = {
+            k: v * 1000 for k, v in r["fixed_c64"]["engine"]["step_cost"].items()}
+        out["work_share_at_capacity"] = work_share(r["fixed_c64"])
     if "sjf" in res:
         f, s = res["sjf"]["fcfs"], res["sjf"]["sjf"]
         out["sjf_over_fcfs"] = {k: s[k] / f[k] for k in ("mean_e2el_ms", "p99_e2el_ms",
@@ -179,7 +235,8 @@ def plot(res: dict, path: Path) -> None:
 
     r = res["itl"]
     fig, ax = plt.subplots(figsize=(8, 5))
-    for point, colour in (("p70", "tab:blue"), ("p100", "tab:orange"), ("c64", "tab:green")):
+    for point, colour in (("p70", "tab:blue"), ("p100", "tab:orange"), ("c64", "tab:green"),
+                          ("feasible", "tab:purple")):
         for mode, style in (("fixed", "--"), ("target", "-")):
             x = np.sort(np.array(r[f"{mode}_{point}"]["itls"]) * 1000)
             ax.plot(x, np.arange(1, len(x) + 1) / len(x), style, color=colour,

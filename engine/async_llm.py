@@ -212,7 +212,7 @@ def engine_snapshot(engine: LLMEngine) -> dict:
     return {"num_running": s.num_running, "num_waiting": s.num_waiting,
             "num_swapped": s.num_swapped, "kv_cache_usage": s.kv.usage(),
             "cpu_kv_cache_usage": s.kv.cpu_pool.usage() if s.kv.cpu_pool is not None else 0.0,
-            "prefill_budget": s.prefill_budget,
+            "prefill_budget": s.prefill_budget, "step_cost": s.latency.coefficients(),
             "counters": dataclasses.asdict(s.counters),
             "spec_decode": (dataclasses.asdict(s.spec_counters)
                             if s.config.num_speculative_tokens else None)}

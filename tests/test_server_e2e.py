@@ -5,6 +5,7 @@ and disconnect → blocks freed (read from /metrics). Each negative test ends wi
 from __future__ import annotations
 
 import json
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -230,6 +231,15 @@ def test_metrics_use_vllm_names_with_continuum_prefix(server):
     missing = [n for n in METRIC_NAMES if n not in text]
     assert not missing, missing
     assert metric(server, "continuum_generation_tokens_total") > 0
+    # The step-cost model the SLO scheduler budgets by, fitted on this server's own steps: a
+    # decode step (base + per_decode) takes as long as the step-time histogram says, within 4x.
+    costs = {term: float(v) for term, v in re.findall(
+        r'^continuum_step_cost_seconds{[^}]*term="(\w+)"[^}]*} (\S+)$', text, re.M)}
+    assert set(costs) == {"base", "per_decode", "per_prefill_token"}, costs
+    step = metric(server, "continuum_step_duration_seconds_sum") \
+        / metric(server, "continuum_step_duration_seconds_count")
+    assert 0.25 * step < costs["base"] + costs["per_decode"] < 4 * step, (costs, step)
+    assert costs["per_prefill_token"] > 0
     assert json.loads(httpx.get(f"{server}/version", timeout=5).text)["version"]
 
 

@@ -120,28 +120,30 @@ FEASIBLE_SHARE = 0.8     # the `feasible` point's load: this share of the most t
 
 
 def _engine_figures(base: str, before: dict | None = None) -> dict:
-    """The server's fitted step-cost model (`continuum_step_cost_seconds`, seconds) and the
-    prefill tokens it computed (`continuum_prompt_tokens_total`, less `before`'s)."""
+    """The server's fitted step-cost model (`continuum_step_cost_seconds`, seconds), and its
+    steps: how many and their total seconds (`continuum_step_duration_seconds`), less
+    `before`'s."""
     import httpx
 
-    out: dict = {"step_cost": {}, "prefill_tokens": 0.0}
+    out: dict = {"step_cost": {}, "steps": 0.0, "step_seconds": 0.0}
+    keys = {"continuum_step_duration_seconds_count{": "steps",
+            "continuum_step_duration_seconds_sum{": "step_seconds"}
     for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
         if line.startswith("continuum_step_cost_seconds{"):
             out["step_cost"][line.split('term="')[1].split('"')[0]] = float(line.split()[-1])
-        elif line.startswith("continuum_prompt_tokens_total{"):
-            out["prefill_tokens"] = float(line.split()[-1]) - (before or {}).get(
-                "prefill_tokens", 0.0)
+        for prefix, key in keys.items():
+            if line.startswith(prefix):
+                out[key] = float(line.split()[-1]) - (before or {}).get(key, 0.0)
     return out
 
 
 def work_share(run: dict) -> float:
-    """Seconds of token work per second of a run, by its server's fitted step costs: decode
-    rows (output tokens less each request's first, which its prefill step gives) x per_decode
-    + computed prefill tokens x per_prefill_token, over the run's duration."""
-    cost = run["engine"]["step_cost"]
-    decodes = run["total_output_tokens"] - run["completed"]
-    return (decodes * cost["per_decode"]
-            + run["engine"]["prefill_tokens"] * cost["per_prefill_token"]) / run["duration"]
+    """Seconds of token work per second of a run: its steps' total time less `base` per step
+    (the fitted fixed cost of a step: weights read, launch), over the run's duration. Only
+    `base` is taken from the fitted model — its per-token terms follow the context lengths of
+    the window's last steps, the step totals cover the whole run."""
+    e = run["engine"]
+    return (e["step_seconds"] - e["steps"] * e["step_cost"]["base"]) / run["duration"]
 
 
 def feasibility(at_capacity: dict, target_ms: float) -> float:

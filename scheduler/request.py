@@ -196,6 +196,7 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)  # drafts proposed for the next step
     spec_window: object = None             # scheduler.spec_decode.AcceptanceWindow, once drafted
     seq: int = field(init=False)           # tie-breaker: admission order among equal arrivals
+    arrival_step: int = field(default=0, init=False)   # scheduler steps before it was added
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -110,6 +110,7 @@ class Scheduler:
                                                        history=self.latency)
                                  if config.target_itl_ms is not None else None)
         self._prefill_left = 0                     # this step's prefill tokens still allowed
+        self._num_steps = 0                        # schedule() calls so far
         self.spec_counters = SpecDecodeCounters()
         self.draft_cost = DraftCost()              # a draft model's drafting passes (measured)
         self.spec_pooled = AcceptanceWindow.pooled()   # every request's recent acceptance
@@ -154,9 +155,19 @@ class Scheduler:
                                  "requests); retry later")
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
+        request.arrival_step = self._num_steps
         heapq.heappush(self.waiting, (self._key(request), request))
 
     # ------------------------------------------------------------------ schedule
+    def _prefill_starved(self) -> bool:
+        """Whether a request with prompt tokens still to compute (waiting, or running with a
+        partial prefill) was added `prefill_budgeter.patience` or more steps ago: then the
+        adaptive budget keeps its floor (`scheduler.slo`, the admission bound)."""
+        oldest = self._num_steps - self.prefill_budgeter.patience
+        return any(r.arrival_step <= oldest for _, r in self.waiting) or any(
+            r.arrival_step <= oldest and r.num_computed_tokens < len(r.all_token_ids) - 1
+            for r in self.running)
+
     def schedule(self) -> SchedulerOutput:
         """Pick this step's batch; advances `num_computed_tokens` of every scheduled request."""
         cfg = self.config
@@ -165,10 +176,12 @@ class Scheduler:
         self._finished_ids = []
         budget = cfg.max_num_batched_tokens
         self._prefill_left = budget
+        self._num_steps += 1
         if self.prefill_budgeter is not None:
             num_decodes = sum(self._seats(r) for r in self.running
                               if r.num_computed_tokens == len(r.all_token_ids) - 1)
-            self._prefill_left = self.prefill_budgeter.prefill_budget(num_decodes)
+            self._prefill_left = self.prefill_budgeter.prefill_budget(
+                num_decodes, starved=self._prefill_starved())
         if cfg.num_speculative_tokens:
             self._drafts = plan_drafts(self.running, cfg, self.latency, self.spec_counters,
                                       self.draft_cost, self.spec_pooled)

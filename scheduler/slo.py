@@ -22,10 +22,16 @@ profiled once but follows the measured window): with target T,
 clamped to [floor, max_num_batched_tokens - D], where margin is the 90th percentile of how much
 the window's steps with prefill ran over the model's prediction (the host's jitter: planning at
 the mean would put half of the budgeted steps over the target). Until a prefill cost is measured the budget is
-the fixed `max_num_batched_tokens`. The floor keeps prefills moving whatever the load: every
-step spends at least `floor` tokens on prefill while any is pending (when the step's seats and
-blocks allow), so with fcfs a waiting request with W prompt tokens of earlier requests still to
-compute ahead of it starts its prefill within ceil(W / floor) + 1 steps.
+the fixed `max_num_batched_tokens`. The floor keeps prefills moving whatever the load, but
+only once they starve: while some request with prompt tokens still to compute has been waiting
+`patience` steps or more (counted from its arrival), every step spends at least `floor` tokens
+on prefill (when the step's seats and blocks allow); before that the budget is what the slack
+gives, even 0. A floor that applied at once would, on a host where the floor's chunk alone
+overshoots the target, put every prefill's chunks over it even at light load, where the slack
+left by the decodes would have carried the prompt within the target in a few more steps. So
+with fcfs a waiting request with W prompt tokens of earlier requests still to compute ahead of
+it starts its prefill within patience + ceil(W / floor) + 1 steps of its arrival: once it has
+waited `patience` steps, the floor holds at every step until it starts.
 
 Preemption cost (`--preemption-mode auto`): swapping a request out and back in moves its blocks
 twice, 2 * blocks * seconds_per_block (the measured copy time per block, i.e. bytes over the
@@ -41,6 +47,7 @@ import numpy as np
 
 DEFAULT_WINDOW = 64           # steps in the moving window
 DEFAULT_FLOOR = 32            # tokens: the adaptive budget's least prefill per step
+DEFAULT_PATIENCE = 32         # steps a request may wait before the floor applies
 
 
 class LatencyHistory:
@@ -148,23 +155,29 @@ class AdaptivePrefillBudget:
     module docstring for the rule and its bound).
 
     target_itl_s: seconds; max_num_batched_tokens: the step's token cap; floor: least prefill
-    tokens per step. Raises ValueError for a non-positive target or floor.
+    tokens per step once a request has waited `patience` steps. Raises ValueError for a
+    non-positive target or floor, or a negative patience.
     """
 
     def __init__(self, target_itl_s: float, max_num_batched_tokens: int,
-                 floor: int = DEFAULT_FLOOR, history: LatencyHistory | None = None) -> None:
+                 floor: int = DEFAULT_FLOOR, history: LatencyHistory | None = None,
+                 patience: int = DEFAULT_PATIENCE) -> None:
         if not target_itl_s > 0:
             raise ValueError(f"--target-itl-ms must be positive, got {target_itl_s * 1000}")
         if floor < 1:
             raise ValueError(f"the prefill floor must be at least 1 token, got {floor}")
+        if patience < 0:
+            raise ValueError(f"the prefill patience must be >= 0 steps, got {patience}")
+        self.patience = patience
         self.target_itl_s = target_itl_s
         self.max_num_batched_tokens = max_num_batched_tokens
         self.floor = min(floor, max_num_batched_tokens)
         self.history = history or LatencyHistory()
         self.last_budget = max_num_batched_tokens
 
-    def prefill_budget(self, num_decodes: int) -> int:
-        """Prefill tokens allowed in a step that carries `num_decodes` decodes."""
+    def prefill_budget(self, num_decodes: int, starved: bool = True) -> int:
+        """Prefill tokens allowed in a step that carries `num_decodes` decodes; the floor
+        applies when `starved` (a request with prefill to do has waited `patience` steps)."""
         base, per_decode, per_token = self.history.coefficients()
         cap = max(self.max_num_batched_tokens - num_decodes, 0)
         if per_token is None or per_token <= 0:
@@ -173,7 +186,7 @@ class AdaptivePrefillBudget:
             slack = (self.target_itl_s - self.history.margin() - (base or 0.0)
                      - (per_decode or 0.0) * num_decodes)
             budget = int(slack / per_token + 1e-6) if slack > 0 else 0
-        self.last_budget = min(max(budget, self.floor), cap)
+        self.last_budget = min(max(budget, self.floor if starved else 0), cap)
         return self.last_budget
 
 

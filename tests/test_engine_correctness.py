@@ -163,15 +163,15 @@ def test_preemption_is_exact(mode, prompts, reference):
     {"target_itl_ms": 1.0}, {"scheduling_policy": "sjf"},
     *({"profile": name} for name in TUNING_PROFILES)], ids=str)
 def test_slo_options_are_exact(options, prompts, reference):
-    """A 1 ms ITL target holds prefill at the budget's floor (32-token chunks beside the
-    decodes); sjf reorders; each profile sets its flags. Greedy tokens do not change."""
+    """A 1 ms ITL target leaves no slack: prefill waits `patience` steps, then goes at the
+    budget's floor (32-token chunks beside the decodes); sjf reorders; each profile sets its flags. Greedy tokens do not change."""
     if "profile" in options:
         options = resolve_profile(options["profile"], {})
     eng = engine(**options)
     assert run(eng, prompts.values()) == [reference[n] for n in prompts]
     if options.get("target_itl_ms") == 1.0:
         assert eng.scheduler.latency.coefficients()[2] is not None
-        assert eng.scheduler.prefill_budget == 32
+        assert eng.scheduler.prefill_budgeter.prefill_budget(0, starved=True) == 32
 
 
 def test_bfloat16_engine_follows_float32_greedy(prompts, reference):

@@ -47,6 +47,8 @@ def test_budget_fills_the_slack_left_by_decodes_and_keeps_its_floor():
     assert b.prefill_budget(10) == 60          # (50 - 10 - 10) ms / 0.5 ms per token
     assert b.prefill_budget(0) == 80
     assert b.prefill_budget(45) == 32          # decodes alone overshoot: the floor
+    assert b.prefill_budget(45, starved=False) == 0   # ... once a prefill has waited long enough
+    assert b.prefill_budget(10, starved=False) == 60  # the slack needs no floor
     assert AdaptivePrefillBudget(10.0, 2048, history=h).prefill_budget(8) == 2040  # the cap
     assert AdaptivePrefillBudget(0.050, 2048).prefill_budget(8) == 2040   # nothing measured
 
@@ -75,16 +77,18 @@ def request(i: int, prompt_len: int, max_tokens: int = 8) -> Request:
                    eos_token_id=3, arrival_time=float(i))
 
 
-def step_costs(target_itl_ms):
-    """16 decoding requests (started one a step), then four 700-token prompts: the true cost
-    of every step from the prompts' arrival on."""
+def step_costs(target_itl_ms, prompts=(700,) * 4, patience=None):
+    """16 decoding requests (started one a step), then `prompts` (their lengths): the true
+    cost of every step from the prompts' arrival on."""
     s = scheduler(target_itl_ms=target_itl_ms)
+    if patience is not None:
+        s.prefill_budgeter.patience = patience
     runner = FakeRunner(s, COST)
     for i in range(16):                  # one new request a step: the model sees varied steps
         s.add_request(request(i, 8, max_tokens=60))
         s.update_from_output(out := s.schedule(), runner.execute(out))
-    for i in range(16, 20):
-        s.add_request(request(i, 700, max_tokens=4))
+    for i, n in enumerate(prompts, start=16):
+        s.add_request(request(i, n, max_tokens=4))
     costs = []
     while s.has_unfinished_requests():
         out = s.schedule()
@@ -103,14 +107,24 @@ def test_with_a_target_steps_stay_within_it_while_decodes_run():
     assert max(step_costs(50)) <= 0.050 + 1e-9
 
 
+def test_at_light_load_the_slack_carries_a_prompt_the_floor_would_push_over_the_target():
+    """Beside 16 decodes (26 ms) a 30 ms target leaves 4 ms, 8 prefill tokens, a step; the
+    32-token floor alone costs 16 ms. One 64-token prompt waits less than `patience` steps, so
+    it goes in 8-token chunks within the target; with the floor at once (patience 0) its
+    chunks overshoot."""
+    assert max(step_costs(30, prompts=(64,))) <= 0.030 + 1e-9
+    assert max(step_costs(30, prompts=(64,), patience=0)) > 0.040
+
+
 @settings(max_examples=60, deadline=None)
 @given(prompts=st.lists(st.integers(2, 300), min_size=2, max_size=12),
-       floor=st.sampled_from([8, 32]))
-def test_every_waiting_request_starts_within_the_stated_bound(prompts, floor):
-    """Costs so high that the budget sits at its floor: with fcfs, request i starts its
-    prefill within ceil(W_i / floor) + 1 steps, W_i = prompt tokens of the requests ahead."""
+       floor=st.sampled_from([8, 32]), patience=st.sampled_from([0, 1, 5]))
+def test_every_waiting_request_starts_within_the_stated_bound(prompts, floor, patience):
+    """Costs so high that the slack is nil and the budget sits at its floor once a request has
+    waited `patience` steps: with fcfs, request i starts its prefill within
+    patience + ceil(W_i / floor) + 1 steps, W_i = prompt tokens of the requests ahead."""
     s = scheduler(target_itl_ms=1)
-    s.prefill_budgeter.floor = floor
+    s.prefill_budgeter.floor, s.prefill_budgeter.patience = floor, patience
     runner = FakeRunner(s, StepCost(base=0.5, per_token=0.1))
     for i, n in enumerate(prompts):
         s.add_request(request(i, n, max_tokens=3))
@@ -125,7 +139,7 @@ def test_every_waiting_request_starts_within_the_stated_bound(prompts, floor):
         s.update_from_output(out, runner.execute(out))
     for i in range(len(prompts)):
         ahead = sum(prompts[:i])
-        assert started[f"r{i}"] <= math.ceil(ahead / floor) + 1, (i, started, prompts)
+        assert started[f"r{i}"] <= patience + math.ceil(ahead / floor) + 1, (i, started, prompts)
 
 
 def test_auto_swaps_when_copying_is_cheaper_and_recomputes_when_it_is_not():

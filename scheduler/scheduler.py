@@ -159,14 +159,20 @@ class Scheduler:
         heapq.heappush(self.waiting, (self._key(request), request))
 
     # ------------------------------------------------------------------ schedule
-    def _prefill_starved(self) -> bool:
-        """Whether a request with prompt tokens still to compute (waiting, or running with a
-        partial prefill) was added `prefill_budgeter.patience` or more steps ago: then the
-        adaptive budget keeps its floor (`scheduler.slo`, the admission bound)."""
+    def _adaptive_prefill_budget(self) -> int:
+        """This step's prefill tokens under --target-itl-ms (`scheduler.slo`): from the running
+        decodes, keeping the floor once a request with prompt tokens still to compute (waiting,
+        or running with a partial prefill) was added `patience` or more steps ago."""
         oldest = self._num_steps - self.prefill_budgeter.patience
-        return any(r.arrival_step <= oldest for _, r in self.waiting) or any(
-            r.arrival_step <= oldest and r.num_computed_tokens < len(r.all_token_ids) - 1
-            for r in self.running)
+        num_decodes, starved = 0, False
+        for r in self.running:
+            pending = len(r.all_token_ids) - 1 - r.num_computed_tokens
+            if pending == 0:
+                num_decodes += self._seats(r)
+            elif pending > 0 and r.arrival_step <= oldest:
+                starved = True
+        starved = starved or any(r.arrival_step <= oldest for _, r in self.waiting)
+        return self.prefill_budgeter.prefill_budget(num_decodes, starved)
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's batch; advances `num_computed_tokens` of every scheduled request."""
@@ -178,10 +184,7 @@ class Scheduler:
         self._prefill_left = budget
         self._num_steps += 1
         if self.prefill_budgeter is not None:
-            num_decodes = sum(self._seats(r) for r in self.running
-                              if r.num_computed_tokens == len(r.all_token_ids) - 1)
-            self._prefill_left = self.prefill_budgeter.prefill_budget(
-                num_decodes, starved=self._prefill_starved())
+            self._prefill_left = self._adaptive_prefill_budget()
         if cfg.num_speculative_tokens:
             self._drafts = plan_drafts(self.running, cfg, self.latency, self.spec_counters,
                                       self.draft_cost, self.spec_pooled)

@@ -119,22 +119,28 @@ def part_itl(args, tmp: Path) -> dict:
 FEASIBLE_SHARE = 0.8     # the `feasible` point's load: this share of the most the target allows
 
 
+def scrape(base: str) -> dict[tuple[str, str], float]:
+    """`base`'s /metrics as {(sample name, its label other than model_name, or ""): value},
+    read with prometheus_client's own exposition-format parser."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    return {(s.name, next((v for k, v in s.labels.items() if k != "model_name"), "")): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
 def _engine_figures(base: str, before: dict | None = None) -> dict:
     """The server's fitted step-cost model (`continuum_step_cost_seconds`, seconds), and its
     steps: how many and their total seconds (`continuum_step_duration_seconds`), less
     `before`'s."""
-    import httpx
-
-    out: dict = {"step_cost": {}, "steps": 0.0, "step_seconds": 0.0}
-    keys = {"continuum_step_duration_seconds_count{": "steps",
-            "continuum_step_duration_seconds_sum{": "step_seconds"}
-    for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
-        if line.startswith("continuum_step_cost_seconds{"):
-            out["step_cost"][line.split('term="')[1].split('"')[0]] = float(line.split()[-1])
-        for prefix, key in keys.items():
-            if line.startswith(prefix):
-                out[key] = float(line.split()[-1]) - (before or {}).get(key, 0.0)
-    return out
+    m, before = scrape(base), before or {}
+    steps = m.get(("continuum_step_duration_seconds_count", ""), 0.0)
+    seconds = m.get(("continuum_step_duration_seconds_sum", ""), 0.0)
+    return {"step_cost": {term: v for (name, term), v in m.items()
+                          if name == "continuum_step_cost_seconds"},
+            "steps": steps - before.get("steps", 0.0),
+            "step_seconds": seconds - before.get("step_seconds", 0.0)}
 
 
 def work_share(run: dict) -> float:
@@ -182,13 +188,9 @@ def part_memory(args, tmp: Path) -> dict:
 
 
 def _preemptions(base: str) -> dict:
-    import httpx
-
-    out = {}
-    for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
-        if line.startswith("continuum_preemptions_by_mode_total{"):
-            out[line.split('mode="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
-    return out
+    """Preemptions so far by mode (`continuum_preemptions_by_mode_total`)."""
+    return {mode: v for (name, mode), v in scrape(base).items()
+            if name == "continuum_preemptions_by_mode_total"}
 
 
 def ratios(res: dict) -> dict:

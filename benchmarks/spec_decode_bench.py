@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx  # noqa: E402
 
-from benchmarks.slo_bench import _preemptions, bench, server  # noqa: E402
+from benchmarks.slo_bench import _preemptions, bench, scrape, server  # noqa: E402
 from engine.loader import embedded_gguf_path  # noqa: E402
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
@@ -136,14 +136,10 @@ class MetricsPoller:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def counters(self) -> dict:
-        text = httpx.get(f"{self.base}/metrics", timeout=10).text
-        values = {}
-        for line in text.splitlines():
-            m = re.match(r"(continuum_(?:spec_decode_\w+|num_requests_running))\{[^}]*\} (\S+)",
-                         line)
-            if m and "per_pos" not in m.group(1):
-                values[m.group(1)] = float(m.group(2))
-        return values
+        """The spec_decode series (but the per-position one) and the running-batch gauge."""
+        return {name: v for (name, _), v in scrape(self.base).items()
+                if name == "continuum_num_requests_running" or (
+                    name.startswith("continuum_spec_decode_") and "per_pos" not in name)}
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):

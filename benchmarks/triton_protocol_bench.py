@@ -33,6 +33,9 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from examples.prepare_model_repository import magika_onnx  # noqa: E402
+
 EXAMPLES = ROOT / "examples" / "model_repository"
 MODES = {   # name -> perf_analyzer flags
     "http-json": ["-i", "http", "--input-tensor-format", "json", "--output-tensor-format", "json"],
@@ -55,7 +58,7 @@ parameters { key: "onnx_path" value { string_value: "%s" } }
 def build_repository(root: Path) -> None:
     """`simple` (the example, copied) and `content_type` as a python model over the ONNX file."""
     shutil.copytree(EXAMPLES / "simple", root / "simple")
-    onnx = (EXAMPLES / "content_type" / "1" / "model.onnx").resolve()
+    onnx = magika_onnx()
     (root / "content_type" / "1").mkdir(parents=True)
     shutil.copy(ROOT / "benchmarks" / "triton_models" / "onnx_model.py",
                 root / "content_type" / "1" / "model.py")

@@ -27,12 +27,17 @@ def package_dir(name: str) -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
+def magika_onnx() -> Path:
+    """magika's standard_v3_3 ONNX content-type classifier. Raises FileNotFoundError."""
+    return package_dir("magika") / "models" / "standard_v3_3" / "model.onnx"
+
+
 def link_content_type(repo: Path, force: bool) -> None:
-    """Link magika's standard_v3_3 ONNX model into content_type/1/."""
+    """Link magika's ONNX model (`magika_onnx`) into content_type/1/."""
     target = repo / "content_type" / "1" / "model.onnx"
     if target.exists() and not force:
         return
-    source = package_dir("magika") / "models" / "standard_v3_3" / "model.onnx"
+    source = magika_onnx()
     target.parent.mkdir(parents=True, exist_ok=True)
     target.unlink(missing_ok=True)
     target.symlink_to(source)

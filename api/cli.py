@@ -307,7 +307,10 @@ def build_server(args: argparse.Namespace, config, host: str, port: int,
         state.grpc_address = grpc_address
         state.allow_client_shm = args.allow_client_shm
     uv_config = uvicorn.Config(build_app(state), host=host, port=port,
-                               log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5)
+                               log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5,
+                               # the access log logs at info: below that level it would only
+                               # cost its formatting on every request
+                               access_log=args.uvicorn_log_level in ("trace", "debug", "info"))
     return Server(uv_config, lifecycle), state
 
 

@@ -206,3 +206,74 @@ def test_a_misbehaving_python_model_fails_only_its_own_request(tmp_path, value, 
         assert rt.submit(request(7), {"IN": "INT32"}).result(5)["OUT"][0, 0] == 7
     finally:
         repo.close()
+
+
+def test_only_a_model_cheaper_than_a_thread_hop_runs_on_the_event_loop(tmp_path):
+    """HTTP infer runs a model measured cheaper than INLINE_MAX_US on the event loop (no
+    hand-off to its instance's thread); a slow model never blocks the loop, and a cheap model
+    that turns slow stops running there after one execution."""
+    import asyncio
+
+    from triton_compat.infer import InferRequest, run
+    from triton_compat.runtime import INLINE_MAX_US
+    from triton_compat.shared_memory import SharedMemoryManager
+
+    seq_model(tmp_path, "fast", "max_batch_size: 1")
+    seq_model(tmp_path, "slow", 'max_batch_size: 1 parameters { key: "delay_ms" value '
+              '{ string_value: "30" } }')
+    repo, shm = ModelRepository(tmp_path), SharedMemoryManager()
+
+    async def infer(model: str, value: int) -> int:
+        _, outputs = await run(repo, shm, InferRequest(
+            model, "", "", {"IN": np.array([[value]], dtype=np.int32)}, {"IN": "INT32"}, None))
+        return int(next(t.array for t in outputs if t.name == "OUT")[0, 0])
+
+    async def ticks_during(coro) -> tuple[int, int]:
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.001)
+                ticks += 1
+        task = asyncio.ensure_future(ticker())
+        await asyncio.sleep(0.005)
+        start = ticks
+        value = await coro
+        task.cancel()
+        return value, ticks - start
+
+    async def scenario():
+        fast, slow = repo.runtime("fast"), repo.runtime("slow")
+        handed_off = {"fast": 0, "slow": 0}
+        for name, rt in (("fast", fast), ("slow", slow)):
+            submit = rt.pool.submit
+
+            def counting(*args, _name=name, _submit=submit):
+                handed_off[_name] += 1
+                return _submit(*args)
+            rt.pool.submit = counting
+        assert not fast.runs_inline                  # not timed yet: a worker thread runs it
+        assert await infer("fast", 7) == 7 and handed_off["fast"] == 1
+        for v in range(50):                          # first executions may be slower (cold)
+            if fast.runs_inline:
+                break
+            assert await infer("fast", v) == v
+        assert fast.runs_inline and fast.exec_us <= INLINE_MAX_US
+        before = handed_off["fast"]
+        for v in range(20):
+            assert await infer("fast", v) == v
+        assert handed_off["fast"] == before          # the 20 ran on the loop itself
+        for _ in range(3):                            # 30 ms each: never on the loop
+            value, ticks = await ticks_during(infer("slow", 5))
+            assert value == 5 and ticks >= 5
+        assert not slow.runs_inline and handed_off["slow"] == 3
+        assert await infer("fast", 1100) == 1100      # 100 ms once, on the loop
+        assert not fast.runs_inline                   # then back to its thread
+        value, ticks = await ticks_during(infer("fast", 1100))
+        assert value == 1100 and ticks >= 20 and handed_off["fast"] == before + 1
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        repo.close()

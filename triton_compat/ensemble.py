@@ -17,8 +17,9 @@ from concurrent.futures import Future
 
 from triton_compat.backends import BackendRequest
 from triton_compat.errors import InferError
-from triton_compat.runtime import check_inputs, check_outputs, settle
+from triton_compat.runtime import settle
 from triton_compat.stats import ModelStats
+from triton_compat.validate import Signature, check_inputs, check_outputs
 
 
 class EnsembleRuntime:
@@ -26,9 +27,12 @@ class EnsembleRuntime:
 
     def __init__(self, config, version: int, resolve) -> None:
         self.config, self.version, self.resolve = config, version, resolve
+        self.signature = Signature(config)
+        self.output_types = self.signature.outputs
         self.steps = list(config.ensemble_scheduling.step)
         self.stats = ModelStats()
         self.pending_count = 0
+        self.runs_inline = False         # its steps run on their own models' threads
         produced = {t.name for t in config.input}
         for step in self.steps:
             produced |= set(step.output_map.values())
@@ -42,8 +46,8 @@ class EnsembleRuntime:
                inline: bool = False) -> Future:
         """Validate and start the request; the future resolves to {output name: array}.
         (`inline` is accepted for the runtime interface; steps run on their own models.)"""
-        batch_size = check_inputs(self.config, request.inputs, datatypes or {})
-        wanted = check_outputs(self.config, request.outputs or None)
+        batch_size = check_inputs(self.signature, request.inputs, datatypes or {})
+        wanted = check_outputs(self.signature, request.outputs or None)
         run = _EnsembleRun(self, request, wanted, priority, timeout_us, batch_size)
         run.launch()
         return run.future

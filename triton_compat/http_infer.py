@@ -3,19 +3,20 @@
 Owns: reading the body (bounded by `--http-max-input-size`, gzip / deflate undone),
 `tensors.parse_request` → `infer.run` → `tensors.encode_response`, and the response with
 `Inference-Header-Content-Length` when it carries binary tensors. `InferFastPath` answers these
-requests before FastAPI's routing and request objects (measured: they cost more than the
-model on small requests); it sits inside the drain gate and the restricted-API check, so both
-still apply. The FastAPI route in routes.py calls the same `infer_http`, for the OpenAPI
-document and any caller that reaches it.
+requests in front of the FastAPI app, its middleware stack and request objects (measured:
+they cost more than a small model's inference); it sits inside the drain gate and the
+restricted-API check (api/server.py `_front`), so both still apply. The FastAPI route in
+routes.py calls the same `infer_http`, for the OpenAPI document and any caller that reaches it.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import zlib
 
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 
 from triton_compat.context import V2Context
 from triton_compat.errors import InferError
@@ -24,6 +25,9 @@ from triton_compat.tensors import TensorError, encode_response, parse_request
 
 INFER_PATH = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")
 JSON = [(b"content-type", b"application/json")]
+# the request headers an infer reads
+HEADERS = {b"content-length", b"content-encoding", b"inference-header-content-length"}
+logger = logging.getLogger("continuum.triton")
 
 
 def too_large(size: int, limit: int) -> InferError:
@@ -90,7 +94,8 @@ async def infer_http(ctx: V2Context, model: str, version: str, headers, body: by
 
 
 class InferFastPath:
-    """Pure ASGI middleware answering v2 infer requests (see the module docstring)."""
+    """Pure ASGI layer answering v2 infer requests (see the module docstring); anything else
+    goes on to `app`."""
 
     def __init__(self, app, ctx: V2Context, max_input_size: int) -> None:
         self.app, self.ctx, self.limit = app, ctx, max_input_size
@@ -101,16 +106,40 @@ class InferFastPath:
         if match is None:
             await self.app(scope, receive, send)
             return
-        request = Request(scope, receive)
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]
+                   if k in HEADERS}
         status = 200
         try:
-            body = await read_body(request, self.limit)
-            payload, extra = await infer_http(self.ctx, match[1], match[2] or "",
-                                              request.headers, body, self.limit)
+            body = await _receive_body(receive, headers.get("content-length"), self.limit)
+            if body is None:               # the client left while sending its body
+                return
+            payload, extra = await infer_http(self.ctx, match[1], match[2] or "", headers,
+                                              body, self.limit)
         except InferError as e:
             status, payload, extra = e.status, json.dumps({"error": e.message}).encode(), JSON
-        except ClientDisconnect:           # the client left while sending its body
-            return
+        except Exception as e:             # a bug of ours: still the v2 error shape
+            logger.exception("infer %s failed", scope["path"])
+            status, payload, extra = 500, json.dumps(
+                {"error": f"{type(e).__name__}: {e}"}).encode(), JSON
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-length", str(len(payload)).encode()), *extra]})
         await send({"type": "http.response.body", "body": payload})
+
+
+async def _receive_body(receive, declared: str | None, limit: int) -> bytes | None:
+    """The body from ASGI `receive`, refused (400) once it passes `limit` bytes; None when
+    the client disconnects first."""
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise too_large(int(declared), limit)
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise too_large(size, limit)
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)

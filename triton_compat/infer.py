@@ -20,7 +20,6 @@ import numpy as np
 from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor, triton_to_np_dtype
 
 from triton_compat.backends import BackendRequest
-from triton_compat.config import wire_datatype
 from triton_compat.errors import InferError
 
 @dataclass
@@ -134,14 +133,18 @@ def tensor_bytes(datatype: str, array: np.ndarray) -> bytes:
 
 class Inference:
     """One inference in flight: shared-memory regions held, the request submitted to its
-    model's runtime (`future`). `finish(outputs)` builds the response outputs; `release()`
+    model's runtime (`future`; `inline` as `ModelRuntime.submit`, None: the runtime's
+    `runs_inline`). `finish(outputs)` builds the response outputs; `release()`
     gives the regions back (always, in a `finally`).
 
     Raises InferError with the status Triton gives: 400 bad input or region use, 404 unknown
     model, 503 not ready / queue full / timeout."""
 
-    def __init__(self, repository, shm, request: InferRequest, inline: bool = False) -> None:
+    def __init__(self, repository, shm, request: InferRequest,
+                 inline: bool | None = None) -> None:
         self.rt = repository.runtime(request.model, request.version)
+        if inline is None:                  # the event loop: only a model cheaper than a hop
+            inline = self.rt.runs_inline
         self.shm, self.request, self.held = shm, request, []
         try:
             inputs = {}
@@ -169,7 +172,7 @@ class Inference:
         """The version that ran and the outputs in the order to send (the client's, else the
         config's); those asked into a region are written there."""
         rt, request = self.rt, self.request
-        types = {t.name: wire_datatype(t.data_type) for t in rt.config.output}
+        types = rt.output_types
         wanted = request.outputs if request.outputs is not None else \
             [OutputRequest(t.name) for t in rt.config.output]
         result = [OutputTensor(o.name, types[o.name], outputs[o.name], o) for o in wanted]
@@ -193,11 +196,14 @@ def _model_failure(e: Exception) -> InferError:
 
 async def run(repository, shm, request: InferRequest) -> tuple[str, list[OutputTensor]]:
     """Run `request` on its model, awaiting it on the event loop: the version that ran it and
-    the outputs to send (see `Inference`). Raises InferError (500 for a model failure)."""
+    the outputs to send (see `Inference`). A model cheaper than a thread hand-off runs on the
+    loop itself when an instance is idle (`ModelRuntime.runs_inline`). Raises InferError (500
+    for a model failure)."""
     inference = Inference(repository, shm, request)
+    future = inference.future
     try:
-        try:
-            outputs = await asyncio.wrap_future(inference.future)
+        try:        # done already when it ran inline: no hop through the loop
+            outputs = future.result() if future.done() else await asyncio.wrap_future(future)
         except Exception as e:
             raise _model_failure(e) from None
         return inference.finish(outputs)

@@ -24,7 +24,8 @@ import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
 from triton_compat.errors import InferError
-from triton_compat.runtime import DECOUPLED_HTTP, check_inputs
+from triton_compat.runtime import DECOUPLED_HTTP
+from triton_compat.validate import Signature, check_inputs
 from triton_compat.stats import ModelStats
 
 BOOL_INPUTS = ("stream", "exclude_input_in_output", "return_finish_reason",
@@ -124,10 +125,12 @@ class LLMModel:
 
     version = 1
     decoupled = True
+    runs_inline = False
 
     def __init__(self, name: str, get_llm: Callable, get_tokenizer: Callable) -> None:
         self.name, self.get_llm, self.get_tokenizer = name, get_llm, get_tokenizer
         self.config = llm_config(name)
+        self.signature = Signature(self.config)
         self.stats = ModelStats()
         self.pending_count = 0
 
@@ -149,7 +152,7 @@ class LLMModel:
         if llm is None or tokenizer is None:
             raise InferError(f"Request for unknown model: '{self.name}' is not ready "
                              "(the engine is loading)", 503)
-        check_inputs(self.config, inputs, datatypes or {})      # Triton's input errors
+        check_inputs(self.signature, inputs, datatypes or {})      # Triton's input errors
         prompt = _scalar(inputs, "text_input")
         flags = {n: bool(_scalar(inputs, n, False)) for n in BOOL_INPUTS}
         stream = flags["stream"]

@@ -4,8 +4,11 @@ Owns: the `/v2` endpoints (server and model metadata, health, config, infer, sta
 repository index / load / unload) and the mapping of every failure to `{"error": "..."}` with
 Triton's status codes. Data flow of an infer: body (JSON header + binary tensors, possibly
 gzip / deflate encoded) → `tensors.parse_request` → `infer.run` (shared-memory inputs,
-`runtime.submit`, awaited future, shared-memory outputs) → `tensors.encode_response`. Parsing and encoding run on the event loop; the
-model runs on its runtime's worker threads, so a slow model never blocks other routes.
+`runtime.submit`, awaited future, shared-memory outputs) → `tensors.encode_response`. Parsing
+and encoding run on the event loop; the model runs on its runtime's worker threads, so a slow
+model never blocks other routes (only a model measured cheaper than the thread hand-off runs
+on the loop, `ModelRuntime.runs_inline`). `http_infer.InferFastPath`, in front of the FastAPI
+app (api/server.py), answers infer requests before they reach these routes.
 Reference: KServe v2 protocol (required_api.md) and Triton's HTTP extensions
 (server/docs/protocol/extension_*.md).
 """
@@ -22,7 +25,7 @@ from triton_compat import generate, shm_routes
 from triton_compat.config import config_to_json, wire_datatype
 from triton_compat.context import EXTENSIONS, SERVER_NAME, V2Context
 from triton_compat.errors import InferError
-from triton_compat.http_infer import InferFastPath, infer_http, read_body
+from triton_compat.http_infer import infer_http, read_body
 
 
 def _error(e: InferError) -> JSONResponse:
@@ -39,7 +42,6 @@ def install(app, ctx: V2Context, max_input_size: int = 64 << 20) -> None:
         return _error(e)
 
     app.add_exception_handler(InferError, handler)
-    app.add_middleware(InferFastPath, ctx=ctx, max_input_size=max_input_size)
     app.include_router(_router(ctx, max_input_size))
     app.include_router(shm_routes.router(ctx.shm, _json_object))
     app.include_router(generate.router(ctx))

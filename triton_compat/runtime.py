@@ -20,15 +20,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from tritonclient.utils import triton_to_np_dtype
 
 from scheduler.dynamic_batcher import Pending, QueueFullError, RequestQueue, decide
 from triton_compat import batch_strategy
 from triton_compat.backends import BackendRequest, create_instance
-from triton_compat.config import batcher_config, wire_datatype
+from triton_compat.config import batcher_config
 from triton_compat.errors import InferError
 from triton_compat.sequence.spec import sequence_params
 from triton_compat.stats import ModelStats
+from triton_compat.validate import Signature, check_inputs, check_outputs, check_result
 
 
 # Triton's text for one-response inference of a decoupled model (http_server.cc)
@@ -37,6 +37,11 @@ DECOUPLED_HTTP = "HTTP end point doesn't support models with decoupled transacti
 # is not an iterative sequence model
 RESCHEDULE_REFUSED = ("Request is released with TRITONSERVER_REQUEST_RELEASE_RESCHEDULE, while "
                       "the model is not configured to handle such a flag.")
+# A model whose executions average at most this (wall time, µs) runs on the event loop when an
+# instance is idle: handing it to a worker thread and the result back costs more (measured on
+# `simple`: two thread hand-offs ≈ 100–150 µs of latency against ≈ 30 µs of execute).
+INLINE_MAX_US = 200.0
+EXEC_EWMA_WEIGHT = 0.2       # weight of the newest execution in `exec_us`
 
 
 def settle(future: Future, result) -> None:
@@ -66,101 +71,6 @@ class Job:
     enqueued_ns: int
 
 
-def check_inputs(config, inputs: dict[str, np.ndarray], datatypes: dict[str, str],
-                 request_id: str = "") -> int:
-    """Validate inputs against the config with Triton's messages. Returns the batch size.
-
-    Raises InferError(400) for a missing, extra, mistyped or misshapen input. The count check
-    and its text are Triton core's ValidateRequestInputs (also its "]" when nothing is
-    missing); a wrong name with the right count is Normalize's "unexpected inference input"."""
-    name = config.name
-    expected = {t.name: t for t in config.input}
-    required = [n for n, t in expected.items() if not t.optional]
-    extra = [n for n in inputs if n not in expected]
-    absent = [n for n in required if n not in inputs]
-    if len(inputs) > len(expected) or len(inputs) < len(required) or (absent and not extra):
-        missing = ",".join(f"'{n}'" for n in absent)
-        got = ",".join(f"'{n}'" for n in sorted(inputs))
-        count = (f"expected {len(expected)} inputs" if len(required) == len(expected) else
-                 f"expected number of inputs between {len(required)} and {len(expected)}")
-        raise InferError(f"[request id: {request_id or '<id_unknown>'}] {count} but got "
-                         f"{len(inputs)} inputs for model '{name}'. Got input(s) [{got}], but "
-                         f"missing required input(s) {'[' + missing if missing else ''}]. "
-                         "Please provide all required input(s).")
-    if extra:
-        raise InferError(f"unexpected inference input '{extra[0]}' for model '{name}'")
-    batch = None
-    for n, array in inputs.items():
-        t = expected[n]
-        want = wire_datatype(t.data_type)
-        if datatypes.get(n, want) != want:
-            raise InferError(f"inference input '{n}' data-type is '{datatypes[n]}', but "
-                             f"model '{name}' expects '{want}'")
-        dims = list(t.dims)
-        shape = list(array.shape)
-        if config.max_batch_size > 0:
-            dims = [-1] + dims
-            if not shape:
-                raise InferError(f"unexpected shape for input '{n}' for model '{name}'. "
-                                 f"Expected {dims}, got {shape}")
-            if batch is not None and shape[0] != batch:
-                raise InferError(f"input '{n}' batch size does not match other inputs "
-                                 f"for '{name}'")
-            batch = shape[0]
-        if len(shape) != len(dims) or any(d != -1 and d != s for d, s in zip(dims, shape)):
-            raise InferError(f"unexpected shape for input '{n}' for model '{name}'. "
-                             f"Expected {dims}, got {shape}")
-    if config.max_batch_size > 0:
-        if batch is None or batch < 1 or batch > config.max_batch_size:
-            raise InferError(f"inference request batch-size must be <= "
-                             f"{config.max_batch_size} for '{name}'")
-        return batch
-    return 1
-
-
-def check_outputs(config, names: list[str] | None) -> list[str]:
-    """The requested output names (all when None). Raises InferError(400) for an unknown one."""
-    known = [t.name for t in config.output]
-    if names is None:
-        return known
-    for n in names:
-        if n not in known:
-            raise InferError(f"unexpected inference output '{n}' for model '{config.name}'")
-    return list(names)
-
-
-def _checked(config, request: BackendRequest, result, batch_size: int):
-    """The result, or an InferError(500) when a requested output is missing from it or an
-    output disagrees with the config: not an array, another datatype, or (batching models)
-    other than `batch_size` rows. A misbehaving model thus fails only its own request.
-
-    Not as Triton 2.51, on purpose: its python backend sends such an output as the model made
-    it (tried: 5 rows for a batch of 1, BYTES for an INT32 output, both 200), which a client
-    cannot tell from a good answer; here it is an error naming the output."""
-    if isinstance(result, Exception):
-        return result
-    model = config.name
-    missing = [n for n in request.outputs if n not in result]
-    if missing:
-        return InferError(f"model '{model}' did not return output '{missing[0]}'", 500)
-    for t in config.output:
-        if t.name not in result:
-            continue
-        array, wire = result[t.name], wire_datatype(t.data_type)
-        if not isinstance(array, np.ndarray):
-            return InferError(f"model '{model}' returned output '{t.name}' as a "
-                              f"{type(array).__name__}, not an array", 500)
-        ok = (array.dtype.kind in "OSU" if wire == "BYTES" else
-              wire == "BF16" or array.dtype == triton_to_np_dtype(wire))
-        if not ok:
-            return InferError(f"model '{model}' returned output '{t.name}' of dtype "
-                              f"{array.dtype}, but its config says {wire}", 500)
-        if config.max_batch_size > 0 and (array.ndim == 0 or array.shape[0] != batch_size):
-            return InferError(f"model '{model}' returned output '{t.name}' of shape "
-                              f"{list(array.shape)} for a batch of {batch_size}", 500)
-    return result
-
-
 class ModelRuntime:
     """A loaded, servable model version with its batcher and instances.
 
@@ -168,6 +78,9 @@ class ModelRuntime:
 
     def __init__(self, config, model_dir: Path, version: int) -> None:
         self.config, self.version = config, version
+        self.signature = Signature(config)
+        self.output_types = self.signature.outputs
+        self.decoupled = config.model_transaction_policy.decoupled
         self.batcher = batcher_config(config)
         self.strategy = batch_strategy.load(config, model_dir, version)
         self.ragged = {t.name for t in config.input if t.allow_ragged_batch}
@@ -192,14 +105,17 @@ class ModelRuntime:
         self._batch_seq = self._release_seq = 0      # batches dispatched / released in order
         self._done: dict[int, list] = {}             # preserve_ordering: finished, not released
         self.stopping = False
+        self.exec_us: float | None = None     # moving average of execute wall time, µs
         self.thread = threading.Thread(target=self._loop, name=f"batcher-{config.name}",
                                        daemon=True)
         self.thread.start()
 
     @property
-    def decoupled(self) -> bool:
-        """Whether the model answers through response senders (any number of responses)."""
-        return self.config.model_transaction_policy.decoupled
+    def runs_inline(self) -> bool:
+        """Whether an event-loop caller should pass `submit(inline=True)`: the model has run
+        and its executions average at most INLINE_MAX_US. False until the first execution
+        has been timed, so a slow model never blocks the loop by default."""
+        return self.exec_us is not None and self.exec_us <= INLINE_MAX_US
 
     async def generate(self, inputs: dict, request_id: str = "", datatypes: dict | None = None,
                        parameters: dict | None = None):
@@ -240,9 +156,10 @@ class ModelRuntime:
                inline: bool = False) -> Future:
         """Validate and queue `request`; the future resolves to {output name: array}.
 
-        `inline`: a caller that may block (a gRPC worker thread, not the event loop) runs the
-        batch itself when one is ready at once and an instance is idle: the future is then
-        resolved on return, with no hand-off to the instance's thread.
+        `inline`: the caller runs the batch itself when one is ready at once and an instance
+        is idle: the future is then resolved on return, with no hand-off to the instance's
+        thread. For a thread that may block (a gRPC worker), or the event loop when
+        `runs_inline` says the model is cheap.
         Raises InferError: 400 for a bad request or priority, 503 when the queue is full or
         the model is being unloaded."""
         batch_size = self._validate(request, datatypes)
@@ -281,8 +198,8 @@ class ModelRuntime:
         fills in `request.outputs`. Returns the batch size. Raises InferError."""
         if self.decoupled and request.deliver is None:
             raise InferError(DECOUPLED_HTTP, 501)
-        batch_size = check_inputs(self.config, request.inputs, datatypes or {}, request.id)
-        request.outputs = check_outputs(self.config, request.outputs or None)
+        batch_size = check_inputs(self.signature, request.inputs, datatypes or {}, request.id)
+        request.outputs = check_outputs(self.signature, request.outputs or None)
         return batch_size
 
     def _shape_key(self, inputs: dict[str, np.ndarray]) -> tuple:
@@ -351,11 +268,14 @@ class ModelRuntime:
         results = [InferError(RESCHEDULE_REFUSED) if j.request.reschedule else r
                    for j, r in zip(jobs, results)]
         if not self.decoupled:             # decoupled responses went through their senders
-            results = [_checked(self.config, j.request, r, p.batch_size)
+            results = [check_result(self.signature, j.request.outputs, r, p.batch_size)
                        for p, j, r in zip(batch, jobs, results)]
+        end = time.perf_counter_ns()
         self.stats.record_execution([j.enqueued_ns for j in jobs],
-                                    [p.batch_size for p in batch], results, start,
-                                    time.perf_counter_ns(), times)
+                                    [p.batch_size for p in batch], results, start, end, times)
+        took = (end - start) / 1000
+        self.exec_us = took if self.exec_us is None else \
+            self.exec_us + EXEC_EWMA_WEIGHT * (took - self.exec_us)
         self._complete(instance, list(zip(jobs, results)), seq)
 
     def _complete(self, instance, ready: list[tuple[Job, object]], seq: int) -> None:

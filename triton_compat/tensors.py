@@ -107,22 +107,23 @@ def _parse_input(spec, binary: memoryview) -> tuple[str, np.ndarray | ShmInput, 
     dtype = triton_to_np_dtype(datatype) if isinstance(datatype, str) else None
     if dtype is None:
         raise TensorError(f"input '{name}' has an invalid datatype {datatype!r}")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool)
-                                              and d >= 0 for d in shape):
+    if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
         raise TensorError(f"input '{name}' must have a 'shape' of non-negative integers")
     count = math.prod(shape)
     if count > MAX_ELEMENTS:
         raise TensorError(f"input '{name}' has {count} elements (shape {shape}), more than "
                           f"the {MAX_ELEMENTS} allowed")
-    params = _parameters(spec, f"input '{name}'")
+    params = spec.get("parameters")
+    params = _parameters(spec, f"input '{name}'") if params is not None else {}
     size = params.get("binary_data_size")
     ref = _shm_ref(params)
-    given = [f for f, on in (("'data'", "data" in spec), ("'binary_data_size'", size is not None),
-                              ("'shared_memory_region'", ref is not None)) if on]
-    if len(given) > 1:                   # Triton's ValidateInputContentType text
+    if ("data" in spec) + (size is not None) + (ref is not None) > 1:
+        given = [f for f, on in (("'data'", "data" in spec),
+                                 ("'binary_data_size'", size is not None),
+                                 ("'shared_memory_region'", ref is not None)) if on]
         raise TensorError("Input must set only one of the following fields: 'data', "
                           "'binary_data_size' in 'parameters', 'shared_memory_region' in "
-                          "'parameters'. But set " + " ".join(given))
+                          "'parameters'. But set " + " ".join(given))   # Triton's text
     if ref is not None:
         return name, ShmInput(ref, datatype, shape), 0
     if size is not None:

@@ -22,10 +22,10 @@ import numpy as np
 from scheduler.sequence_batcher import SeqItem, SequenceBatcher, SequenceConfig, SequenceError
 from triton_compat.backends import BackendRequest
 from triton_compat.errors import InferError
-from triton_compat.runtime import (RESCHEDULE_REFUSED, Job, ModelRuntime, _checked, _now_us,
-                                   settle)
+from triton_compat.runtime import RESCHEDULE_REFUSED, Job, ModelRuntime, _now_us, settle
 from triton_compat.sequence.spec import SEQUENCE_END, SEQUENCE_START, SequenceSpec, \
     sequence_params, sequence_tensors
+from triton_compat.validate import check_result
 
 EXPIRED = "timeout of the corresponding sequence has been expired"   # Triton's reaper
 
@@ -181,7 +181,7 @@ class SequenceRuntime(ModelRuntime):
             if req.reschedule:
                 result = InferError(RESCHEDULE_REFUSED)
             if not self.decoupled:
-                result = _checked(self.config, req, result, 1)
+                result = check_result(self.signature, req.outputs, result, 1)
             if isinstance(result, dict) and self.spec.states:
                 self.states[(i, slot.index)] = {s.input_name: result[s.output_name]
                                                 for s in self.spec.states

@@ -1,0 +1,141 @@
+"""A request and a model's answer checked against the model's config, with Triton's texts.
+
+Owns: `Signature` (what the checks read from a `ModelConfig`, taken once per loaded model:
+reading protobuf fields on every request cost more than the checks themselves), and the three
+checks: `check_inputs` (count, names, datatypes, shapes, batch size), `check_outputs` (the
+names asked for) and `check_result` (what a model returned). Used by every runtime: plain,
+sequence and ensemble models, and the LLM as a Triton model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from tritonclient.utils import triton_to_np_dtype
+
+from triton_compat.config import wire_datatype
+from triton_compat.errors import InferError
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One config input: KServe datatype, dims (with a leading -1 for batching models), and
+    whether a request may leave it out."""
+
+    wire: str
+    dims: tuple[int, ...]
+    optional: bool
+
+
+class Signature:
+    """The parts of a `ModelConfig` the checks read, as plain Python values: `name`,
+    `max_batch_size`, `inputs` {name: InputSpec} and `required` (in config order), `outputs`
+    {name: KServe datatype} in config order."""
+
+    def __init__(self, config) -> None:
+        self.name, self.max_batch_size = config.name, config.max_batch_size
+        lead = (-1,) if config.max_batch_size > 0 else ()
+        self.inputs = {t.name: InputSpec(wire_datatype(t.data_type), lead + tuple(t.dims),
+                                         t.optional) for t in config.input}
+        self.required = [n for n, t in self.inputs.items() if not t.optional]
+        self.outputs = {t.name: wire_datatype(t.data_type) for t in config.output}
+        self.output_names = list(self.outputs)
+        self._np = {n: None if w in ("BYTES", "BF16") else np.dtype(triton_to_np_dtype(w))
+                    for n, w in self.outputs.items()}
+
+
+def _count_error(sig: Signature, inputs: dict, absent: list[str], request_id: str) -> InferError:
+    missing = ",".join(f"'{n}'" for n in absent)
+    got = ",".join(f"'{n}'" for n in sorted(inputs))
+    expected, required = len(sig.inputs), len(sig.required)
+    count = (f"expected {expected} inputs" if required == expected else
+             f"expected number of inputs between {required} and {expected}")
+    return InferError(f"[request id: {request_id or '<id_unknown>'}] {count} but got "
+                      f"{len(inputs)} inputs for model '{sig.name}'. Got input(s) [{got}], but "
+                      f"missing required input(s) {'[' + missing if missing else ''}]. "
+                      "Please provide all required input(s).")
+
+
+def check_inputs(sig: Signature, inputs: dict[str, np.ndarray], datatypes: dict[str, str],
+                 request_id: str = "") -> int:
+    """Validate inputs against the config with Triton's messages. Returns the batch size.
+
+    Raises InferError(400) for a missing, extra, mistyped or misshapen input. The count check
+    and its text are Triton core's ValidateRequestInputs (also its "]" when nothing is
+    missing); a wrong name with the right count is Normalize's "unexpected inference input"."""
+    name, expected = sig.name, sig.inputs
+    extra = [n for n in inputs if n not in expected]
+    absent = [n for n in sig.required if n not in inputs]
+    if (len(inputs) > len(expected) or len(inputs) < len(sig.required)
+            or (absent and not extra)):
+        raise _count_error(sig, inputs, absent, request_id)
+    if extra:
+        raise InferError(f"unexpected inference input '{extra[0]}' for model '{name}'")
+    batch, batching = None, sig.max_batch_size > 0
+    for n, array in inputs.items():
+        t = expected[n]
+        if datatypes.get(n, t.wire) != t.wire:
+            raise InferError(f"inference input '{n}' data-type is '{datatypes[n]}', but "
+                             f"model '{name}' expects '{t.wire}'")
+        shape = array.shape
+        if batching:
+            if not shape:
+                raise InferError(f"unexpected shape for input '{n}' for model '{name}'. "
+                                 f"Expected {list(t.dims)}, got {list(shape)}")
+            if batch is not None and shape[0] != batch:
+                raise InferError(f"input '{n}' batch size does not match other inputs "
+                                 f"for '{name}'")
+            batch = shape[0]
+        if len(shape) != len(t.dims) or any(d != -1 and d != s for d, s in zip(t.dims, shape)):
+            raise InferError(f"unexpected shape for input '{n}' for model '{name}'. "
+                             f"Expected {list(t.dims)}, got {list(shape)}")
+    if batching:
+        if batch is None or batch < 1 or batch > sig.max_batch_size:
+            raise InferError(f"inference request batch-size must be <= "
+                             f"{sig.max_batch_size} for '{name}'")
+        return batch
+    return 1
+
+
+def check_outputs(sig: Signature, names: list[str] | None) -> list[str]:
+    """The requested output names (all when None). Raises InferError(400) for an unknown one."""
+    if names is None:
+        return list(sig.output_names)
+    for n in names:
+        if n not in sig.outputs:
+            raise InferError(f"unexpected inference output '{n}' for model '{sig.name}'")
+    return list(names)
+
+
+def check_result(sig: Signature, wanted: list[str], result, batch_size: int):
+    """The result, or an InferError(500) when an output in `wanted` is missing from it or an
+    output disagrees with the config: not an array, another datatype, or (batching models)
+    other than `batch_size` rows. A misbehaving model thus fails only its own request.
+
+    Not as Triton 2.51, on purpose: its python backend sends such an output as the model made
+    it (tried: 5 rows for a batch of 1, BYTES for an INT32 output, both 200), which a client
+    cannot tell from a good answer; here it is an error naming the output."""
+    if isinstance(result, Exception):
+        return result
+    model = sig.name
+    missing = [n for n in wanted if n not in result]
+    if missing:
+        return InferError(f"model '{model}' did not return output '{missing[0]}'", 500)
+    for name, wire in sig.outputs.items():
+        if name not in result:
+            continue
+        array = result[name]
+        if not isinstance(array, np.ndarray):
+            return InferError(f"model '{model}' returned output '{name}' as a "
+                              f"{type(array).__name__}, not an array", 500)
+        want = sig._np[name]
+        ok = array.dtype.kind in "OSU" if wire == "BYTES" else \
+            want is None or array.dtype == want
+        if not ok:
+            return InferError(f"model '{model}' returned output '{name}' of dtype "
+                              f"{array.dtype}, but its config says {wire}", 500)
+        if sig.max_batch_size > 0 and (array.ndim == 0 or array.shape[0] != batch_size):
+            return InferError(f"model '{model}' returned output '{name}' of shape "
+                              f"{list(array.shape)} for a batch of {batch_size}", 500)
+    return result

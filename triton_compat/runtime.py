@@ -290,9 +290,15 @@ class ModelRuntime:
                 while self._release_seq in self._done:
                     ready += self._done.pop(self._release_seq)
                     self._release_seq += 1
-            self.cond.notify_all()
+            if self._waiting_work():  # wake the batcher only when it has work for the instance
+                self.cond.notify_all()
         for job, result in ready:
             settle(job.future, result)
+
+    def _waiting_work(self) -> bool:
+        """Whether requests wait for an instance (then `_complete` wakes the batcher thread;
+        else waking it costs a thread switch per request and finds nothing to do)."""
+        return bool(self.queue.items)
 
     def _fail(self, p: Pending, error: InferError) -> None:
         self.stats.record_failure(time.perf_counter_ns() - p.key.enqueued_ns)

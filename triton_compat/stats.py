@@ -64,8 +64,10 @@ class ModelStats:
             self.execution_count += 1
             self.last_inference_ms = int(time.time() * 1000)
             if times is not None:
-                per_size = self.batch.setdefault(padded_size or sum(batch_sizes),
-                                                 [Duration(), Duration(), Duration()])
+                size = padded_size or sum(batch_sizes)
+                per_size = self.batch.get(size)
+                if per_size is None:
+                    per_size = self.batch[size] = [Duration(), Duration(), Duration()]
                 for d, ns in zip(per_size, (times.input_ns, times.infer_ns, times.output_ns)):
                     d.add(ns)
             for t0, rows, result in zip(enqueued_ns, batch_sizes, results):

@@ -124,6 +124,9 @@ class SequenceRuntime(ModelRuntime):
         self.executing += sum(1 for _, item in entries if item is not None)
         return (i, instance, entries, seq), None
 
+    def _waiting_work(self) -> bool:
+        return True                   # a freed instance may take a slot's next request
+
     def _loop(self) -> None:
         with self.cond:
             while not (self.stopping and not len(self.seq)):

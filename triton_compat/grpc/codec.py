@@ -65,6 +65,8 @@ def set_parameter(target, key: str, value) -> None:
 def request_parameters(msg: pb.ModelInferRequest) -> dict:
     """The request's parameters, their kinds checked as Triton's SetInferenceRequestMetadata.
     Raises InferError(400)."""
+    if not msg.parameters:
+        return {}
     for key, p in msg.parameters.items():
         kind = p.WhichOneof("parameter_choice")
         if key in PARAMETER_KINDS:
@@ -86,6 +88,9 @@ def request_parameters(msg: pb.ModelInferRequest) -> dict:
 def shm_ref(params, tensor: str) -> ShmRef | None:
     """A tensor's `shared_memory_*` parameters (Triton's ParseSharedMemoryParams), or None.
     Raises InferError(400) with Triton's texts."""
+    if not params:                       # the common case: a tensor without parameters
+        return None
+
     def kind(key):
         return params[key].WhichOneof("parameter_choice") if key in params else None
 

@@ -1,0 +1,110 @@
+"""The floor of grpcio's Python server on this host: how many `simple` infers per second, and
+how much server CPU per request, a grpcio thread-pool servicer reaches when it does nothing but
+parse the two inputs with numpy and return a canned `ModelInferResponse`. Compare with the
+`simple/grpc` rows of triton_protocol_bench.py in the same session: when the floor is below
+tritonserver's figure, no Python-side change to Continuum's gRPC front end can reach it.
+
+Run: `python benchmarks/grpc_floor.py --perf-analyzer VENV/bin/perf_analyzer` (perf_analyzer
+2.51, as for triton_protocol_bench.py). Flags: --concurrency 1,4,16, --workers (the pool size,
+default Continuum's), --interval-ms. Prints one line per point: infer/s, p99 µs, server CPU
+µs per request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import numpy as np
+from tritonclient.grpc import model_config_pb2 as mc
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc import service_pb2_grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.triton_protocol_bench import free_port, perf_analyzer  # noqa: E402
+from triton_compat.grpc.server import WORKERS  # noqa: E402
+
+NAMES_IN, NAMES_OUT = ("INPUT0", "INPUT1"), ("OUTPUT0", "OUTPUT1")
+
+
+class Canned(service_pb2_grpc.GRPCInferenceServiceServicer):
+    """What perf_analyzer asks of a server, answered for `simple` only; counts ModelInfer."""
+
+    def __init__(self) -> None:
+        self.count, self.lock = 0, threading.Lock()
+
+    def ServerLive(self, request, context):
+        return pb.ServerLiveResponse(live=True)
+
+    def ServerReady(self, request, context):
+        return pb.ServerReadyResponse(ready=True)
+
+    def ServerMetadata(self, request, context):
+        return pb.ServerMetadataResponse(name="triton", version="2.51.0")
+
+    def ModelReady(self, request, context):
+        return pb.ModelReadyResponse(ready=True)
+
+    def ModelMetadata(self, request, context):
+        meta = pb.ModelMetadataResponse.TensorMetadata
+        return pb.ModelMetadataResponse(
+            name="simple", versions=["1"], platform="python",
+            inputs=[meta(name=n, datatype="INT32", shape=[-1, 16]) for n in NAMES_IN],
+            outputs=[meta(name=n, datatype="INT32", shape=[-1, 16]) for n in NAMES_OUT])
+
+    def ModelConfig(self, request, context):
+        config = mc.ModelConfig(name="simple", backend="python", max_batch_size=8)
+        for n in NAMES_IN:
+            config.input.add(name=n, data_type=mc.TYPE_INT32, dims=[16])
+        for n in NAMES_OUT:
+            config.output.add(name=n, data_type=mc.TYPE_INT32, dims=[16])
+        return pb.ModelConfigResponse(config=config)
+
+    def ModelInfer(self, request, context):
+        with self.lock:
+            self.count += 1
+        a, b = (np.frombuffer(r, np.int32) for r in request.raw_input_contents)
+        response = pb.ModelInferResponse(model_name="simple", model_version="1",
+                                         id=request.id)
+        for n in NAMES_OUT:
+            response.outputs.add(name=n, datatype="INT32", shape=[1, 16])
+        response.raw_output_contents.extend([(a + b).tobytes(), (a - b).tobytes()])
+        return response
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Serve the canned servicer in this process and measure it with perf_analyzer."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--perf-analyzer", type=Path, required=True)
+    p.add_argument("--concurrency", default="1,4,16")
+    p.add_argument("--workers", type=int, default=WORKERS)
+    p.add_argument("--interval-ms", type=int, default=2000)
+    args = p.parse_args(argv)
+    servicer, port = Canned(), free_port()
+    server = grpc.server(ThreadPoolExecutor(args.workers))
+    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    try:
+        for c in [int(x) for x in args.concurrency.split(",")]:
+            cpu, count = time.process_time(), servicer.count
+            point = perf_analyzer(args.perf_analyzer, "simple", "grpc", c, 0, port,
+                                  args.interval_ms)
+            served = servicer.count - count
+            # process_time counts this process's perf_analyzer wait too: it only sleeps
+            point["cpu_us_per_request"] = round((time.process_time() - cpu) * 1e6
+                                                / max(served, 1), 1)
+            print(f"grpcio floor c={c:<3d} {point}", flush=True)
+    finally:
+        server.stop(0)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    main()

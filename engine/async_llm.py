@@ -302,9 +302,10 @@ def _serve(engine: LLMEngine, conn) -> None:
         if engine.has_unfinished_requests():
             outputs = engine.step()
             # The step-cost gauge: refitted once a second, and at the last step before idle.
-            with_cost = time.monotonic() >= next_cost or not engine.has_unfinished_requests()
+            now = time.monotonic()
+            with_cost = now >= next_cost or not engine.has_unfinished_requests()
             if with_cost:
-                next_cost = time.monotonic() + 1.0
+                next_cost = now + 1.0
             conn.send(("outputs", (outputs, list(step_stats),
                                    engine_snapshot(engine, with_cost))))
             step_stats.clear()

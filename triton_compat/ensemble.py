@@ -28,7 +28,6 @@ class EnsembleRuntime:
     def __init__(self, config, version: int, resolve) -> None:
         self.config, self.version, self.resolve = config, version, resolve
         self.signature = Signature(config)
-        self.output_types = self.signature.outputs
         self.steps = list(config.ensemble_scheduling.step)
         self.stats = ModelStats()
         self.pending_count = 0

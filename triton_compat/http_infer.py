@@ -16,7 +16,7 @@ import logging
 import re
 import zlib
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from triton_compat.context import V2Context
 from triton_compat.errors import InferError
@@ -37,18 +37,32 @@ def too_large(size: int, limit: int) -> InferError:
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused (400) once it passes `limit` bytes, before all of it is held. Raises
-    starlette's ClientDisconnect when the client leaves meanwhile."""
-    declared = request.headers.get("content-length")
+    """`receive_body` for a Starlette request. Raises starlette's ClientDisconnect when the
+    client leaves meanwhile."""
+    body = await receive_body(request.receive, request.headers.get("content-length"), limit)
+    if body is None:
+        raise ClientDisconnect()
+    return body
+
+
+async def receive_body(receive, declared: str | None, limit: int) -> bytes | None:
+    """The body from ASGI `receive`, refused (InferError 400) once it passes `limit` bytes
+    (or its `declared` Content-Length does), before all of it is held; None when the client
+    disconnects first."""
     if declared and declared.isdigit() and int(declared) > limit:
         raise too_large(int(declared), limit)
     chunks, size = [], 0
-    async for chunk in request.stream():
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
             raise too_large(size, limit)
         chunks.append(chunk)
-    return b"".join(chunks)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def decode_body(body: bytes, encoding: str | None, limit: int) -> bytes:
@@ -110,7 +124,7 @@ class InferFastPath:
                    if k in HEADERS}
         status = 200
         try:
-            body = await _receive_body(receive, headers.get("content-length"), self.limit)
+            body = await receive_body(receive, headers.get("content-length"), self.limit)
             if body is None:               # the client left while sending its body
                 return
             payload, extra = await infer_http(self.ctx, match[1], match[2] or "", headers,
@@ -125,21 +139,3 @@ class InferFastPath:
                     "headers": [(b"content-length", str(len(payload)).encode()), *extra]})
         await send({"type": "http.response.body", "body": payload})
 
-
-async def _receive_body(receive, declared: str | None, limit: int) -> bytes | None:
-    """The body from ASGI `receive`, refused (400) once it passes `limit` bytes; None when
-    the client disconnects first."""
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise too_large(int(declared), limit)
-    chunks, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise too_large(size, limit)
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)

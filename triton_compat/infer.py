@@ -172,9 +172,9 @@ class Inference:
         """The version that ran and the outputs in the order to send (the client's, else the
         config's); those asked into a region are written there."""
         rt, request = self.rt, self.request
-        types = rt.output_types
+        types = rt.signature.outputs
         wanted = request.outputs if request.outputs is not None else \
-            [OutputRequest(t.name) for t in rt.config.output]
+            [OutputRequest(name) for name in types]
         result = [OutputTensor(o.name, types[o.name], outputs[o.name], o) for o in wanted]
         for t in result:
             if t.request.shm is not None:

@@ -79,7 +79,6 @@ class ModelRuntime:
     def __init__(self, config, model_dir: Path, version: int) -> None:
         self.config, self.version = config, version
         self.signature = Signature(config)
-        self.output_types = self.signature.outputs
         self.decoupled = config.model_transaction_policy.decoupled
         self.batcher = batcher_config(config)
         self.strategy = batch_strategy.load(config, model_dir, version)

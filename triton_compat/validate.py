@@ -31,7 +31,8 @@ class InputSpec:
 class Signature:
     """The parts of a `ModelConfig` the checks read, as plain Python values: `name`,
     `max_batch_size`, `inputs` {name: InputSpec} and `required` (in config order), `outputs`
-    {name: KServe datatype} in config order."""
+    {name: KServe datatype} in config order, `output_dtypes` {name: numpy dtype, None for
+    BYTES and BF16, which are checked by kind}."""
 
     def __init__(self, config) -> None:
         self.name, self.max_batch_size = config.name, config.max_batch_size
@@ -40,9 +41,8 @@ class Signature:
                                          t.optional) for t in config.input}
         self.required = [n for n, t in self.inputs.items() if not t.optional]
         self.outputs = {t.name: wire_datatype(t.data_type) for t in config.output}
-        self.output_names = list(self.outputs)
-        self._np = {n: None if w in ("BYTES", "BF16") else np.dtype(triton_to_np_dtype(w))
-                    for n, w in self.outputs.items()}
+        self.output_dtypes = {n: None if w in ("BYTES", "BF16") else
+                              np.dtype(triton_to_np_dtype(w)) for n, w in self.outputs.items()}
 
 
 def _count_error(sig: Signature, inputs: dict, absent: list[str], request_id: str) -> InferError:
@@ -101,7 +101,7 @@ def check_inputs(sig: Signature, inputs: dict[str, np.ndarray], datatypes: dict[
 def check_outputs(sig: Signature, names: list[str] | None) -> list[str]:
     """The requested output names (all when None). Raises InferError(400) for an unknown one."""
     if names is None:
-        return list(sig.output_names)
+        return list(sig.outputs)
     for n in names:
         if n not in sig.outputs:
             raise InferError(f"unexpected inference output '{n}' for model '{sig.name}'")
@@ -129,7 +129,7 @@ def check_result(sig: Signature, wanted: list[str], result, batch_size: int):
         if not isinstance(array, np.ndarray):
             return InferError(f"model '{model}' returned output '{name}' as a "
                               f"{type(array).__name__}, not an array", 500)
-        want = sig._np[name]
+        want = sig.output_dtypes[name]
         ok = array.dtype.kind in "OSU" if wire == "BYTES" else \
             want is None or array.dtype == want
         if not ok:

@@ -208,15 +208,22 @@ def test_a_misbehaving_python_model_fails_only_its_own_request(tmp_path, value, 
         repo.close()
 
 
-def test_only_a_model_cheaper_than_a_thread_hop_runs_on_the_event_loop(tmp_path):
+def test_only_a_model_cheaper_than_a_thread_hop_runs_on_the_event_loop(tmp_path, monkeypatch):
     """HTTP infer runs a model measured cheaper than INLINE_MAX_US on the event loop (no
     hand-off to its instance's thread); a slow model never blocks the loop, and a cheap model
-    that turns slow stops running there after one execution."""
+    that turns slow stops running there after one execution.
+
+    INLINE_MAX_US (200 µs) is about one thread hop on a fast host; a slow or busy host runs
+    this test's 'fast' python model in about that time, so the test raises the bound to 5 ms
+    (still 6x below 'slow' and 20x below the 100 ms spike) to check the mechanism, not the
+    host's speed."""
     import asyncio
 
+    from triton_compat import runtime
     from triton_compat.infer import InferRequest, run
-    from triton_compat.runtime import INLINE_MAX_US
     from triton_compat.shared_memory import SharedMemoryManager
+
+    monkeypatch.setattr(runtime, "INLINE_MAX_US", 5000.0)
 
     seq_model(tmp_path, "fast", "max_batch_size: 1")
     seq_model(tmp_path, "slow", 'max_batch_size: 1 parameters { key: "delay_ms" value '
@@ -259,7 +266,7 @@ def test_only_a_model_cheaper_than_a_thread_hop_runs_on_the_event_loop(tmp_path)
             if fast.runs_inline:
                 break
             assert await infer("fast", v) == v
-        assert fast.runs_inline and fast.exec_us <= INLINE_MAX_US
+        assert fast.runs_inline and fast.exec_us <= runtime.INLINE_MAX_US
         before = handed_off["fast"]
         for v in range(20):
             assert await infer("fast", v) == v

@@ -69,7 +69,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-itl-ms", type=_target_itl, default=None, metavar="MS|auto|off",
                    help="inter-token latency target: each step's prefill tokens are budgeted "
                         "from measured step costs so that a step with the running decodes "
-                        "stays within MS (once a prefill has waited 32 steps, at least 32 prefill "
+                        "stays within MS (once a prefill has waited 256 steps, at least 32 prefill "
                         "tokens a step still run); auto = "
                         "twice the unloaded decode step, measured at start (default: off)")
     p.add_argument("--tuning-profile", default=None, choices=list(TUNING_PROFILES),

@@ -191,3 +191,33 @@ def test_jittery_steps_widen_the_margin_and_shrink_the_budget():
     assert 0.003 < jittery.margin() <= 0.010
     assert AdaptivePrefillBudget(0.060, 2048, history=jittery).prefill_budget(4) \
         < AdaptivePrefillBudget(0.060, 2048, history=calm).prefill_budget(4)
+
+
+def test_a_slow_spell_shrinks_the_next_budget_and_a_fast_one_widens_it():
+    """The host slows down 12 ms for spells of 6 steps: a step inside a slow spell predicts the
+    next one slow too (the drift term), so the budget planned there is smaller than the one
+    planned inside a fast spell, by about the drift over the cost per prefill token."""
+    mix = [(d, p) for d in (1, 4, 9) for p in (0, 50, 200)] * 8
+
+    def history(num_steps):
+        h = LatencyHistory()
+        for i, (d, p) in enumerate(mix[:num_steps]):
+            h.observe(d, p, COST.step(d, p) + (0.012 if (i // 6) % 2 else 0.0))
+        return h
+
+    slow, fast = history(60), history(66)          # the last step: in a slow / a fast spell
+    assert slow.drift() > 0.004 > 0 > fast.drift()
+    budget_slow = AdaptivePrefillBudget(0.080, 2048, history=slow).prefill_budget(4, False)
+    budget_fast = AdaptivePrefillBudget(0.080, 2048, history=fast).prefill_budget(4, False)
+    assert budget_slow < budget_fast
+    expected = (slow.drift() - fast.drift()) / COST.per_token
+    assert budget_fast - budget_slow == pytest.approx(
+        expected + (slow.margin() - fast.margin()) / COST.per_token, abs=2)
+
+
+def test_alternating_jitter_has_no_drift():
+    """Jitter that flips every step tells nothing about the next: no drift term."""
+    h = LatencyHistory()
+    for i, (d, p) in enumerate([(d, p) for d in (1, 4, 9) for p in (0, 50, 200)] * 4):
+        h.observe(d, p, COST.step(d, p) + (0.010 if i % 2 else 0.0))
+    assert h.drift() == 0.0

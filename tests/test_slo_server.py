@@ -52,7 +52,7 @@ def test_low_latency_profile_streams_preempts_by_cost_and_budgets_prefill(slo_se
                and f'mode="{mode}"' in line}
     assert sum(by_mode.values()) == metric(base, "continuum_num_preemptions_total") > 0
     # The budget adapts: below the fixed 2048 (under the 32-token floor while no prefill has
-    # waited its patience, 32 steps).
+    # waited its patience, 256 steps).
     assert 0 <= metric(base, "continuum_prefill_budget_tokens") < 2048
     assert greedy(base) == greedy(server, KEY)     # same tokens as the default server
 

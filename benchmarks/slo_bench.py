@@ -76,7 +76,7 @@ def bench(base: str, tmp: Path, name: str, args, extra: list[str]) -> dict:
     return result
 
 
-def unloaded_decode_ms(base: str, tmp: Path, args) -> tuple[float, float]:
+def unloaded_decode(base: str, tmp: Path, args) -> tuple[float, float]:
     """Requests sent one at a time (8 x 128 output tokens): (median ITL in ms, the host's jitter
     ratio = p99 / median ITL). With one request and no prefill the spread is the host's alone."""
     out = tmp / "unloaded.json"
@@ -97,7 +97,7 @@ def part_itl(args, tmp: Path) -> dict:
     warmed by an earlier point would turn its prompts into a few uncached tokens."""
     res: dict = {}
     with server([], tmp, "fixed") as base:
-        d, res["jitter_ratio"] = unloaded_decode_ms(base, tmp, args)
+        d, res["jitter_ratio"] = unloaded_decode(base, tmp, args)
         res["unloaded_decode_ms"], res["target_itl_ms"] = d, round(2 * d, 2)
         args.tpot_slo_ms = res["target_itl_ms"]
         before = _engine_figures(base)

@@ -32,18 +32,19 @@ prefill cost is measured the budget is the fixed `max_num_batched_tokens`. The p
 design (measured, 0.60 req/s ShareGPT on a 2-core host: p99 ITL 86 ms against a 74 ms target at
 the 90th percentile without drift, 76 ms at the 99th with it).
 
-The floor keeps prefills moving whatever the load, but only once they starve: while some request with prompt tokens still to compute has been waiting
-`patience` steps or more (counted from its arrival), every step spends at least `floor` tokens
-on prefill (when the step's seats and blocks allow); before that the budget is what the slack
-gives, even 0. A floor that applied at once would, on a host where the floor's chunk alone
-overshoots the target, put every prefill's chunks over it even at light load, where the slack
-left by the decodes would have carried the prompt within the target in a few more steps. So
-with fcfs a waiting request with W prompt tokens of earlier requests still to compute ahead of
-it starts its prefill within patience + ceil(W / floor) + 1 steps of its arrival: once it has
-waited `patience` steps, the floor holds at every step until it starts. The patience is 256
-steps (~13 s at 50 ms a step): a floor chunk beside the decodes overruns the target almost every
-time (77 of 78 such steps in one run at 32 steps' patience), and queueing of a few seconds is
-normal at 70% load, so a short patience spent most of the tail there.
+The floor keeps prefills moving whatever the load, but only once they starve: while some request
+with prompt tokens still to compute has been waiting `patience` steps or more (counted from its
+arrival), every step spends at least `floor` tokens on prefill (when the step's seats and blocks
+allow); before that the budget is what the slack gives, even 0. A floor that applied at once
+would, on a host where the floor's chunk alone overshoots the target, put every prefill's chunks
+over it even at light load, where the slack left by the decodes would have carried the prompt
+within the target in a few more steps. So with fcfs a waiting request with W prompt tokens of
+earlier requests still to compute ahead of it starts its prefill within patience + ceil(W /
+floor) + 1 steps of its arrival: once it has waited `patience` steps, the floor holds at every
+step until it starts. The patience is 256 steps (~13 s at 50 ms a step): a floor chunk beside
+the decodes overruns the target almost every time (77 of 78 such steps in one run at 32 steps'
+patience), and queueing of a few seconds is normal at 70% load, so a short patience spent most
+of the tail there.
 
 Preemption cost (`--preemption-mode auto`): swapping a request out and back in moves its blocks
 twice, 2 * blocks * seconds_per_block (the measured copy time per block, i.e. bytes over the
@@ -156,10 +157,9 @@ class LatencyHistory:
     def _residual_spells(self) -> tuple[float, float]:
         """The window's residuals in step order, their lag-1 coefficient k, and from them
         (margin, drift)."""
-        base, per_decode, per_token = (c or 0.0 for c in self.coefficients())
         steps = [(i, d, 0, t) for i, d, t in self.decode_steps] + list(self.prefill_steps)
         i, d, p, t = np.array(sorted(steps), dtype=np.float64).T
-        resid = t - base - per_decode * d - per_token * p
+        resid = t - self.predict(d, p)
         follows = np.diff(i) == 1                     # (step j-1, step j) both in the window
         prev, cur = resid[:-1][follows], resid[1:][follows]
         k = 0.0
@@ -170,8 +170,9 @@ class LatencyHistory:
         margin = max(float(np.percentile(over, MARGIN_QUANTILE)), 0.0)
         return margin, k * float(resid[-1])
 
-    def predict(self, num_decodes: int, num_prefill_tokens: int) -> float | None:
-        """Predicted step seconds for D decodes and P prefill tokens; None without data."""
+    def predict(self, num_decodes, num_prefill_tokens):
+        """Predicted step seconds for D decodes and P prefill tokens (ints, or numpy arrays of
+        them for one prediction per element); None without data."""
         base, per_decode, per_token = self.coefficients()
         if base is None and per_token is None:
             return None

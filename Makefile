@@ -20,13 +20,13 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 test: install
-	$(PY) -m pytest -q -m "not stress"
+	$(PY) -m pytest -q -m "not stress and not extended"
 	$(MAKE) --no-print-directory test-avx2
 
 # Soak and fuzz runs (minutes each: disconnect storm, overload burst, schemathesis over
-# /openapi.json); CI runs them after `make test`.
+# /openapi.json) and the `extended` variants; CI runs them after `make test`.
 test-stress: install
-	$(PY) -m pytest -q -m stress
+	$(PY) -m pytest -q -m "stress or extended"
 
 # The kernel, model and engine-correctness tests again with every ISA capped at AVX2 + FMA (oneDNN,
 # ATen and Continuum's own switch), as on an AVX2-only host: kernels built for x86-64-v3,
@@ -36,7 +36,7 @@ test-avx2: install
 	@if grep -qw avx2 /proc/cpuinfo && grep -qw fma /proc/cpuinfo; then \
 	  echo "== again with ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 CONTINUUM_CPU_ISA=avx2"; \
 	  ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 CONTINUUM_CPU_ISA=avx2 \
-	    $(PY) -m pytest -q $(AVX2_TESTS); \
+	    $(PY) -m pytest -q -m "not stress and not extended" -k "not slo_options" $(AVX2_TESTS); \
 	else echo "test-avx2: skipped, this CPU has no AVX2 + FMA"; fi
 
 bench: install

@@ -30,6 +30,7 @@ def test_embedded_model_resolves_to_a_valid_cache(model_dir):
     assert json.loads((model_dir / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
 
 
+@pytest.mark.extended
 def test_corrupt_or_partial_cache_is_detected_and_rebuilt(model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("CONTINUUM_CACHE", str(tmp_path))
     target = tmp_path / "models" / model_dir.name

@@ -53,7 +53,7 @@ def test_own_draft_with_chunked_prefill_and_prefix_hits(prompts, expected):
     assert_drained(eng)
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("mode", ["recompute", pytest.param("swap", marks=pytest.mark.extended)])
 def test_own_draft_through_preemption(mode, prompts, tokenizer):
     long_copy = chat(tokenizer, "Repeat this text exactly:\n\n" + " ".join([PARAGRAPH] * 6))
     flags = dict(num_gpu_blocks_override=26, preemption_mode=mode, max_model_len=400,
@@ -109,6 +109,7 @@ def test_prefix_hit_on_blocks_the_draft_never_computed(monkeypatch, prompts, tok
     assert_drained(eng)
 
 
+@pytest.mark.extended          # test_server_with_a_bfloat16_draft serves one in make test
 def test_bfloat16_draft_gives_float32_tokens(prompts):
     """max_tokens, a stop string, n = 2 (copy-on-write of the draft's blocks too), seeded
     random sampling with penalties: the float32 target's tokens, run to run."""

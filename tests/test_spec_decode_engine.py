@@ -88,7 +88,7 @@ def test_chunked_prefill_and_prefix_hits_match(prompts, expected):
     assert_drained(eng)
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("mode", ["recompute", pytest.param("swap", marks=pytest.mark.extended)])
 def test_preemption_matches(mode, prompts, expected, tokenizer):
     """A ~300-token copy prompt first (it runs throughout), then the others, on 26 blocks (416
     slots): later arrivals are preempted while drafts come and go."""

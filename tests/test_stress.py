@@ -23,7 +23,7 @@ from tests.conftest import greedy, start_server, stop_server
 RSS_BOUND_MIB = 100       # growth allowed across a burst / a storm after a warm-up
 
 
-@pytest.mark.slow
+@pytest.mark.extended     # make test keeps test_server_e2e's queue-full 503
 def test_overload_burst_is_refused_fast_and_the_accepted_are_exact(tmp_path):
     proc, base = start_server(["--max-model-len", "512", "--kv-cache-memory", "0.1",
                                "--max-num-seqs", "4", "--max-waiting-requests", "8",

@@ -96,7 +96,7 @@ def _no_traceback(log) -> str:
     return text
 
 
-@pytest.mark.parametrize("how", ["sigterm", "ctrl-c"])
+@pytest.mark.parametrize("how", [pytest.param("sigterm", marks=pytest.mark.extended), "ctrl-c"])
 def test_stop_exits_0_without_traceback(tmp_path, how):
     log = tmp_path / "server.log"
     proc, base = start_server(ARGS, "/health/ready", log, new_session=True)
@@ -148,7 +148,7 @@ def test_drain_finishes_in_flight_requests_and_refuses_new_ones(tmp_path):
     assert "SIGTERM: draining 2 request(s)" in text
 
 
-@pytest.mark.slow
+@pytest.mark.extended        # the drain test above keeps the drain in make test
 def test_past_the_timeout_in_flight_requests_end_as_aborted(tmp_path):
     log = tmp_path / "server.log"
     proc, base = start_server(ARGS, "/health/ready", log, new_session=True)   # timeout 0
@@ -170,7 +170,7 @@ def test_past_the_timeout_in_flight_requests_end_as_aborted(tmp_path):
     assert "aborting 2 request(s) still in flight" in _no_traceback(log)
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 def test_a_second_signal_stops_at_once(tmp_path):
     log = tmp_path / "server.log"
     proc, base = start_server([*ARGS, "--shutdown-timeout", "120"], "/health/ready", log,

@@ -162,15 +162,20 @@ class Scheduler:
     def _adaptive_prefill_budget(self) -> int:
         """This step's prefill tokens under --target-itl-ms (`scheduler.slo`): from the running
         decodes, keeping the floor once a request with prompt tokens still to compute (waiting,
-        or running with a partial prefill) was added `patience` or more steps ago."""
+        or running with a partial prefill) was added `patience` or more steps ago. A step with
+        no prompt tokens to compute keeps the last budget: refitting the step costs (~0.3 ms)
+        would buy nothing there."""
         oldest = self._num_steps - self.prefill_budgeter.patience
-        num_decodes, starved = 0, False
+        num_decodes, starved, prefilling = 0, False, False
         for r in self.running:
             pending = len(r.all_token_ids) - 1 - r.num_computed_tokens
             if pending == 0:
                 num_decodes += self._seats(r)
-            elif pending > 0 and r.arrival_step <= oldest:
-                starved = True
+            elif pending > 0:
+                prefilling = True
+                starved = starved or r.arrival_step <= oldest
+        if not (prefilling or self.waiting or self.swapped):
+            return self.prefill_budgeter.last_budget
         starved = starved or any(r.arrival_step <= oldest for _, r in self.waiting)
         return self.prefill_budgeter.prefill_budget(num_decodes, starved)
 

@@ -19,8 +19,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) examples/prepare_model_repository.py
 	touch $(STAMP)
 
+# `stress` and `extended` tests run in test-stress (see pyproject's markers)
+TEST_MARKS := not stress and not extended
 test: install
-	$(PY) -m pytest -q -m "not stress and not extended"
+	$(PY) -m pytest -q -m "$(TEST_MARKS)"
 	$(MAKE) --no-print-directory test-avx2
 
 # Soak and fuzz runs (minutes each: disconnect storm, overload burst, schemathesis over
@@ -39,7 +41,7 @@ test-avx2: install
 	@if grep -qw avx2 /proc/cpuinfo && grep -qw fma /proc/cpuinfo; then \
 	  echo "== again with ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 CONTINUUM_CPU_ISA=avx2"; \
 	  ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 CONTINUUM_CPU_ISA=avx2 \
-	    $(PY) -m pytest -q -m "not stress and not extended" -k "$(AVX2_SKIP)" $(AVX2_TESTS); \
+	    $(PY) -m pytest -q -m "$(TEST_MARKS)" -k "$(AVX2_SKIP)" $(AVX2_TESTS); \
 	else echo "test-avx2: skipped, this CPU has no AVX2 + FMA"; fi
 
 bench: install

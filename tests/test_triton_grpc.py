@@ -191,6 +191,61 @@ def test_concurrent_grpc_and_http_requests_batch_together(v2_servers, client):
     assert requests == 24 and executions < requests
 
 
+def test_many_clients_at_once_each_get_their_own_answers(v2_servers):
+    """8 clients, each on its own channel, 40 requests each with its own inputs, all at once:
+    every answer is the sum and difference of that request's inputs (the completion-queue
+    loop answers calls from whichever thread finished them)."""
+    def client_run(k):
+        c = grpcclient.InferenceServerClient(v2_servers["main"][1])
+        try:
+            wrong = 0
+            for i in range(40):
+                a = np.full((1, 16), 1000 * k + i, np.int32)
+                r = c.infer("simple", simple_inputs(a, B), request_id=f"{k}-{i}")
+                wrong += r.get_response().id != f"{k}-{i}"
+                wrong += not (r.as_numpy("OUTPUT0") == a + B).all()
+                wrong += not (r.as_numpy("OUTPUT1") == a - B).all()
+            return wrong
+        finally:
+            c.close()
+
+    with ThreadPoolExecutor(8) as pool:
+        assert sum(pool.map(client_run, range(8))) == 0
+
+
+def test_expired_deadlines_and_bad_calls_leave_the_others_answered(v2_servers, client):
+    """Calls whose client deadline passes while the 300 ms model runs end with
+    DEADLINE_EXCEEDED and the requests beside them are answered; an unknown method gets
+    UNIMPLEMENTED and bytes that are no ModelInferRequest get INTERNAL, as grpcio's server
+    answers them."""
+    channel = grpc.insecure_channel(v2_servers["main"][1])
+    raw = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+    with pytest.raises(grpc.RpcError) as info:
+        raw(b"\xff\xff\xff", timeout=10)
+    assert info.value.code() == grpc.StatusCode.INTERNAL
+    assert info.value.details() == "Exception deserializing request!"
+    with pytest.raises(grpc.RpcError) as info:
+        channel.unary_unary("/inference.GRPCInferenceService/NoSuchRpc")(b"", timeout=10)
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert info.value.details() == "Method not found!"
+
+    def one(i):
+        x = grpcclient.InferInput("IN", [1, 1], "INT32")
+        x.set_data_from_numpy(np.array([[i]], np.int32))
+        timeout = 0.05 if i % 2 else None
+        try:
+            return client.infer("delayed", [x], client_timeout=timeout).as_numpy("OUT")[0, 0]
+        except InferenceServerException as e:
+            return e.status()
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(8)))
+    assert results[0::2] == [0, 2, 4, 6]
+    assert all("DEADLINE_EXCEEDED" in str(r) for r in results[1::2]), results
+    channel.close()
+    alive(client)
+
+
 # -- streaming -----------------------------------------------------------------------------------
 def test_stream_answers_in_order_and_survives_a_failed_request(client):
     results: queue.Queue = queue.Queue()

@@ -188,7 +188,9 @@ class Inference:
             self.shm.release(region)
 
 
-def _model_failure(e: Exception) -> InferError:
+def model_failure(e: Exception) -> InferError:
+    """The InferError a failed inference future is answered with: its own, else a model bug
+    as a 500 in the v2 error shape."""
     if isinstance(e, InferError):
         return e
     return InferError(f"{type(e).__name__}: {e}", 500)   # a model bug: the v2 error shape
@@ -205,21 +207,7 @@ async def run(repository, shm, request: InferRequest) -> tuple[str, list[OutputT
         try:        # done already when it ran inline: no hop through the loop
             outputs = future.result() if future.done() else await asyncio.wrap_future(future)
         except Exception as e:
-            raise _model_failure(e) from None
-        return inference.finish(outputs)
-    finally:
-        inference.release()
-
-
-def run_blocking(repository, shm, request: InferRequest) -> tuple[str, list[OutputTensor]]:
-    """`run` for a thread that may block (gRPC workers): when an instance is idle the batch
-    runs on this thread (`ModelRuntime.submit(inline=True)`). Raises InferError."""
-    inference = Inference(repository, shm, request, inline=True)
-    try:
-        try:
-            outputs = inference.future.result()
-        except Exception as e:
-            raise _model_failure(e) from None
+            raise model_failure(e) from None
         return inference.finish(outputs)
     finally:
         inference.release()

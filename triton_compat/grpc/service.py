@@ -1,9 +1,10 @@
 """The RPCs of Triton's `inference.GRPCInferenceService`, answered over the v2 layer's shared
 state (`V2Context`): the same repository, runtimes, batchers and shared-memory regions as HTTP.
 
-Data flow of ModelInfer, on one of grpcio's worker threads: `ModelInferRequest` →
-`codec.decode_request` → `infer.run_blocking` (runtime submit; the batch runs on this thread
-when an instance is idle) → `codec.encode_response`. ModelStreamInfer submits each request of a
+Data flow of ModelInfer, on the completion-queue thread (grpc/loop.py): `ModelInferRequest` →
+`codec.decode_request` → `Inference` (runtime submit; a cheap model runs on this thread when
+an instance is idle) → `codec.encode_response` where the inference finished → reply. The other
+RPCs run on worker threads as grpcio would run them. ModelStreamInfer submits each request of a
 stream as it arrives (a reader thread), so they batch together, and writes the responses in
 request order (or a request's error, as `error_message`; the stream goes on), each marked
 `triton_final_response`.
@@ -29,7 +30,7 @@ from triton_compat.errors import InferError
 from triton_compat.grpc.codec import decode_request, encode_response
 from triton_compat.grpc.stream import Stream
 from triton_compat.shared_memory import gpus_not_supported
-from triton_compat.infer import run_blocking
+from triton_compat.infer import Inference, model_failure
 
 logger = logging.getLogger("continuum.triton.grpc")
 
@@ -67,7 +68,7 @@ def _unary(method):
     @functools.wraps(method)
     def wrapper(self, request, context):
         try:
-            self.check_restricted(name, context)
+            self.check_restricted(name, context.invocation_metadata())
             return method(self, request, context)
         except InferError as e:
             context.abort(status_code(e), e.message)
@@ -76,23 +77,24 @@ def _unary(method):
 
 
 class TritonService(service_pb2_grpc.GRPCInferenceServiceServicer):
-    """Triton's gRPC service over `ctx`, for grpcio's thread-pool server: each RPC runs on a
-    worker thread, which may block (measured faster than grpc.aio here: no poller thread and
-    no event-loop hand-off per call)."""
+    """Triton's gRPC service over `ctx`, served by grpc/loop.py: ModelInfer through
+    `model_infer` on the completion-queue thread (`fast`), every other RPC as grpcio's
+    `handler(request, context)` on a worker thread, which may block."""
 
     def __init__(self, ctx: V2Context) -> None:
         self.ctx = ctx
+        self.fast = {"ModelInfer": self.model_infer}
 
-    def check_restricted(self, rpc: str, context) -> None:
+    def check_restricted(self, rpc: str, metadata) -> None:
         """Raise InferError (UNAVAILABLE, Triton's text) when `rpc`'s category is restricted
-        (`--grpc-restricted-protocol`) and the call lacks metadata
+        (`--grpc-restricted-protocol`) and the call's `metadata` ((key, value) pairs) lacks
         `triton-grpc-protocol-<key>: <value>`."""
         rule = self.ctx.grpc_restrictions.get(CATEGORY.get(rpc))
         if rule is None:
             return
         key, value = rule
         header = RESTRICTED_HEADER + key
-        got = dict(context.invocation_metadata() or ()).get(header)
+        got = dict(metadata or ()).get(header)
         if got != value:
             raise InferError(f"This protocol is restricted, expecting header '{header}'", 503)
 
@@ -157,14 +159,51 @@ class TritonService(service_pb2_grpc.GRPCInferenceServiceServicer):
         if lifecycle is not None and lifecycle.draining:
             raise InferError(SHUTTING_DOWN, 503)
 
-    def _infer(self, msg: pb.ModelInferRequest) -> pb.ModelInferResponse:
-        rt = self.ctx.repository().runtime(msg.model_name, msg.model_version)
-        if getattr(rt, "decoupled", False):         # Triton's text (infer_handler.cc)
-            raise InferError("ModelInfer RPC doesn't support models with decoupled transaction "
-                             "policy", 501)
-        request = decode_request(msg)
-        version, outputs = run_blocking(self.ctx.repository(), self.ctx.shm, request)
-        return self._response(request, version, outputs)
+    def model_infer(self, msg: pb.ModelInferRequest, metadata, reply) -> None:
+        """ModelInfer without a thread of its own (grpc/loop.py's fast path): checked, decoded
+        and submitted on the calling thread; a model cheap enough runs there too
+        (`ModelRuntime.runs_inline`), others on their instances' threads. `reply(response,
+        code, details)` is called once, on this thread or the one that finished the
+        inference. Never blocks."""
+        try:
+            self.check_restricted("ModelInfer", metadata)
+            self._admit()
+        except InferError as e:
+            reply(None, status_code(e), e.message)
+            return
+        lifecycle = self.ctx.lifecycle
+        if lifecycle is not None:
+            lifecycle.enter()
+        try:
+            rt = self.ctx.repository().runtime(msg.model_name, msg.model_version)
+            if getattr(rt, "decoupled", False):         # Triton's text (infer_handler.cc)
+                raise InferError("ModelInfer RPC doesn't support models with decoupled "
+                                 "transaction policy", 501)
+            request = decode_request(msg)
+            inference = Inference(self.ctx.repository(), self.ctx.shm, request)
+        except InferError as e:
+            if lifecycle is not None:
+                lifecycle.leave()
+            reply(None, status_code(e), e.message)
+            return
+
+        def done(future) -> None:
+            try:
+                try:
+                    outputs = future.result()
+                except Exception as e:
+                    raise model_failure(e) from None
+                response = self._response(request, *inference.finish(outputs))
+            except InferError as e:
+                reply(None, status_code(e), e.message)
+                return
+            finally:
+                inference.release()
+                if lifecycle is not None:
+                    lifecycle.leave()
+            reply(response)
+
+        inference.future.add_done_callback(done)   # at once when it ran on this thread
 
     @staticmethod
     def _response(request, version, outputs) -> pb.ModelInferResponse:
@@ -174,25 +213,13 @@ class TritonService(service_pb2_grpc.GRPCInferenceServiceServicer):
             raise InferError(f"model '{request.model}' returned an output that cannot be "
                              f"sent: {type(e).__name__}: {e}", 500) from None
 
-    @_unary
-    def ModelInfer(self, request, context):
-        self._admit()
-        lifecycle = self.ctx.lifecycle
-        if lifecycle is not None:
-            lifecycle.enter()
-        try:
-            return self._infer(request)
-        finally:
-            if lifecycle is not None:
-                lifecycle.leave()
-
     def ModelStreamInfer(self, request_iterator, context):
         """Bidirectional stream (see grpc/stream.py): requests start as they arrive; a
         decoupled model's responses are written as produced, other models' in request order;
         each response carries `triton_final_response`; a failed request is answered with
         `error_message` and the stream goes on."""
         try:
-            self.check_restricted("ModelStreamInfer", context)
+            self.check_restricted("ModelStreamInfer", context.invocation_metadata())
         except InferError as e:
             context.abort(status_code(e), e.message)
         lifecycle = self.ctx.lifecycle

@@ -1,0 +1,302 @@
+"""grpcio's core server driven by one completion-queue thread: Triton's gRPC service without a
+thread hand-off per call.
+
+Why not `grpc.server`: its Python layer takes each unary call through three hand-offs (poll
+thread → pool worker → poll thread for the message → worker). Measured on the 2-core host with
+a servicer that only returns a canned ModelInfer answer (benchmarks/grpc_floor.py): ~11 context
+switches and 270–340 µs of server CPU per call, which put it below tritonserver before any work
+of ours. The same canned servicer on this loop took 88–190 µs per call and 2–3× the rate.
+
+Owns: `Server` (listen, start, stop with a grace period) and the per-call state `_Rpc`.
+Data flow: one thread polls the completion queue. A new call is answered from the method
+table that grpcio's generated `add_GRPCInferenceServiceServicer_to_server` fills in (names,
+(de)serializers, streaming kinds):
+- a method in `fast` (ModelInfer) is received, decoded and started on the loop thread:
+  `fast[name](request, metadata, reply)` must not block; `reply` may be called from any thread
+  (the one that finished the inference) and starts the final batch there;
+- other unary methods run on a worker pool as grpcio runs them, `handler(request, context)`,
+  since they may block (repository load, region mapping);
+- a streaming method (ModelStreamInfer) gets a worker that iterates its response generator
+  over a blocking request iterator, one message on the wire at a time, as grpcio does.
+A handler's `context` offers `invocation_metadata()`, `abort(code, details)` and
+`is_active()`, the part of `grpc.ServicerContext` the service uses.
+
+Built on grpcio's Cython core (`grpc._cython.cygrpc`: Server, CompletionQueue, the batch
+operations), the layer `grpc.server` and `grpc.aio` are themselves written over; HTTP/2,
+message framing, flow control, metadata and status encoding stay in grpcio's C-core.
+Reference: grpc/_server.py (the same calls, the same status texts), grpc/include/grpc/grpc.h
+(batch operations, shutdown_and_notify).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+from grpc._cython import cygrpc
+
+logger = logging.getLogger("continuum.triton.grpc")
+
+OK = grpc.StatusCode.OK
+_REQUEST, _SHUTDOWN, _DONE = object(), object(), object()
+OUTSTANDING_REQUESTS = 16      # calls C-core may accept before the loop asks for more
+
+
+class _Abort(Exception):
+    """`context.abort(code, details)`: end the call with this status."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class _Rpc:
+    """One call: its cygrpc Call, the client's metadata, and (streams) the mailboxes the loop
+    fills: received messages (`inbox`, None = no more) and send completions (`sent`)."""
+
+    __slots__ = ("call", "metadata", "cancelled", "inbox", "sent", "metadata_sent")
+
+    def __init__(self, call, metadata) -> None:
+        self.call, self.metadata = call, metadata
+        self.cancelled, self.metadata_sent = False, False
+        self.inbox: queue.SimpleQueue | None = None
+        self.sent: queue.SimpleQueue | None = None
+
+    def finish(self, message: bytes | None, code: grpc.StatusCode = OK, details: str = "",
+               close: bool = True) -> None:
+        """Start the call's last batch: initial metadata (if not sent yet), the response
+        `message` (None: none) and the status. `close`: also learn when the call is over
+        (unary calls; a stream started that at its beginning). Any thread."""
+        ops = []
+        if not self.metadata_sent:
+            ops.append(cygrpc.SendInitialMetadataOperation((), 0))
+            self.metadata_sent = True
+        if message is not None:
+            ops.append(cygrpc.SendMessageOperation(message, 0))
+        ops.append(cygrpc.SendStatusFromServerOperation((), code.value[0], details.encode(), 0))
+        if close:
+            ops.append(cygrpc.ReceiveCloseOnServerOperation(0))
+        self.call.start_server_batch(ops, _DONE)
+
+    def send(self, message: bytes) -> bool:
+        """A stream's next message; waits until C-core has taken it (one send in flight per
+        call). False when the call is over (cancelled or gone)."""
+        ops = [cygrpc.SendMessageOperation(message, 0)]
+        if not self.metadata_sent:
+            ops.insert(0, cygrpc.SendInitialMetadataOperation((), 0))
+            self.metadata_sent = True
+        self.call.start_server_batch(ops, (_on_sent, self))
+        return self.sent.get()
+
+    def receive(self):
+        """A stream's next request message (bytes), or None when the client has half-closed
+        or gone away. Blocks."""
+        self.call.start_server_batch((cygrpc.ReceiveMessageOperation(0),), (_on_stream_in, self))
+        return self.inbox.get()
+
+
+def _on_sent(rpc: _Rpc, event) -> None:
+    rpc.sent.put(event.success)
+
+
+def _on_stream_in(rpc: _Rpc, event) -> None:
+    rpc.inbox.put(event.batch_operations[0].message() if event.success else None)
+
+
+def _on_closed(rpc: _Rpc, event) -> None:
+    rpc.cancelled = event.batch_operations[0].cancelled()
+
+
+class _Context:
+    """What a handler may ask of its call (the used part of `grpc.ServicerContext`)."""
+
+    def __init__(self, rpc: _Rpc) -> None:
+        self._rpc = rpc
+
+    def invocation_metadata(self):
+        """The client's metadata: a tuple of (key, value)."""
+        return self._rpc.metadata
+
+    def abort(self, code: grpc.StatusCode, details: str):
+        """End the call with `code` and `details`; raises, as grpcio's does."""
+        raise _Abort(code, details)
+
+    def is_active(self) -> bool:
+        """False once the client has cancelled or gone away."""
+        return not self._rpc.cancelled
+
+
+class _Requests:
+    """A stream's request iterator: each `next()` receives and deserializes one message."""
+
+    def __init__(self, rpc: _Rpc, deserialize) -> None:
+        self.rpc, self.deserialize = rpc, deserialize
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        data = self.rpc.receive()
+        if data is None:
+            raise StopIteration
+        return self.deserialize(data)
+
+
+class _Collector:
+    """Stands in for a grpc.Server to take the generated code's method table."""
+
+    def __init__(self) -> None:
+        self.methods: dict[bytes, grpc.RpcMethodHandler] = {}
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        """Ignored: the same handlers come through add_registered_method_handlers."""
+
+    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+        """Keep `handlers` under their full method paths, b"/service/Method"."""
+        for name, handler in handlers.items():
+            self.methods[f"/{service}/{name}".encode()] = handler
+
+
+class Server:
+    """Serve `register(servicer, collector)`'s methods (grpcio generated code's
+    `add_..._to_server`) on one completion-queue thread. `fast`: {method name: callable
+    (request, metadata, reply)} answered without a worker; `reply(message, code=OK,
+    details="")` ends the call. `options`: grpcio channel arguments ((name, value) pairs);
+    `workers`: threads for the other methods. Raises RuntimeError from `add_insecure_port`
+    when the address cannot be bound."""
+
+    def __init__(self, servicer, register, fast: dict, options, workers: int) -> None:
+        collector = _Collector()
+        register(servicer, collector)
+        self.methods = collector.methods
+        self.fast = {m: fast[m.rsplit(b"/", 1)[1].decode()] for m in self.methods
+                     if m.rsplit(b"/", 1)[1].decode() in fast}
+        self.cq = cygrpc.CompletionQueue()
+        self.server = cygrpc.Server(tuple(options), False)
+        self.server.register_completion_queue(self.cq)
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="grpc")
+        self.lock = threading.Lock()
+        self.stopping = False
+        self.stopped = threading.Event()
+
+    def add_insecure_port(self, address: str) -> int:
+        """Listen on `address` ("host:port"); the bound port, 0 when it cannot be bound."""
+        return self.server.add_http2_port(address.encode())
+
+    def start(self) -> None:
+        """Start C-core and the loop thread (returns at once)."""
+        self.server.start()
+        for _ in range(OUTSTANDING_REQUESTS):
+            self.server.request_call(self.cq, self.cq, _REQUEST)
+        threading.Thread(target=self._serve, name="grpc-loop", daemon=True).start()
+
+    def stop(self, grace: float | None) -> threading.Event:
+        """Stop taking calls; calls still running get `grace` seconds (None: none) before
+        they are cancelled. The event is set when every call is over."""
+        with self.lock:
+            if not self.stopping:
+                self.stopping = True
+                self.server.shutdown(self.cq, _SHUTDOWN)
+        if grace is None:
+            self.server.cancel_all_calls()
+        else:
+            def cancel_after_grace():
+                if not self.stopped.wait(grace):
+                    self.server.cancel_all_calls()
+            threading.Thread(target=cancel_after_grace, daemon=True).start()
+        return self.stopped
+
+    # -- the loop -----------------------------------------------------------------------------
+    def _serve(self) -> None:
+        while True:
+            event = self.cq.poll()
+            tag = event.tag
+            try:
+                if tag is _REQUEST:
+                    self._on_call(event)
+                elif tag is _SHUTDOWN:
+                    self.pool.shutdown(wait=False)
+                    self.stopped.set()
+                elif tag is not _DONE and tag is not None:
+                    tag[0](tag[1], event)
+            except Exception:               # a bug here must not stop every other call
+                logger.exception("gRPC completion-queue event failed")
+            event = tag = None
+
+    def _on_call(self, event) -> None:
+        if not event.success or self.stopping:
+            return
+        self.server.request_call(self.cq, self.cq, _REQUEST)
+        rpc = _Rpc(event.call, event.invocation_metadata)
+        method = event.call_details.method
+        handler = self.methods.get(method)
+        if handler is None:
+            rpc.finish(None, grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+        elif handler.request_streaming or handler.response_streaming:
+            rpc.inbox, rpc.sent = queue.SimpleQueue(), queue.SimpleQueue()
+            rpc.call.start_server_batch((cygrpc.ReceiveCloseOnServerOperation(0),),
+                                        (_on_closed, rpc))
+            self.pool.submit(self._stream, rpc, handler)
+        else:
+            rpc.call.start_server_batch((cygrpc.ReceiveMessageOperation(0),),
+                                        (self._on_message, (rpc, method, handler)))
+
+    def _on_message(self, args, event) -> None:
+        rpc, method, handler = args
+        data = event.batch_operations[0].message() if event.success else None
+        if data is None:
+            rpc.finish(None, grpc.StatusCode.UNIMPLEMENTED,
+                       f'"{method.decode()}" requires exactly one request message.')
+            return
+        try:
+            request = handler.request_deserializer(data)
+        except Exception:
+            rpc.finish(None, grpc.StatusCode.INTERNAL, "Exception deserializing request!")
+            return
+        fast = self.fast.get(method)
+        if fast is None:
+            self.pool.submit(self._unary, rpc, handler, request)
+            return
+        serialize = handler.response_serializer
+
+        def reply(message, code: grpc.StatusCode = OK, details: str = "") -> None:
+            rpc.finish(serialize(message) if message is not None else None, code, details)
+
+        try:
+            fast(request, rpc.metadata, reply)
+        except Exception as e:
+            logger.exception("gRPC %s failed", method.decode())
+            reply(None, grpc.StatusCode.UNKNOWN, f"Exception calling application: {e}")
+
+    # -- worker threads -----------------------------------------------------------------------
+    @staticmethod
+    def _unary(rpc: _Rpc, handler, request) -> None:
+        try:
+            response = handler.unary_unary(request, _Context(rpc))
+            rpc.finish(handler.response_serializer(response))
+        except _Abort as a:
+            rpc.finish(None, a.code, a.details)
+        except Exception as e:
+            logger.exception("gRPC handler failed")
+            rpc.finish(None, grpc.StatusCode.UNKNOWN, f"Exception calling application: {e}")
+
+    @staticmethod
+    def _stream(rpc: _Rpc, handler) -> None:
+        responses = handler.stream_stream(_Requests(rpc, handler.request_deserializer),
+                                          _Context(rpc))
+        try:
+            for response in responses:
+                if not rpc.send(handler.response_serializer(response)):
+                    return                  # cancelled: C-core has ended the call
+            rpc.finish(None, close=False)
+        except _Abort as a:
+            rpc.finish(None, a.code, a.details, close=False)
+        except Exception as e:
+            logger.exception("gRPC stream failed")
+            rpc.finish(None, grpc.StatusCode.UNKNOWN, f"Exception iterating responses: {e}",
+                       close=False)
+        finally:
+            responses.close()           # the handler's clean-up runs now, not at collection

@@ -91,15 +91,20 @@ def shm_ref(params, tensor: str) -> ShmRef | None:
     if not params:                       # the common case: a tensor without parameters
         return None
 
-    def kind(key):
-        return params[key].WhichOneof("parameter_choice") if key in params else None
+    def entry(key):          # (the value's kind or None, the InferParameter or None)
+        if key not in params:
+            return None, None
+        p = params[key]
+        return p.WhichOneof("parameter_choice"), p
 
-    region = kind("shared_memory_region")
-    for key in ("shared_memory_offset", "shared_memory_byte_size"):
-        if kind(key) is not None and region is None:
+    region, region_p = entry("shared_memory_region")
+    offset, offset_p = entry("shared_memory_offset")
+    size, size_p = entry("shared_memory_byte_size")
+    for key, kind in (("shared_memory_offset", offset), ("shared_memory_byte_size", size)):
+        if kind is not None and region is None:
             raise InferError(f"'{key}' can not be specified without 'shared_memory_region' "
                              f"parameter for tensor '{tensor}'")
-        if kind(key) not in (None, "int64_param"):
+        if kind not in (None, "int64_param"):
             raise InferError(f"invalid value type for '{key}' parameter for tensor '{tensor}', "
                              "expected int64_param.")
     if region is None:
@@ -107,14 +112,12 @@ def shm_ref(params, tensor: str) -> ShmRef | None:
     if region != "string_param":
         raise InferError("invalid value type for 'shared_memory_region' parameter for tensor "
                          f"'{tensor}', expected string_param.")
-    if kind("shared_memory_byte_size") is None:
+    if size is None:
         raise InferError("'shared_memory_byte_size' must be specified along with "
                          f"'shared_memory_region' parameter for tensor '{tensor}'")
-    offset = params["shared_memory_offset"].int64_param if kind("shared_memory_offset") else 0
-    size = params["shared_memory_byte_size"].int64_param
     # Triton casts a negative int64 to size_t, which then fails its range checks
-    return ShmRef(params["shared_memory_region"].string_param, offset % (1 << 64),
-                  size % (1 << 64))
+    return ShmRef(region_p.string_param, (offset_p.int64_param if offset else 0) % (1 << 64),
+                  size_p.int64_param % (1 << 64))
 
 
 def decode_request(msg: pb.ModelInferRequest) -> InferRequest:
@@ -123,42 +126,43 @@ def decode_request(msg: pb.ModelInferRequest) -> InferRequest:
     model, raw = msg.model_name, msg.raw_input_contents
     inputs, datatypes, next_raw = {}, {}, 0
     for t in msg.inputs:
-        if t.name in inputs:
-            raise InferError(f"input '{t.name}' already exists in request")
+        name, datatype = t.name, t.datatype
+        if name in inputs:
+            raise InferError(f"input '{name}' already exists in request")
         shape = list(t.shape)
-        if any(d < 0 for d in shape) or math.prod(shape) > MAX_ELEMENTS:
-            raise InferError(f"input '{t.name}' has an invalid shape {shape}")
-        ref = shm_ref(t.parameters, t.name)
+        if min(shape, default=0) < 0 or math.prod(shape) > MAX_ELEMENTS:
+            raise InferError(f"input '{name}' has an invalid shape {shape}")
+        ref = shm_ref(t.parameters, name)
         if ref is not None:
             if t.HasField("contents"):
                 raise InferError("unexpected 'content' provided when using shared memory for "
-                                 f"input tensor '{t.name}' for model '{model}'")
-            inputs[t.name] = ShmInput(ref, t.datatype, shape)
+                                 f"input tensor '{name}' for model '{model}'")
+            inputs[name] = ShmInput(ref, datatype, shape)
         elif t.HasField("contents"):
             if raw:
                 raise InferError("contents field must not be specified when using "
-                                 f"raw_input_contents for '{t.name}' for model '{model}'")
-            inputs[t.name] = _from_contents(t, shape, model, msg.id)
+                                 f"raw_input_contents for '{name}' for model '{model}'")
+            inputs[name] = _from_contents(t, shape, model, msg.id)
         elif next_raw < len(raw):
-            inputs[t.name] = array_from_bytes(t.name, t.datatype, shape, raw[next_raw], model,
-                                              msg.id)
+            inputs[name] = array_from_bytes(name, datatype, shape, raw[next_raw], model, msg.id)
             next_raw += 1
         else:
-            raise InferError(f"unable to find data for input tensor '{t.name}' for model "
+            raise InferError(f"unable to find data for input tensor '{name}' for model "
                              f"'{model}' in request.")
-        datatypes[t.name] = t.datatype
+        datatypes[name] = datatype
     outputs = None
     if len(msg.outputs):
         outputs, seen = [], set()
         for o in msg.outputs:
-            if o.name in seen:   # Triton core's text (InferenceRequest::AddOriginalRequestedOutput)
-                raise InferError(f"output '{o.name}' already exists in request")
-            seen.add(o.name)
-            ref = shm_ref(o.parameters, o.name)
+            name = o.name
+            if name in seen:     # Triton core's text (InferenceRequest::AddOriginalRequestedOutput)
+                raise InferError(f"output '{name}' already exists in request")
+            seen.add(name)
+            ref = shm_ref(o.parameters, name)
             if ref is not None and "classification" in o.parameters:
                 raise InferError("output can't set both 'shared_memory_region' and "
                                  "'classification'")
-            outputs.append(OutputRequest(o.name, None, ref))
+            outputs.append(OutputRequest(name, None, ref))
     return InferRequest(model, msg.model_version, msg.id, inputs, datatypes, outputs,
                         request_parameters(msg))
 

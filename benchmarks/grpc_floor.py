@@ -1,13 +1,15 @@
-"""The floor of grpcio's Python server on this host: how many `simple` infers per second, and
-how much server CPU per request, a grpcio thread-pool servicer reaches when it does nothing but
-parse the two inputs with numpy and return a canned `ModelInferResponse`. Compare with the
-`simple/grpc` rows of triton_protocol_bench.py in the same session: when the floor is below
-tritonserver's figure, no Python-side change to Continuum's gRPC front end can reach it.
+"""The floor of a Python gRPC server on this host: how many `simple` infers per second, and how
+much server CPU per request, a servicer reaches when it does nothing but parse the two inputs
+with numpy and return a canned `ModelInferResponse`. Two servers, each over grpcio's core:
+`stock`, grpcio's own thread-pool `grpc.server`, and `loop`, Continuum's completion-queue loop
+(triton_compat/grpc/loop.py, ModelInfer on its fast path). Compare with the `simple/grpc` rows
+of triton_protocol_bench.py in the same session: the stock floor is at or below tritonserver,
+which is why the loop exists.
 
 Run: `python benchmarks/grpc_floor.py --perf-analyzer VENV/bin/perf_analyzer` (perf_analyzer
-2.51, as for triton_protocol_bench.py). Flags: --concurrency 1,4,16, --workers (the pool size,
-default Continuum's), --interval-ms. Prints one line per point: infer/s, p99 µs, server CPU
-µs per request.
+2.51, as for triton_protocol_bench.py). Flags: --servers stock,loop, --concurrency 1,4,16,
+--workers (the stock pool size, default Continuum's), --interval-ms. Prints one line per point:
+infer/s, p99 µs, server CPU µs per request.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from tritonclient.grpc import service_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.triton_protocol_bench import free_port, perf_analyzer  # noqa: E402
+from triton_compat.grpc.loop import Server  # noqa: E402
 from triton_compat.grpc.server import WORKERS  # noqa: E402
 
 NAMES_IN, NAMES_OUT = ("INPUT0", "INPUT1"), ("OUTPUT0", "OUTPUT1")
@@ -78,31 +81,46 @@ class Canned(service_pb2_grpc.GRPCInferenceServiceServicer):
         return response
 
 
+def serve(kind: str, servicer: Canned, workers: int):
+    """Start `servicer` on the `stock` or `loop` server: (server, port)."""
+    port = free_port()
+    if kind == "stock":
+        server = grpc.server(ThreadPoolExecutor(workers))
+        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
+    else:
+        fast = {"ModelInfer": lambda request, metadata, reply:
+                reply(servicer.ModelInfer(request, None))}
+        server = Server(servicer, service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server,
+                        fast, options=[], workers=workers)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    return server, port
+
+
 def main(argv: list[str] | None = None) -> None:
     """Serve the canned servicer in this process and measure it with perf_analyzer."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--perf-analyzer", type=Path, required=True)
+    p.add_argument("--servers", default="stock,loop")
     p.add_argument("--concurrency", default="1,4,16")
     p.add_argument("--workers", type=int, default=WORKERS)
     p.add_argument("--interval-ms", type=int, default=2000)
     args = p.parse_args(argv)
-    servicer, port = Canned(), free_port()
-    server = grpc.server(ThreadPoolExecutor(args.workers))
-    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    server.start()
-    try:
-        for c in [int(x) for x in args.concurrency.split(",")]:
-            cpu, count = time.process_time(), servicer.count
-            point = perf_analyzer(args.perf_analyzer, "simple", "grpc", c, 0, port,
-                                  args.interval_ms)
-            served = servicer.count - count
-            # process_time counts this process's perf_analyzer wait too: it only sleeps
-            point["cpu_us_per_request"] = round((time.process_time() - cpu) * 1e6
-                                                / max(served, 1), 1)
-            print(f"grpcio floor c={c:<3d} {point}", flush=True)
-    finally:
-        server.stop(0)
+    for kind in args.servers.split(","):
+        servicer = Canned()
+        server, port = serve(kind, servicer, args.workers)
+        try:
+            for c in [int(x) for x in args.concurrency.split(",")]:
+                cpu, count = time.process_time(), servicer.count
+                point = perf_analyzer(args.perf_analyzer, "simple", "grpc", c, 0, port,
+                                      args.interval_ms)
+                served = servicer.count - count
+                # process_time counts this process's perf_analyzer wait too: it only sleeps
+                point["cpu_us_per_request"] = round((time.process_time() - cpu) * 1e6
+                                                    / max(served, 1), 1)
+                print(f"{kind:5s} floor c={c:<3d} {point}", flush=True)
+        finally:
+            server.stop(0)
 
 
 if __name__ == "__main__":

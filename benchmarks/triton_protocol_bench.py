@@ -4,8 +4,12 @@ by Triton's own load generator, perf_analyzer 2.51, one server after the other i
 Models (python backend in both servers, same files): `simple` (Triton's add/sub, INT32 [16])
 and `content_type` (magika's ONNX classifier run by onnxruntime inside a python model,
 benchmarks/triton_models/onnx_model.py, INT32 [2048] → FP32 [214]). Modes: HTTP with JSON
-tensors, HTTP binary, gRPC, gRPC + system shared memory; concurrency 1 / 4 / 16. Output: a JSON
-file and a table of infer/s and p99 latency (µs) with Continuum / Triton ratios.
+tensors, HTTP binary, gRPC, gRPC + system shared memory; concurrency 1 / 4 / 16. Both servers
+run at once and each point is measured on one, then the other, `--repeats` rounds (default 3)
+in alternating order: the host's speed drifts by tens of percent within minutes, and a point
+measured on one server minutes after the other compares the drift as much as the servers.
+Output: a JSON file (every round) and a table of the median infer/s and p99 latency (µs) with
+Continuum / Triton ratios.
 
 Needs (not project dependencies; see the README's benchmark section):
 - perf_analyzer 2.51: `pip install tritonclient==2.51.0 nvidia-cuda-runtime-cu12` in a venv,
@@ -24,6 +28,7 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -144,39 +149,68 @@ def perf_analyzer(binary: Path, model: str, mode: str, concurrency: int, http: i
             "avg_us": int(row["Avg latency"]) if "Avg latency" in row else None}
 
 
-def measure(name: str, start, args, repo: Path, log) -> dict:
-    """Start a server with `start`, run every (model, mode, concurrency) point against it,
-    stop it: {"model/mode/concurrency": perf_analyzer point}."""
-    proc, http, grpc = start(repo, log)
-    results = {}
+def measure(starts: dict, args, repo: Path, log) -> dict:
+    """Start every server in `starts` ({name: start function}) at once, then measure each
+    (model, mode, concurrency) point on each server in turn, `args.repeats` rounds, the order
+    of the servers alternating between rounds, so that the host's drift lands on all of them
+    alike. Stops them all. Returns {name: {"model/mode/concurrency": point}}, each point the
+    median of its rounds (throughput and p99 separately) with every round in "rounds"."""
+    procs = {}
     try:
-        wait_ready(f"http://127.0.0.1:{http}/v2/health/ready", proc)
+        for name, start in starts.items():
+            procs[name] = start(repo, log)
+        for proc, http, _ in procs.values():
+            wait_ready(f"http://127.0.0.1:{http}/v2/health/ready", proc)
+        rounds: dict = {name: {} for name in procs}
         for model in args.models.split(","):
             for mode in args.modes.split(","):
                 for c in [int(x) for x in args.concurrency.split(",")]:
-                    point = perf_analyzer(args.perf_analyzer, model, mode, c, http, grpc,
-                                          args.interval_ms)
-                    results[f"{model}/{mode}/{c}"] = point
-                    print(f"{name:9s} {model:12s} {mode:11s} c={c:<3d} {point}", flush=True)
+                    key = f"{model}/{mode}/{c}"
+                    for r in range(args.repeats):
+                        order = list(procs) if r % 2 == 0 else list(reversed(procs))
+                        for name in order:
+                            _, http, grpc = procs[name]
+                            point = perf_analyzer(args.perf_analyzer, model, mode, c, http, grpc,
+                                                  args.interval_ms)
+                            rounds[name].setdefault(key, []).append(point)
+                            print(f"{name:9s} {key:28s} round {r + 1}: {point}", flush=True)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(60)
-    return results
+        for proc, _, _ in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(60)
+    return {name: {key: median_point(points) for key, points in by_key.items()}
+            for name, by_key in rounds.items()}
+
+
+def median_point(points: list[dict]) -> dict:
+    """The median throughput and the median p99 of a point's rounds (rounds that failed to
+    stabilise are left out; all failed: the first error), with the rounds themselves."""
+    good = [p for p in points if "throughput" in p]
+    if not good:
+        return dict(points[0], rounds=points)
+    return {"throughput": statistics.median(p["throughput"] for p in good),
+            "p99_us": statistics.median(p["p99_us"] for p in good), "rounds": points}
 
 
 def table(ours: dict, theirs: dict) -> str:
-    """A Markdown table of both servers' points: infer/s, their ratio, p99 (µs)."""
+    """A Markdown table of both servers' points: median infer/s, their ratio, each round's
+    ratio, median p99 (µs)."""
     lines = ["| model / mode / concurrency | Continuum infer/s | Triton infer/s | ratio | "
-             "Continuum p99 µs | Triton p99 µs |", "|---|---|---|---|---|---|"]
+             "ratio by round | Continuum p99 µs | Triton p99 µs |",
+             "|---|---|---|---|---|---|---|"]
     for key, a in ours.items():
         b = theirs.get(key, {})
         if "throughput" not in a or "throughput" not in b:
             lines.append(f"| {key} | {a.get('throughput', 'error')} | "
-                         f"{b.get('throughput', 'error')} | | | |")
+                         f"{b.get('throughput', 'error')} | | | | |")
             continue
+        by_round = " / ".join(
+            f"{x['throughput'] / y['throughput']:.2f}" if "throughput" in x and "throughput" in y
+            else "-" for x, y in zip(a["rounds"], b["rounds"]))
         lines.append(f"| {key} | {a['throughput']:.0f} | {b['throughput']:.0f} | "
-                     f"{a['throughput'] / b['throughput']:.2f} | {a['p99_us']} | {b['p99_us']} |")
+                     f"{a['throughput'] / b['throughput']:.2f} | {by_round} | "
+                     f"{a['p99_us']:.0f} | {b['p99_us']:.0f} |")
     return "\n".join(lines)
 
 
@@ -191,20 +225,19 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--concurrency", default="1,4,16")
     p.add_argument("--interval-ms", type=int, default=3000)
     p.add_argument("--servers", default="continuum,triton")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="rounds per point; the report gives each point's median")
     p.add_argument("--output", type=Path, default=Path("triton_protocol_bench.json"))
     args = p.parse_args(argv)
-    result = {}
+    starts = {"continuum": start_continuum}
+    if args.triton_venv is not None:
+        starts["triton"] = lambda r, lg: start_triton(r, args.triton_venv, lg)
+    starts = {n: starts[n] for n in args.servers.split(",") if n in starts}
     with tempfile.TemporaryDirectory() as tmp:
         repo = Path(tmp) / "repo"
         build_repository(repo)
         with open(Path(tmp) / "servers.log", "wb") as log:
-            for name in args.servers.split(","):
-                if name == "continuum":
-                    result["continuum"] = measure(name, start_continuum, args, repo, log)
-                elif args.triton_venv is not None:
-                    result["triton"] = measure(
-                        name, lambda r, lg: start_triton(r, args.triton_venv, lg), args, repo,
-                        log)
+            result = measure(starts, args, repo, log)
     args.output.write_text(json.dumps(result, indent=2))
     if "continuum" in result and "triton" in result:
         print(table(result["continuum"], result["triton"]))

@@ -233,9 +233,10 @@ class Server:
         rpc = _Rpc(event.call, event.invocation_metadata)
         method = event.call_details.method
         handler = self.methods.get(method)
-        if handler is None:
+        if handler is None or handler.request_streaming != handler.response_streaming:
+            # unknown; or half-streaming, which Triton's service has none of
             rpc.finish(None, grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
-        elif handler.request_streaming or handler.response_streaming:
+        elif handler.request_streaming:
             rpc.inbox, rpc.sent = queue.SimpleQueue(), queue.SimpleQueue()
             rpc.call.start_server_batch((cygrpc.ReceiveCloseOnServerOperation(0),),
                                         (_on_closed, rpc))

@@ -141,7 +141,8 @@ def test_prefix_cache_hits_are_exact(shared_prefix_prompts, reference):
     assert first + rest == [reference[f"shared{i}"] for i in range(3)]
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap", "auto"])
+@pytest.mark.parametrize("mode", ["recompute", pytest.param("swap", marks=pytest.mark.extended),
+                                  "auto"])
 def test_preemption_is_exact(mode, prompts, reference):
     # 72 blocks = 1152 slots: the ~1k-token prompt (first, so it runs throughout) plus the
     # others do not fit, so later arrivals are preempted while it decodes.

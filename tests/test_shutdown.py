@@ -190,6 +190,7 @@ def test_a_second_signal_stops_at_once(tmp_path):
     assert "second signal: stopping now" in _no_traceback(log)
 
 
+@pytest.mark.extended      # ~19 s; the drain and Ctrl-C tests stay in make test
 def test_engine_death_fails_in_flight_requests_and_exits_non_zero(tmp_path):
     log = tmp_path / "server.log"
     proc, base = start_server(ARGS, "/health/ready", log, new_session=True)

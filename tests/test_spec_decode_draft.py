@@ -53,7 +53,8 @@ def test_own_draft_with_chunked_prefill_and_prefix_hits(prompts, expected):
     assert_drained(eng)
 
 
-@pytest.mark.parametrize("mode", ["recompute", pytest.param("swap", marks=pytest.mark.extended)])
+@pytest.mark.extended      # test_spec_decode_engine.test_preemption_matches stays in make test
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_own_draft_through_preemption(mode, prompts, tokenizer):
     long_copy = chat(tokenizer, "Repeat this text exactly:\n\n" + " ".join([PARAGRAPH] * 6))
     flags = dict(num_gpu_blocks_override=26, preemption_mode=mode, max_model_len=400,
@@ -164,6 +165,7 @@ def test_bad_draft_is_a_one_line_error(change, words):
     assert "\n" not in str(e.value) and str(e.value).startswith("--speculative-config")
 
 
+@pytest.mark.extended      # ~15 s of server start; test_bad_draft_is_a_one_line_error stays
 def test_draft_with_another_vocabulary_fails_the_server_start(other_vocab, tmp_path):
     """As a user meets it: the server exits non-zero with the reason on one line."""
     spec = json.dumps(dict(OWN, model=str(other_vocab)))
@@ -177,6 +179,7 @@ def test_draft_with_another_vocabulary_fails_the_server_start(other_vocab, tmp_p
 
 
 # ----------------------------------------------------------------------------- the server
+@pytest.mark.extended      # ~31 s; the n-gram server test stays in make test
 def test_server_with_a_bfloat16_draft(server, tmp_path):
     from openai import OpenAI
 

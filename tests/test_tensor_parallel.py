@@ -145,6 +145,7 @@ def _worker_pids() -> list[int]:
 
 
 @pytest.mark.slow
+@pytest.mark.extended      # ~30 s; TP parity and the TP server start stay in make test
 def test_server_streams_then_a_dead_rank_ends_it(tmp_path, single_rank, tokenizer):
     """The OpenAI SDK streams from a 3-rank server (the single rank's greedy text); then a
     worker is killed mid-stream: that stream fails, the server exits non-zero within seconds

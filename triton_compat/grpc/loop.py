@@ -227,9 +227,10 @@ class Server:
             event = tag = None
 
     def _on_call(self, event) -> None:
-        if not event.success or self.stopping:
+        if not event.success:               # the server shut down before a call came
             return
-        self.server.request_call(self.cq, self.cq, _REQUEST)
+        if not self.stopping:               # a call accepted before the shutdown is answered
+            self.server.request_call(self.cq, self.cq, _REQUEST)
         rpc = _Rpc(event.call, event.invocation_metadata)
         method = event.call_details.method
         handler = self.methods.get(method)

@@ -172,8 +172,8 @@ class Server:
         collector = _Collector()
         register(servicer, collector)
         self.methods = collector.methods
-        self.fast = {m: fast[m.rsplit(b"/", 1)[1].decode()] for m in self.methods
-                     if m.rsplit(b"/", 1)[1].decode() in fast}
+        self.fast = {m: fast[name] for m in self.methods
+                     if (name := m.rsplit(b"/", 1)[1].decode()) in fast}
         self.cq = cygrpc.CompletionQueue()
         self.server = cygrpc.Server(tuple(options), False)
         self.server.register_completion_queue(self.cq)
@@ -235,7 +235,9 @@ class Server:
         method = event.call_details.method
         handler = self.methods.get(method)
         if handler is None or handler.request_streaming != handler.response_streaming:
-            # unknown; or half-streaming, which Triton's service has none of
+            # unknown; or half-streaming, which Triton's service has none of. The texts here
+            # and below are grpcio's (what grpc.server answered before); tritonserver's C++
+            # gRPC answers the same codes with its own texts.
             rpc.finish(None, grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
         elif handler.request_streaming:
             rpc.inbox, rpc.sent = queue.SimpleQueue(), queue.SimpleQueue()

@@ -194,6 +194,8 @@ def main(argv: list[str] | None = None) -> None:
         from benchmarks.serve_bench import main as bench_main
         bench_main(argv[2:])
         return
+    from triton_compat.grpc.core_env import import_grpc
+    import_grpc()                        # first, with C-core's I/O on the gRPC loop thread
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:
         config = engine_config(args)

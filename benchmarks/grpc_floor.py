@@ -4,7 +4,10 @@ with numpy and return a canned `ModelInferResponse`. Two servers, each over grpc
 `stock`, grpcio's own thread-pool `grpc.server`, and `loop`, Continuum's completion-queue loop
 (triton_compat/grpc/loop.py, ModelInfer on its fast path). Compare with the `simple/grpc` rows
 of triton_protocol_bench.py in the same session: the stock floor is at or below tritonserver,
-which is why the loop exists.
+which is why the loop exists. Both run with C-core's socket I/O on the polling thread, as
+`continuum serve` runs (triton_compat/grpc/core_env.py); GRPC_EXPERIMENTS set by the caller
+wins (`GRPC_EXPERIMENTS=event_engine_listener,event_engine_for_all_other_endpoints` measures
+grpcio's default).
 
 Run: `python benchmarks/grpc_floor.py --perf-analyzer VENV/bin/perf_analyzer` (perf_analyzer
 2.51, as for triton_protocol_bench.py). Flags: --servers stock,loop, --concurrency 1,4,16,
@@ -22,13 +25,17 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import grpc
-import numpy as np
-from tritonclient.grpc import model_config_pb2 as mc
-from tritonclient.grpc import service_pb2 as pb
-from tritonclient.grpc import service_pb2_grpc
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from triton_compat.grpc.core_env import import_grpc  # noqa: E402
+
+import_grpc()                # as `continuum serve` does, before anything else imports grpc
+
+import grpc  # noqa: E402
+import numpy as np  # noqa: E402
+from tritonclient.grpc import model_config_pb2 as mc  # noqa: E402
+from tritonclient.grpc import service_pb2 as pb  # noqa: E402
+from tritonclient.grpc import service_pb2_grpc  # noqa: E402
+
 from benchmarks.triton_protocol_bench import free_port, perf_analyzer  # noqa: E402
 from triton_compat.grpc.loop import Server  # noqa: E402
 from triton_compat.grpc.server import WORKERS  # noqa: E402

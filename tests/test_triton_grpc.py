@@ -375,3 +375,26 @@ def test_triton_grpc_error_mode_ends_the_stream_with_the_status(client):
     assert (second[1].status(), second[1].message()) == (
         "StatusCode.NOT_FOUND", "Request for unknown model: 'nosuch' is not found")
     alive(client)
+
+
+@pytest.mark.parametrize("user, turned_off, after", [
+    (None, True, None),                                   # set for the import, then removed
+    ("some_experiment", True, "some_experiment"),         # the user's value comes back
+    ("event_engine_listener", False, "event_engine_listener"),   # the user's choice stands
+])
+def test_grpc_is_imported_with_loop_thread_io_and_the_environment_restored(user, turned_off,
+                                                                           after):
+    """`continuum serve` imports grpc with C-core's EventEngine I/O off (socket I/O on the gRPC
+    loop thread); child processes (the engine, ray workers) never inherit the setting."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_EXPERIMENTS"}
+    if user is not None:
+        env["GRPC_EXPERIMENTS"] = user
+    code = ("import os, sys; from triton_compat.grpc.core_env import import_grpc; "
+            "r = import_grpc(); print(r, 'grpc' in sys.modules, "
+            "os.environ.get('GRPC_EXPERIMENTS'))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, check=True).stdout.split()
+    assert out == [str(turned_off), "True", str(after)]

@@ -289,6 +289,7 @@ def build_server(args: argparse.Namespace, config, host: str, port: int,
     v2 gRPC on `grpc_address` when a model repository is served (port 0: none)."""
     import uvicorn
 
+    from api.http_protocol import HttpToolsProtocol
     from api.lifecycle import Lifecycle, Server
     from api.server import ServerState, build_app
 
@@ -310,6 +311,7 @@ def build_server(args: argparse.Namespace, config, host: str, port: int,
         state.allow_client_shm = args.allow_client_shm
     uv_config = uvicorn.Config(build_app(state), host=host, port=port,
                                log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5,
+                               http=HttpToolsProtocol,    # a response's writes as one send
                                # the access log logs at info: below that level it would only
                                # cost its formatting on every request
                                access_log=args.uvicorn_log_level in ("trace", "debug", "info"))

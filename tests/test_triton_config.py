@@ -172,3 +172,20 @@ def test_every_datatype_round_trips_with_the_official_client_codec(datatype, bin
         back = np.array([[x.encode() if isinstance(x, str) else x for x in back[0]]],
                         dtype=object)
     assert back.tolist() == array.tolist()
+
+
+def test_non_finite_floats_round_trip_in_json_as_tritonclient_writes_them():
+    """tritonclient writes NaN / Infinity as JSON literals (Python's json); they are read, and
+    an output holding them is written the same way, so the client reads them back."""
+    import tritonclient.http as httpclient
+    from tritonclient.http._utils import _get_inference_request
+
+    array = np.array([[np.nan, np.inf, -np.inf, 1.5]], np.float32)
+    tensor = httpclient.InferInput("X", [1, 4], "FP32")
+    tensor.set_data_from_numpy(array, binary_data=False)
+    body, _ = _get_inference_request([tensor], "", None, 0, False, False, 0, None, None)
+    got = parse_request(body, None).inputs["X"]
+    assert np.array_equal(got, array, equal_nan=True)
+    payload, n = encode_response("m", "1", "", [OutputTensor("Y", "FP32", got, None)])
+    back = httpclient.InferResult.from_response_body(payload, header_length=n).as_numpy("Y")
+    assert np.array_equal(back, array, equal_nan=True)

@@ -7,6 +7,12 @@ back into a response body (JSON `data`, or binary when asked with `binary_data` 
 tritonclient's own helpers (4-byte little-endian length before each element); BF16 tensors use
 `ml_dtypes.bfloat16`, as tritonclient does.
 
+JSON goes through orjson, and through the standard `json` wherever orjson would differ: a body
+orjson refuses (NaN / Infinity literals, integers past 64 bits, lone surrogates, bad UTF-8)
+is parsed again by `json`, which accepts what it accepted before and raises the same errors;
+a response with a non-finite float (orjson would write `null`; `json` writes `NaN`, which
+tritonclient reads back) is written by `json`.
+
 References: KServe v2 protocol (kserve/docs/predict-api/v2/required_api.md, "Inference");
 Triton's binary data extension (server/docs/protocol/extension_binary_data.md).
 """
@@ -18,6 +24,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+import orjson
 from tritonclient.utils import deserialize_bytes_tensor, triton_to_np_dtype
 
 from triton_compat.infer import OutputRequest, OutputTensor, ShmInput, ShmRef, tensor_bytes
@@ -52,7 +59,7 @@ def parse_request(body: bytes, header_length: int | None) -> ParsedRequest:
     else:
         header, binary = body, memoryview(b"")
     try:
-        req = json.loads(header)
+        req = _loads(header)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise TensorError(f"failed to parse the request JSON buffer: {e}") from None
     except RecursionError:
@@ -89,6 +96,15 @@ def parse_request(body: bytes, header_length: int | None) -> ParsedRequest:
             seen.add(o.name)
     return ParsedRequest(str(req.get("id", "")), inputs, datatypes, outputs,
                          bool(params.get("binary_data_output", False)), params)
+
+
+def _loads(header) -> object:
+    """The JSON header as `json.loads` reads it: orjson, else `json` (see the module
+    docstring). Raises json.JSONDecodeError, UnicodeDecodeError or RecursionError."""
+    try:
+        return orjson.loads(header)
+    except orjson.JSONDecodeError:
+        return json.loads(header)
 
 
 def _parameters(obj: dict, where: str) -> dict:
@@ -232,7 +248,7 @@ def encode_response(model: str, version: str, request_id: str, outputs: list[Out
     `outputs` in the order to send; each is sent as JSON `data`, as binary (its request's
     `binary_data`, else `binary_default`), or, when it went into a shared-memory region,
     with no data (name, datatype and shape only, as Triton)."""
-    entries, chunks = [], []
+    entries, chunks, finite = [], [], True
     for t in outputs:
         entry = {"name": t.name, "datatype": t.datatype, "shape": list(t.array.shape)}
         request = t.request or OutputRequest(t.name)
@@ -245,14 +261,28 @@ def encode_response(model: str, version: str, request_id: str, outputs: list[Out
             chunks.append(raw)
         else:
             entry["data"] = _to_json(t.datatype, t.array)
+            if t.array.dtype.kind in "fc":
+                finite = finite and bool(np.isfinite(t.array).all())
         entries.append(entry)
     body = {"model_name": model, "model_version": version, "outputs": entries}
     if request_id:
         body["id"] = request_id
-    header = json.dumps(body, separators=(",", ":")).encode()
+    header = _dumps(body, finite)
     if not chunks:
         return header, None
     return header + b"".join(chunks), len(header)
+
+
+def _dumps(body: dict, finite: bool) -> bytes:
+    """The response JSON: orjson when every float is finite, else (or for a value orjson
+    cannot write) `json`, as the module docstring says. Raises TypeError / ValueError for a
+    value that is not JSON."""
+    if finite:
+        try:
+            return orjson.dumps(body)
+        except orjson.JSONEncodeError:
+            pass
+    return json.dumps(body, separators=(",", ":")).encode()
 
 
 def _to_json(datatype: str, array: np.ndarray) -> list:

@@ -174,18 +174,27 @@ def test_every_datatype_round_trips_with_the_official_client_codec(datatype, bin
     assert back.tolist() == array.tolist()
 
 
-def test_non_finite_floats_round_trip_in_json_as_tritonclient_writes_them():
+@pytest.mark.parametrize("datatype", ["FP32", "FP16"])
+def test_non_finite_floats_round_trip_in_json_as_tritonclient_writes_them(datatype):
     """tritonclient writes NaN / Infinity as JSON literals (Python's json); they are read, and
     an output holding them is written the same way, so the client reads them back."""
     import tritonclient.http as httpclient
     from tritonclient.http._utils import _get_inference_request
 
-    array = np.array([[np.nan, np.inf, -np.inf, 1.5]], np.float32)
-    tensor = httpclient.InferInput("X", [1, 4], "FP32")
+    array = np.array([[np.nan, np.inf, -np.inf, 1.5]], np.float16 if datatype == "FP16"
+                     else np.float32)
+    tensor = httpclient.InferInput("X", [1, 4], datatype)
     tensor.set_data_from_numpy(array, binary_data=False)
     body, _ = _get_inference_request([tensor], "", None, 0, False, False, 0, None, None)
     got = parse_request(body, None).inputs["X"]
     assert np.array_equal(got, array, equal_nan=True)
-    payload, n = encode_response("m", "1", "", [OutputTensor("Y", "FP32", got, None)])
+    payload, n = encode_response("m", "1", "", [OutputTensor("Y", datatype, got, None)])
     back = httpclient.InferResult.from_response_body(payload, header_length=n).as_numpy("Y")
     assert np.array_equal(back, array, equal_nan=True)
+
+
+def test_a_bf16_nan_output_is_written_as_nan_not_null():
+    import ml_dtypes
+    array = np.array([np.nan, 1.0], dtype=ml_dtypes.bfloat16)
+    payload, _ = encode_response("m", "1", "", [OutputTensor("Y", "BF16", array, None)])
+    assert b'"data":[NaN,1.0]' in payload

@@ -260,9 +260,8 @@ def encode_response(model: str, version: str, request_id: str, outputs: list[Out
             entry["parameters"] = {"binary_data_size": len(raw)}
             chunks.append(raw)
         else:
-            entry["data"] = _to_json(t.datatype, t.array)
-            if t.array.dtype.kind in "fc":
-                finite = finite and bool(np.isfinite(t.array).all())
+            entry["data"], all_finite = _to_json(t.datatype, t.array)
+            finite = finite and all_finite
         entries.append(entry)
     body = {"model_name": model, "model_version": version, "outputs": entries}
     if request_id:
@@ -285,10 +284,13 @@ def _dumps(body: dict, finite: bool) -> bytes:
     return json.dumps(body, separators=(",", ":")).encode()
 
 
-def _to_json(datatype: str, array: np.ndarray) -> list:
+def _to_json(datatype: str, array: np.ndarray) -> tuple[list, bool]:
+    """An output's JSON `data` (flat, row-major) and whether it holds no NaN / infinity
+    (floats checked after FP16 / BF16 become float32, whose numpy kind is "f")."""
     flat = array.reshape(-1)
     if datatype == "BYTES":
-        return [x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x) for x in flat]
+        return [x.decode("utf-8", "replace") if isinstance(x, bytes) else str(x)
+                for x in flat], True
     if datatype in ("FP16", "BF16"):
-        return flat.astype(np.float32).tolist()
-    return flat.tolist()
+        flat = flat.astype(np.float32)
+    return flat.tolist(), flat.dtype.kind != "f" or bool(np.isfinite(flat).all())

@@ -31,7 +31,6 @@ class WriteCoalescer:
     def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
         self._transport, self._loop = transport, loop
         self._held: list[bytes] = []
-        self._held_size = 0
 
     def write(self, data: bytes) -> None:
         """Hold `data` until the callbacks queued on the loop have run, then write it with
@@ -41,7 +40,6 @@ class WriteCoalescer:
         if not self._held:
             self._loop.call_soon(self.flush)
         self._held.append(data)
-        self._held_size += len(data)
 
     def writelines(self, chunks) -> None:
         """`write` of each chunk."""
@@ -50,7 +48,7 @@ class WriteCoalescer:
 
     def flush(self) -> None:
         """Send what is held as one write (nothing once the transport is closing)."""
-        held, self._held, self._held_size = self._held, [], 0
+        held, self._held = self._held, []
         if held and not self._transport.is_closing():
             self._transport.write(held[0] if len(held) == 1 else b"".join(held))
 
@@ -66,12 +64,12 @@ class WriteCoalescer:
 
     def abort(self) -> None:
         """Drop what is held and abort, as `Transport.abort` drops its buffer."""
-        self._held, self._held_size = [], 0
+        self._held = []
         self._transport.abort()
 
     def get_write_buffer_size(self) -> int:
         """Bytes held here and in the transport's own buffer."""
-        return self._held_size + self._transport.get_write_buffer_size()
+        return sum(map(len, self._held)) + self._transport.get_write_buffer_size()
 
     def __getattr__(self, name: str):
         return getattr(self._transport, name)

@@ -18,7 +18,7 @@ import sys
 EVENT_ENGINE_IO = ("event_engine_listener", "event_engine_for_all_other_endpoints")
 
 
-def import_grpc(environ=os.environ) -> bool:
+def import_grpc() -> bool:
     """Import grpc with C-core's EventEngine listener and endpoints off, unless
     GRPC_EXPERIMENTS already names either (then the user's choice stands). Socket reads and
     writes then run inside `CompletionQueue.poll` on the completion-queue thread
@@ -28,6 +28,7 @@ def import_grpc(environ=os.environ) -> bool:
     CPU per request; gRPC at 16, 296 → 189 µs and 3942 → 5159 infer/s.
     Returns whether the experiments were turned off: False when the user named them, or when
     grpc was imported before (C-core has read the variable then)."""
+    environ = os.environ
     current = environ.get("GRPC_EXPERIMENTS")
     if "grpc" in sys.modules or any(name in (current or "") for name in EVENT_ENGINE_IO):
         import grpc  # noqa: F401

@@ -284,3 +284,31 @@ def test_only_a_model_cheaper_than_a_thread_hop_runs_on_the_event_loop(tmp_path,
         asyncio.run(scenario())
     finally:
         repo.close()
+
+
+@pytest.mark.parametrize("delay_us", [0, 300_000])
+def test_requests_queued_behind_a_busy_instance_run_next_as_one_batch(tmp_path, delay_us):
+    """When an execution ends, the requests queued behind it run next, batched, on the
+    batcher's own decision: at once with no queue delay; with a delay and a preferred size not
+    reached, only when the delay (counted from the oldest request's arrival) expires."""
+    seq_model(tmp_path, "m", "max_batch_size: 8 instance_group [ { count: 1 } ] "
+              "dynamic_batching { preferred_batch_size: [ 8 ] "
+              f"max_queue_delay_microseconds: {delay_us} }}")
+    repo = ModelRepository(tmp_path)
+    try:
+        rt = repo.runtime("m")
+        slow = rt.submit(request(1200), {"IN": "INT32"})       # 200 ms once it runs
+        time.sleep(0.05 + delay_us / 1e6)                       # it is executing now
+        t0 = time.perf_counter()
+        queued = [rt.submit(request(v), {"IN": "INT32"}) for v in (1, 2, 3)]
+        outs = [f.result(5) for f in queued]
+        waited = time.perf_counter() - t0
+        assert slow.result(5)["OUT"][0, 0] == 1200
+        assert [o["OUT"][0, 0] for o in outs] == [1, 2, 3]
+        assert {int(o["BATCH"][0, 0]) for o in outs} == {3}   # one execution of the three
+        assert rt.stats.json("m", "1")["execution_count"] == 2
+        # no delay: right behind the slow request (~150 ms of it left); with the delay: not
+        # before 300 ms after the three arrived, although the instance was free at ~150 ms
+        assert (waited < 0.28) if delay_us == 0 else (waited >= 0.29)
+    finally:
+        repo.close()

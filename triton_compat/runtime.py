@@ -183,11 +183,10 @@ class ModelRuntime:
             except QueueFullError as e:
                 self.stats.record_failure(0)
                 raise InferError(str(e), 503) from None
-            batch = self._ready_now(now)
-            job = self._claim(batch) if batch else None
+            job = self._claim_ready(now)
             if job and not inline:
                 self.pool.submit(self._work, *job)
-            if not batch or self.queue.items:
+            if not job or self.queue.items:
                 self.cond.notify()
         if job and inline:                # run the batch on this thread
             self._execute(*job)
@@ -209,19 +208,20 @@ class ModelRuntime:
             return ()
         return tuple((n, a.shape[1:]) for n, a in sorted(inputs.items()) if n not in self.ragged)
 
-    def _ready_now(self, now_us: int) -> list[Pending] | None:
-        """The batcher's decision taken on the submitting thread: the batch to run at once
-        when an instance is idle and one is ready (no queue delay to wait out, nothing timed
-        out), taken off the queue; else None and the batcher thread decides. The same decision
-        the batcher thread would take, minus waking it (one thread hand-off per request
-        saved). Caller holds the lock."""
+    def _claim_ready(self, now_us: int) -> tuple | None:
+        """The batcher's decision taken on the caller's thread (a submitter, or a worker whose
+        execution just ended): when an instance is idle and a batch is ready at once (no queue
+        delay to wait out, nothing timed out), the batch taken off the queue and claimed
+        (`_claim`'s tuple); else None and the batcher thread decides. The same decision the
+        batcher thread would take, minus waking it (one thread hand-off saved). Caller holds
+        the lock."""
         if not self.idle:
             return None
         decision = self._decide(now_us)
         if not decision.batch or decision.rejected:
             return None
         self.queue.remove(decision.batch)
-        return decision.batch
+        return self._claim(decision.batch)
 
     def _loop(self) -> None:
         with self.cond:
@@ -309,10 +309,8 @@ class ModelRuntime:
                     ready += self._done.pop(self._release_seq)
                     self._release_seq += 1
             if chain and self.queue.items:
-                batch = self._ready_now(_now_us())
-                job = self._claim(batch) if batch else None
-            # wake the batcher only when it has work left for an instance
-            if self._waiting_work() and (job is None or self.queue.items):
+                job = self._claim_ready(_now_us())
+            if self._waiting_work():  # wake the batcher only when it has work for an instance
                 self.cond.notify_all()
         for done, result in ready:
             settle(done.future, result)

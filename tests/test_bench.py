@@ -1,5 +1,6 @@
 """`continuum bench serve`: metric computations on hand-made timings, the ShareGPT reader on a
-truncated file, and a 10-request run against a live Continuum server checking the saved JSON."""
+truncated file, and a 10-request run against a live Continuum server checking the saved JSON;
+`step_cost_bench`: its interpolation of the rows within a target, and a tiny run on the model."""
 
 from __future__ import annotations
 
@@ -105,3 +106,23 @@ def test_summary_prints_a_run_without_a_concurrency_cap(capsys):
         m.update({f"mean_{name}_ms": 1.0, f"median_{name}_ms": 1.0, f"p99_{name}_ms": 2.0})
     print_summary(m)
     assert "Max concurrency" in capsys.readouterr().out
+
+
+def test_step_cost_rows_within_target_interpolate_between_measured_batches():
+    from benchmarks.step_cost_bench import rows_within
+
+    steps = {1: 30.0, 4: 40.0, 16: 70.0, 64: 190.0}
+    assert rows_within(steps, 60.0) == pytest.approx(4 + 12 * 20 / 30)
+    assert rows_within(steps, 70.0) == pytest.approx(16.0)
+    assert rows_within(steps, 500.0) == 64.0          # never reached: the largest batch
+
+
+def test_step_cost_bench_runs_on_the_embedded_model():
+    from benchmarks.step_cost_bench import main
+
+    res = main(["--dtypes", "float32", "--batches", "1,2", "--steps", "1", "--repeats", "1",
+                "--jitter-steps", "3", "--context", "16"])["float32"]
+    assert set(res["decode_step_ms"]) == {"1", "2"}
+    assert all(v > 0 for v in res["decode_step_ms"].values())
+    assert res["prefill_step_ms"]["128"] > 0 and res["step_p99_over_median"] >= 1.0
+    assert 1.0 <= res["rows_within_2x"] <= 2.0

@@ -1,0 +1,173 @@
+"""What one engine step costs on this host, by decode batch and by prefill tokens (issue
+"SLO-aware scheduling": the profile behind its feasibility bound), in-process, one run.
+
+No server and no client: `LLMEngine.step` timed with `time.perf_counter`, per dtype.
+
+- `decode_step_ms`: median step (ms; the median of `--repeats` sweeps) with B requests all
+  decoding, each at `--context` tokens of context, for B in `--batches`. `per_row_ms` is the
+  slope between the two largest batches.
+  `largest_batch_within_2x` is the largest B whose step stays within twice the B = 1 step: the
+  target `slo_bench` sets (`--target-itl-ms` = 2 x the unloaded decode step). A decode batch
+  larger than that cannot meet the target even with no prefill in the step.
+  `rows_within_2x` is where the step curve (linear between measured batches) crosses the target,
+  and `decode_throughput_within_2x_ratio` is its tokens/s (rows / target) over the largest
+  batch's (B / step): the most decode throughput any schedule keeping every step within the
+  target can have against one that lets the batch grow, before any prefill. Under 0.95 it rules
+  out the issue's "throughput >= 0.95x the fixed budget's" at concurrency max(B).
+- `prefill_ms_per_token`: with `--decodes` requests decoding, the median step with P prompt
+  tokens of one new request added, minus the decode-only step, over P (the largest P).
+- `step_p99_over_median`: a lone request's decode steps, p99 / median: the host's jitter, which
+  a p99 target must leave room for (`slo_bench`'s `most_load_p99_within_target`).
+
+On a GPU a decode batch costs about one row (the step reads the weights once); on a CPU each row
+costs a GEMM row at the host's FLOP rate, so `per_row_ms` against the B = 1 step says how much
+decode batching a latency target leaves.
+
+    python benchmarks/step_cost_bench.py [--dtypes float32,bfloat16] [--batches 1,4,16,32,64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.llm_engine import LLMEngine  # noqa: E402
+from scheduler.request import SamplingParams  # noqa: E402
+
+
+def _prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+def _timed_steps(eng: LLMEngine, n: int) -> list[float]:
+    """Durations (ms) of `n` engine steps."""
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        eng.step()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def _start_decoding(eng: LLMEngine, rng, batch: int, context: int, tag: str) -> None:
+    """Add `batch` requests of `context` prompt tokens; step until all of them decode."""
+    for i in range(batch):
+        eng.add_request(f"{tag}-{i}", _prompt(rng, context),
+                        SamplingParams(max_tokens=1024, ignore_eos=True, temperature=0))
+    sched = eng.scheduler
+    while sched.waiting or not all(r.output_token_ids for r in sched.running):
+        eng.step()
+
+
+def _drain(eng: LLMEngine) -> None:
+    eng.abort_all()
+    while eng.has_unfinished_requests():
+        eng.step()
+
+
+def decode_steps(eng: LLMEngine, rng, batches: list[int], context: int, steps: int,
+                 repeats: int) -> dict:
+    """Median decode-only step (ms) per batch size: the median over `repeats` sweeps of each
+    sweep's median (the host's load drifts between sweeps more than within one)."""
+    sweeps = {b: [] for b in batches}
+    for r in range(repeats):
+        for b in batches:
+            _start_decoding(eng, rng, b, context, f"b{b}-{r}")
+            sweeps[b].append(statistics.median(_timed_steps(eng, steps + 3)[3:]))
+            _drain(eng)
+    return {b: statistics.median(v) for b, v in sweeps.items()}
+
+
+def prefill_cost(eng: LLMEngine, rng, decodes: int, sizes: list[int], context: int,
+                 repeats: int) -> dict:
+    """Median step (ms) with `decodes` decoding plus P prompt tokens of a new one-token request."""
+    _start_decoding(eng, rng, decodes, context, "d")
+    out = {0: statistics.median(_timed_steps(eng, repeats + 2)[2:])}
+    for p in sizes:
+        times = []
+        for k in range(repeats):
+            eng.add_request(f"p{p}-{k}", _prompt(rng, p), SamplingParams(max_tokens=1))
+            times += _timed_steps(eng, 1)            # the whole prompt in one step, then done
+        out[p] = statistics.median(times)
+    _drain(eng)
+    return out
+
+
+def jitter(eng: LLMEngine, rng, context: int, steps: int) -> tuple[float, float]:
+    """A lone request's decode steps: (median ms, p99 / median)."""
+    _start_decoding(eng, rng, 1, context, "j")
+    times = sorted(_timed_steps(eng, steps))
+    _drain(eng)
+    med = statistics.median(times)
+    return med, times[min(len(times) - 1, int(0.99 * len(times)))] / med
+
+
+def rows_within(step_ms: dict[int, float], target_ms: float) -> float:
+    """Decode rows at which the step curve (linear between measured batch sizes, ascending)
+    reaches `target_ms`; the largest batch if it never does."""
+    pts = sorted(step_ms.items())
+    for (b0, t0), (b1, t1) in zip(pts, pts[1:]):
+        if t1 > target_ms:
+            return b0 + (b1 - b0) * max(0.0, target_ms - t0) / (t1 - t0)
+    return float(pts[-1][0])
+
+
+def measure(dtype: str, args) -> dict:
+    """Every figure of the module docstring for one dtype."""
+    rng = random.Random(args.seed)
+    sizes = [32, 128]
+    eng = LLMEngine(EngineConfig(dtype=dtype, device="cpu", enable_prefix_caching=False,
+                                 max_num_batched_tokens=max(2048, args.decodes + sizes[-1])))
+    batches = sorted(int(b) for b in args.batches.split(","))
+    dec = decode_steps(eng, rng, batches, args.context, args.steps, args.repeats)
+    pre = prefill_cost(eng, rng, args.decodes, sizes, args.context, args.steps)
+    med, ratio = jitter(eng, rng, args.context, args.jitter_steps)
+    eng.shutdown()
+    target = 2 * dec[batches[0]]
+    within = [b for b in batches if dec[b] <= target]
+    hi, lo = batches[-1], batches[-2] if len(batches) > 1 else batches[-1]
+    rows = rows_within(dec, target)
+    return {
+        "decode_step_ms": {str(b): round(v, 1) for b, v in dec.items()},
+        "per_row_ms": round((dec[hi] - dec[lo]) / max(1, hi - lo), 2),
+        "largest_batch_within_2x": max(within) if within else None,
+        "rows_within_2x": round(rows, 1),
+        "decode_throughput_within_2x_ratio": round((rows / target) / (hi / dec[hi]), 2),
+        "prefill_step_ms": {str(p): round(v, 1) for p, v in pre.items()},
+        "prefill_ms_per_token": round((pre[sizes[-1]] - pre[0]) / sizes[-1], 2),
+        "lone_step_median_ms": round(med, 1),
+        "step_p99_over_median": round(ratio, 2),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--batches", default="1,4,16,32,64")
+    p.add_argument("--context", type=int, default=256, help="prompt tokens per decoding request")
+    p.add_argument("--decodes", type=int, default=5, help="decoding requests beside a prefill")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per point (median)")
+    p.add_argument("--repeats", type=int, default=3, help="sweeps over --batches (median)")
+    p.add_argument("--jitter-steps", type=int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    res = {"benchmark": "step_cost", "threads": torch.get_num_threads(), "context": args.context}
+    for dtype in args.dtypes.split(","):
+        res[dtype] = measure(dtype, args)
+        print(json.dumps({dtype: res[dtype]}), file=sys.stderr, flush=True)
+    print(json.dumps(res))
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -122,6 +122,14 @@ def test_request_codec_json_and_binary_round_trip():
     (b'{"inputs": [{"name": "I", "datatype": "INT32", "shape": [1], "data": ["x"]}]}',
      "not INT32"),
     (b'{"inputs": [{"name": "I", "datatype": "INT8", "shape": [1], "data": [300]}]}', "I"),
+    (b'{"inputs": [{"name": "I", "datatype": "INT32", "shape": [2], "data": [1, true]}]}',
+     "not INT32"),
+    (b'{"inputs": [{"name": "I", "datatype": "INT32", "shape": [2], "data": [[1], [2.5]]}]}',
+     "not INT32"),
+    (b'{"inputs": [{"name": "I", "datatype": "BOOL", "shape": [2], "data": [true, 0]}]}',
+     "not BOOL"),
+    (b'{"inputs": [{"name": "I", "datatype": "BYTES", "shape": [1], "data": [3]}]}',
+     "not BYTES"),
 ])
 def test_malformed_requests_are_tensor_errors(body, message):
     with pytest.raises(TensorError, match=message):

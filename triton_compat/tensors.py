@@ -187,23 +187,31 @@ def _flatten(data) -> list:
     return out
 
 
+def _json_types(datatype: str) -> set[type]:
+    """The Python types (as orjson / json read them) a JSON `data` element of `datatype` may be."""
+    if datatype == "BYTES":
+        return {str}
+    if datatype == "BOOL":
+        return {bool}
+    return {int} if datatype.startswith(("INT", "UINT")) else {int, float}
+
+
 def _from_json(name, datatype, dtype, shape, data) -> np.ndarray:
-    flat = _flatten(data)
+    # The element types as one set, built in C (`map(type, ...)`), not a per-element
+    # isinstance loop: on a 2048-element input that loop and the flattening were 0.35 ms of
+    # the request; a flat list (what tritonclient and perf_analyzer send) skips _flatten.
+    types = set(map(type, data)) if isinstance(data, list) else {type(data)}
+    flat = data if isinstance(data, list) else [data]
+    if list in types:
+        flat = _flatten(data)
+        types = set(map(type, flat))
     if len(flat) != math.prod(shape):
         raise TensorError(f"input '{name}': {len(flat)} elements in 'data' for shape {shape}, "
                           f"expecting {math.prod(shape)}")
-    if datatype == "BYTES":
-        if not all(isinstance(x, str) for x in flat):
-            raise TensorError(f"input '{name}': BYTES data must be strings")
-        return np.array([x.encode() for x in flat] or [], dtype=np.object_).reshape(shape)
-    if datatype == "BOOL":
-        ok = all(isinstance(x, bool) for x in flat)
-    elif datatype.startswith(("INT", "UINT")):
-        ok = all(isinstance(x, int) and not isinstance(x, bool) for x in flat)
-    else:
-        ok = all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in flat)
-    if not ok:
+    if not types <= _json_types(datatype):
         raise TensorError(f"input '{name}': 'data' holds values that are not {datatype}")
+    if datatype == "BYTES":
+        return np.array([x.encode() for x in flat] or [], dtype=np.object_).reshape(shape)
     try:
         return np.array(flat, dtype=dtype).reshape(shape)
     except (OverflowError, ValueError) as e:

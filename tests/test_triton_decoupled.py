@@ -16,6 +16,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from tests.v2_target import deviation
+
 pytestmark = pytest.mark.slow
 
 
@@ -88,10 +90,25 @@ def test_decoupled_over_http(v2_servers):
         events = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: ")]
     assert [(e["OUT"], e["IDX"]) for e in events] == [(4, 0), (5, 1), (6, 2)]
     r = httpx.post(f"{base}/v2/models/repeat/generate", json={"IN": [4, 5]})
-    assert r.status_code == 400 and "exactly 1 response" in r.json()["error"]
-    assert httpx.post(f"{base}/v2/models/repeat/generate", json={"IN": [9]}).json()["OUT"] == 9
+    assert r.status_code == deviation("generate-one-response", continuum=400, triton=200)
+    assert r.json() == {"error": "generate expects model to produce exactly 1 response, use "
+                                 "generate stream for model that generates various number of "
+                                 "responses"}
+    assert httpx.post(f"{base}/v2/models/repeat/generate", json={"IN": [9], "id": "x7"}).json() \
+        == {"IDX": 0, "OUT": 9, "id": "x7", "model_name": "repeat", "model_version": "1"}
     with httpx.stream("POST", f"{base}/v2/models/repeat/generate_stream",
                       json={"IN": [2, -1]}) as s:
         events = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: ")]
     assert events == [{"model_name": "repeat", "model_version": "1", "OUT": 2, "IDX": 0},
                       {"error": "element -1 refused on purpose"}]
+    # a model's error as the first response: an SSE event; its status is the first response's
+    r = httpx.post(f"{base}/v2/models/repeat/generate_stream", json={"IN": [-1]})
+    assert r.status_code == deviation("generate-error-status", continuum=500, triton=400)
+    assert r.headers["content-type"] == "text/event-stream; charset=utf-8"
+    assert r.text == 'data: {"error":"element -1 refused on purpose"}\n\n'
+    # refused before the model runs: plain JSON
+    r = httpx.post(f"{base}/v2/models/repeat/generate_stream", json={"IN": "x"})
+    assert r.status_code == deviation("client-error-4xx", continuum=400, triton=500)
+    assert r.headers["content-type"] == "application/json"
+    assert r.json() == {"error": "Unable to parse 'data': attempt to access JSON "
+                                 "non-signed-integer as signed-integer"}

@@ -25,6 +25,8 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
+from tests.v2_target import continuum_only, deviation
+
 pytestmark = pytest.mark.slow
 
 
@@ -81,11 +83,14 @@ def test_server_and_model_metadata(client):
 def test_unknown_model_is_not_found(client):
     for call in (lambda: client.get_model_metadata("nosuch"),
                  lambda: client.get_model_config("nosuch"),
-                 lambda: client.is_model_ready("nosuch"),
                  lambda: client.infer("nosuch", simple_inputs(A, B))):
         e = error_of(call)
         assert e.status() == "StatusCode.NOT_FOUND"
         assert e.message() == "Request for unknown model: 'nosuch' is not found"
+    assert client.is_model_ready("nosuch") is False        # ready false, not an error
+    e = error_of(lambda: client.get_inference_statistics("nosuch"))
+    assert (e.status(), e.message()) == ("StatusCode.INVALID_ARGUMENT",
+                                         "requested model 'nosuch' is not available")
     alive(client)
 
 
@@ -132,9 +137,8 @@ def test_infer_typed_contents_equals_raw(v2_servers, client):
      "[request id: <id_unknown>] input byte size mismatch for input 'INPUT1' for model "
      "'simple'. Expected 64, got 60"),
     (lambda r: setattr(r.inputs[0], "datatype", "FP32"), "INVALID_ARGUMENT",
-     "inference input 'INPUT0' data-type is 'FP32', but model 'simple' expects 'INT32'"),
-    (lambda r: r.outputs.extend([pb.ModelInferRequest.InferRequestedOutputTensor(
-        name="OUTPUT0")] * 2), "INVALID_ARGUMENT", "output 'OUTPUT0' already exists in request"),
+     "[request id: <id_unknown>] inference input 'INPUT0' data-type is 'FP32', but model "
+     "'simple' expects 'INT32'"),
     (lambda r: r.parameters["priority"].CopyFrom(pb.InferParameter(string_param="high")),
      "INVALID_ARGUMENT", "invalid value type for 'priority' parameter, expected int64_param or "
      "uint64_param."),
@@ -191,6 +195,32 @@ def test_concurrent_grpc_and_http_requests_batch_together(v2_servers, client):
     assert requests == 24 and executions < requests
 
 
+def test_a_burst_of_calls_to_a_cheap_model_runs_in_batches(v2_servers, client):
+    """24 calls at once (grpc.aio), three times, to a model cheap enough to run on the
+    completion-queue thread: they run in fewer executions than calls, as Triton batches
+    them; each gets its own answer."""
+    async def bursts():
+        c = grpcaio.InferenceServerClient(v2_servers["main"][1])
+        try:
+            async def one(i):
+                x = grpcaio.InferInput("IN", [1, 1], "INT32")
+                x.set_data_from_numpy(np.array([[i]], np.int32))
+                return int((await c.infer("cheap", [x])).as_numpy("OUT")[0, 0])
+            for _ in range(20):                  # measured first, one call at a time
+                await one(0)
+            return [await asyncio.gather(*[one(i) for i in range(24)]) for _ in range(3)]
+        finally:
+            await c.close()
+
+    before = client.get_inference_statistics("cheap").model_stats[0]
+    results = asyncio.run(bursts())
+    after = client.get_inference_statistics("cheap").model_stats[0]
+    assert results == [list(range(24))] * 3
+    calls = after.inference_count - before.inference_count
+    executions = after.execution_count - before.execution_count
+    assert calls == 92 and executions < 92, executions      # 20 alone, 72 in bursts
+
+
 def test_many_clients_at_once_each_get_their_own_answers(v2_servers):
     """8 clients, each on its own channel, 40 requests each with its own inputs, all at once:
     every answer is the sum and difference of that request's inputs (the completion-queue
@@ -216,18 +246,18 @@ def test_many_clients_at_once_each_get_their_own_answers(v2_servers):
 def test_expired_deadlines_and_bad_calls_leave_the_others_answered(v2_servers, client):
     """Calls whose client deadline passes while the 300 ms model runs end with
     DEADLINE_EXCEEDED and the requests beside them are answered; an unknown method gets
-    UNIMPLEMENTED and bytes that are no ModelInferRequest get INTERNAL, as grpcio's server
-    answers them."""
+    UNIMPLEMENTED and bytes that are no ModelInferRequest get INTERNAL, as tritonserver's
+    gRPC C++ server answers them."""
     channel = grpc.insecure_channel(v2_servers["main"][1])
     raw = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
     with pytest.raises(grpc.RpcError) as info:
         raw(b"\xff\xff\xff", timeout=10)
     assert info.value.code() == grpc.StatusCode.INTERNAL
-    assert info.value.details() == "Exception deserializing request!"
+    assert info.value.details() == "Unable to parse request"
     with pytest.raises(grpc.RpcError) as info:
         channel.unary_unary("/inference.GRPCInferenceService/NoSuchRpc")(b"", timeout=10)
     assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
-    assert info.value.details() == "Method not found!"
+    assert info.value.details() == ""
 
     def one(i):
         x = grpcclient.InferInput("IN", [1, 1], "INT32")
@@ -305,17 +335,24 @@ def test_repository_index_unload_and_load_with_config_override(client):
         assert client.get_model_config("simple").config.max_batch_size == 2
         e = error_of(lambda: client.infer("simple", simple_inputs(np.vstack([A] * 3),
                                                                    np.vstack([B] * 3))))
-        assert e.message() == "inference request batch-size must be <= 2 for 'simple'"
+        assert e.message() == ("[request id: <id_unknown>] inference request batch-size must "
+                               "be <= 2 for 'simple'")
         e = error_of(lambda: client.load_model("simple", config="{not json"))
-        assert e.status() == "StatusCode.INVALID_ARGUMENT" and "Invalid config override" in \
-            e.message()
+        assert e.status() == deviation("load-failure-reason", continuum="StatusCode.INVALID_"
+                                       "ARGUMENT", triton="StatusCode.INTERNAL")
+        assert e.message().startswith("failed to load 'simple', failed to poll from model "
+                                      "repository")
+        assert client.is_model_ready("simple")     # a failed reload leaves it serving
+        client.load_model("simple")          # files unchanged: nothing to load, as Triton
+        assert client.get_model_config("simple").config.max_batch_size == 2
     finally:
+        client.unload_model("simple")
         client.load_model("simple")
     assert client.get_model_config("simple").config.max_batch_size == 8
     alive(client)
 
 
-def test_restricted_protocol_and_client_shm_off(v2_servers):
+def test_restricted_protocol(v2_servers):
     c = grpcclient.InferenceServerClient(v2_servers["locked"][1])
     try:
         for call in (lambda h: c.get_model_repository_index(headers=h),
@@ -327,8 +364,21 @@ def test_restricted_protocol_and_client_shm_off(v2_servers):
             e = error_of(lambda: call({"triton-grpc-protocol-admin-key": "wrong"}))
             assert e.status() == "StatusCode.UNAVAILABLE"
             call({"triton-grpc-protocol-admin-key": "s3cret"})
+        alive(c)
+    finally:
+        c.close()
+
+
+@continuum_only("--allow-client-shm is newer than tritonserver 2.51 (always on there)")
+def test_client_shm_off_is_refused_as_a_restricted_api(v2_servers):
+    """With client shared memory off (the default), its RPCs are refused as Triton refuses a
+    restricted API (UNAVAILABLE, a client-side condition), not UNIMPLEMENTED as current
+    Triton does, which load balancers read as a server fault; the status RPC lists nothing
+    (deviation "client-shm-off")."""
+    c = grpcclient.InferenceServerClient(v2_servers["locked"][1])
+    try:
         e = error_of(lambda: c.register_system_shared_memory("r", "/k", 64))
-        assert e.status() == "StatusCode.UNIMPLEMENTED"
+        assert e.status() == "StatusCode.UNAVAILABLE"
         assert e.message() == ("Client shared memory is disabled. Start the server with "
                                "'--allow-client-shm=true' to enable.")
         assert len(c.get_system_shared_memory_status().regions) == 0
@@ -359,21 +409,29 @@ def test_a_stream_cancelled_mid_flight_leaves_the_server_serving(client):
 
 
 def test_triton_grpc_error_mode_ends_the_stream_with_the_status(client):
-    """With metadata `triton_grpc_error: true`, the first failed request ends the stream with
-    its gRPC status (Triton's opt-in), instead of an error_message response."""
+    """With metadata `triton_grpc_error: true`, the first request the model fails ends the
+    stream with its gRPC status (Triton's opt-in), instead of an error_message response; a
+    request refused before it runs (unknown model) is still an error_message, as in
+    tritonserver 2.51 (stream_infer_handler.cc checks the mode only on model responses)."""
     results: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: results.put((result, error)),
                         headers={"triton_grpc_error": "true"})
     try:
         client.async_stream_infer("simple", simple_inputs(A, B), request_id="ok")
-        client.async_stream_infer("nosuch", simple_inputs(A, B), request_id="bad")
+        client.async_stream_infer("nosuch", simple_inputs(A, B), request_id="refused")
         first, second = results.get(timeout=30), results.get(timeout=30)
+        x = grpcclient.InferInput("IN", [1, 1], "INT32")
+        x.set_data_from_numpy(np.array([[-1]], np.int32))     # fails its own response
+        client.async_stream_infer("delayed", [x], request_id="bad")
+        third = results.get(timeout=30)
     finally:
         client.stop_stream()
     assert first[1] is None and first[0].get_response().id == "ok"
-    assert second[0] is None
-    assert (second[1].status(), second[1].message()) == (
-        "StatusCode.NOT_FOUND", "Request for unknown model: 'nosuch' is not found")
+    assert second[0] is None and second[1].status() is None
+    assert second[1].message() == "Request for unknown model: 'nosuch' is not found"
+    assert third[0] is None
+    assert (third[1].status(), third[1].message()) == ("StatusCode.INTERNAL",
+                                                       "request failed on purpose")
     alive(client)
 
 

@@ -33,7 +33,7 @@ def completion(base: str, max_tokens: int = 8) -> str:
 def alive(base: str) -> None:
     r = httpx.post(f"{base}/v2/models/{LLM}/generate", timeout=120, json={
         "text_input": PROMPT, "max_tokens": 2, "exclude_input_in_output": True,
-        "sampling_parameters": {"temperature": 0}})
+        "sampling_parameters": json.dumps({"temperature": 0})})
     assert r.status_code == 200 and r.json()["text_output"]
 
 
@@ -51,7 +51,7 @@ def sse(base: str, body: dict) -> list[dict]:
 
 def test_llm_is_a_decoupled_model_in_the_repository(server):
     index = httpx.post(f"{server}/v2/repository/index").json()
-    assert {"name": LLM, "version": "1", "state": "READY", "reason": ""} in index
+    assert {"name": LLM, "version": "1", "state": "READY"} in index
     config = httpx.get(f"{server}/v2/models/{LLM}/config").json()
     assert config["model_transaction_policy"]["decoupled"] is True
     meta = httpx.get(f"{server}/v2/models/{LLM}").json()
@@ -71,7 +71,7 @@ def test_generate_and_generate_stream_equal_the_completions_text(server):
     assert body["num_output_tokens"] == 8 and body["num_input_tokens"] > 0
     assert body["finish_reason"] == "length"
     events = sse(server, {"text_input": PROMPT, "stream": True, "max_tokens": 8,
-                          "sampling_parameters": {"temperature": 0}})
+                          "sampling_parameters": json.dumps({"temperature": 0})})
     assert len(events) > 1
     assert "".join(e["text_output"] for e in events) == expected
     assert all(e["model_name"] == LLM for e in events)
@@ -84,13 +84,19 @@ def test_generate_refusals(server):
         "generate expects model to produce exactly 1 response, use generate stream for model "
         "that generates various number of responses"))
     r = httpx.post(f"{server}/v2/models/{LLM}/generate", json={"stream": False})
-    assert (r.status_code, r.json()["error"]) == (
-        400, "unexpected key not found in generate request, expecting key 'text_input'")
+    assert r.status_code == 400 and r.json()["error"].startswith(
+        "[request id: <id_unknown>] expected number of inputs between 1 and 8 but got 1 "
+        f"inputs for model '{LLM}'. Got input(s) ['stream'], but missing required input(s) "
+        "['text_input']")                              # Triton core's text
     r = httpx.post(f"{server}/v2/models/{LLM}/generate",
                    content=b'{"text_input": "a", "text_input": "b"}')
-    assert r.status_code == 400 and "more than once" in r.json()["error"]
+    assert (r.status_code, r.json()["error"]) == (
+        400, "[request id: <id_unknown>] input 'text_input' already exists in request")
+    r = httpx.post(f"{server}/v2/models/{LLM}/generate", json={"text_input": 7})
+    assert (r.status_code, r.json()["error"]) == (
+        400, "Unable to parse JSON bytes array: attempt to access JSON non-string as string")
     r = httpx.post(f"{server}/v2/models/{LLM}/generate", json={
-        "text_input": "a", "sampling_parameters": {"bogus": 1}})
+        "text_input": "a", "sampling_parameters": json.dumps({"bogus": 1})})
     assert r.status_code == 400 and "unsupported key 'bogus'" in r.json()["error"]
     r = httpx.post(f"{server}/v2/models/{LLM}/infer", json={"inputs": []})
     assert (r.status_code, r.json()["error"]) == (
@@ -175,3 +181,49 @@ def test_a_cancelled_grpc_stream_aborts_the_generation(server, server_grpc):
         time.sleep(0.2)
     assert metric(server, "continuum_num_requests_running") == 0
     alive(server)
+
+
+def test_the_llm_is_a_v2_model_without_a_repository(tmp_path):
+    """`continuum serve --grpc-port P` with no model repository: the LLM answers every v2 route
+    a Triton client uses for a vLLM-backend model, over HTTP and gRPC (index, metadata, config,
+    ready, statistics, generate, generate_stream, stream infer)."""
+    from tests.conftest import free_port, start_server, stop_server
+
+    grpc_port = free_port()
+    proc, base = start_server(["--max-model-len", "512", "--kv-cache-memory", "0.1",
+                               "--grpc-port", str(grpc_port), "--uvicorn-log-level", "warning"],
+                              "/v2/health/ready", tmp_path / "server.log")
+    try:
+        assert httpx.post(f"{base}/v2/repository/index").json() == [
+            {"name": LLM, "version": "1", "state": "READY"}]
+        assert httpx.get(f"{base}/v2/models/{LLM}/ready").status_code == 200
+        assert httpx.get(f"{base}/v2/models/{LLM}").json()["platform"] == "vllm"
+        config = httpx.get(f"{base}/v2/models/{LLM}/config").json()
+        assert config["model_transaction_policy"]["decoupled"] is True
+        # the vLLM backend's generate example: sampling parameters as request parameters
+        r = httpx.post(f"{base}/v2/models/{LLM}/generate", timeout=120, json={
+            "text_input": PROMPT, "exclude_input_in_output": True, "id": "g1",
+            "parameters": {"stream": False, "temperature": 0, "max_tokens": 4}})
+        assert r.status_code == 200, r.text
+        assert r.json()["text_output"] and r.json()["id"] == "g1"
+        events = sse(base, {"text_input": PROMPT, "stream": True, "max_tokens": 4})
+        assert len(events) >= 1 and all("text_output" in e for e in events)
+        stats = httpx.get(f"{base}/v2/models/{LLM}/stats").json()["model_stats"][0]
+        assert stats["inference_stats"]["success"]["count"] == 2
+        c = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+        try:
+            assert c.is_server_ready() and c.is_model_ready(LLM)
+            assert c.get_model_metadata(LLM).platform == "vllm"
+            got: queue.Queue = queue.Queue()
+            c.start_stream(callback=lambda result, error: got.put((result, error)))
+            c.async_stream_infer(LLM, llm_inputs(PROMPT, False, {"temperature": 0,
+                                                                 "max_tokens": 4}))
+            result, error = got.get(timeout=120)
+            c.stop_stream()
+            assert error is None and result.as_numpy("text_output")[0].decode().startswith(
+                PROMPT)
+        finally:
+            c.close()
+        alive(base)
+    finally:
+        stop_server(proc)

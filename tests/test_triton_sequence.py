@@ -4,11 +4,14 @@ Models (tests/triton_servers.py, SEQUENCE_MODELS): tests/triton_models/sequence_
 running sum in the implicit state ACC and echoes the control inputs it saw. `seq_direct` has
 4 direct slots, `seq_oldest` 8 candidate sequences batched 4 at most, `seq_string` string ids,
 `seq_idle` one slot and a 400 ms idle limit. Every negative test ends with a liveness check.
+Runs against tritonserver 2.51 too (tests/v2_target.py): there a python model's implicit
+state never changes (its python backend has no state API), so the sums are each value alone.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import itertools
 import json
 import threading
 import time
@@ -19,6 +22,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
+
+from tests.v2_target import continuum_only, deviation, differs
 
 pytestmark = pytest.mark.slow
 OUTPUTS = ("OUT", "CTRL", "CORR", "FLAGS", "BATCH")
@@ -47,6 +52,13 @@ def run_sequence(base, model, sid, values):
             for k, v in enumerate(values)]
 
 
+def running(values) -> list:
+    """What sequence_model.py answers over a sequence of `values`: their running sums (its
+    implicit state), or on tritonserver each value alone (the state stays at zero)."""
+    return deviation("python-implicit-state", continuum=list(itertools.accumulate(values)),
+                     triton=list(values))
+
+
 def stats(base, model):
     return httpx.get(f"{base}/v2/models/{model}/stats").json()["model_stats"][0]
 
@@ -60,7 +72,7 @@ def test_sixteen_sequences_share_four_direct_slots(v2_servers):
     before = stats(base, "seq_direct")
     with cf.ThreadPoolExecutor(16) as ex:
         sums = list(ex.map(lambda s: run_sequence(base, "seq_direct", s, [s] * 5), range(1, 17)))
-    assert sums == [[s * k for k in range(1, 6)] for s in range(1, 17)]
+    assert sums == [running([s] * 5) for s in range(1, 17)]
     after = stats(base, "seq_direct")
     inferences = after["inference_count"] - before["inference_count"]
     executions = after["execution_count"] - before["execution_count"]
@@ -77,7 +89,7 @@ def test_the_model_sees_controls_flags_and_the_correlation_id(v2_servers):
         last = send(None, "seq_direct", 4242, 4, end=True, **kw)
     finally:
         c.close()
-    assert [first["OUT"], middle["OUT"], last["OUT"]] == [[[2]], [[5]], [[9]]]
+    assert [first["OUT"][0][0], middle["OUT"][0][0], last["OUT"][0][0]] == running([2, 3, 4])
     # CTRL: START, END, READY as the model saw them
     assert [first["CTRL"], middle["CTRL"], last["CTRL"]] == \
         [[[1, 0, 1]], [[0, 0, 1]], [[0, 1, 1]]]
@@ -92,7 +104,7 @@ def test_direct_pads_empty_slots_with_not_ready_requests(v2_servers):
     send(base, "seq_direct", 501, 1, end=True)            # slot 0 free again
     before = stats(base, "seq_direct")
     out = send(base, "seq_direct", 502, 5, end=True)      # slot 0 empty: padding
-    assert out["OUT"] == [[6]] and out["BATCH"] == [[2]]
+    assert out["OUT"] == [[running([1, 5])[-1]]] and out["BATCH"] == [[2]]
     sizes = {b["batch_size"]: b["compute_infer"]["count"] for b in before["batch_stats"]}
     after = {b["batch_size"]: b["compute_infer"]["count"]
              for b in stats(base, "seq_direct")["batch_stats"]}
@@ -109,7 +121,7 @@ def test_oldest_batches_sequences_without_padding(v2_servers):
 
     with cf.ThreadPoolExecutor(8) as ex:
         results = list(ex.map(one, range(1, 9)))
-    assert [sums for sums, _ in results] == [[s * k for k in range(1, 5)] for s in range(1, 9)]
+    assert [sums for sums, _ in results] == [running([s] * 4) for s in range(1, 9)]
     assert max(b for _, batches in results for b in batches) <= 4
     after = stats(base, "seq_oldest")
     inferences = after["inference_count"] - before["inference_count"]
@@ -119,6 +131,7 @@ def test_oldest_batches_sequences_without_padding(v2_servers):
     assert rows == after["inference_count"]               # no padding rows
 
 
+@differs("string-corrid")
 def test_string_correlation_ids_over_grpc(v2_servers):
     c = grpcclient.InferenceServerClient(v2_servers["main"][1])
     try:
@@ -131,6 +144,17 @@ def test_string_correlation_ids_over_grpc(v2_servers):
         c.close()
     assert [o["OUT"][0][0] for o in a] == [1, 10, 3, 30]
     assert a[0]["CORR"] == [[b"user-a"]] and a[3]["CORR"] == [[b"user-b"]]
+
+
+def test_a_string_id_on_an_integer_corrid_model_runs_as_in_triton(v2_servers):
+    """tritonserver 2.51 runs a string sequence id on a UINT64 CORRID model: the sequence is
+    the string, and CORRID holds the string's 4-byte length then its bytes, cut to 8 bytes."""
+    base = v2_servers["main"][0]
+    first = send(base, "seq_direct", "abc", 2, start=True)
+    last = send(base, "seq_direct", "abc", 3, end=True)
+    assert [first["OUT"][0][0], last["OUT"][0][0]] == running([2, 3])
+    assert first["CORR"] == last["CORR"] == [[0x0063626100000003]]
+    alive(base)
 
 
 def _post(base, model, body):
@@ -160,22 +184,47 @@ START_INPUT = ({"name": "START", "shape": [1, 1], "datatype": "INT32", "data": [
      "of sequence batcher"),
     ("seq_direct", _body({"sequence_id": 5, "sequence_start": True}, extra=START_INPUT),
      "expected 1 inputs but got 2 inputs for model 'seq_direct'. Got input(s) "
-     "['IN','START'], but missing required input(s) ]."),
-    ("seq_direct", _body({"sequence_id": "abc", "sequence_start": True}),
-     "sequence batching control 'CORRID' data-type is 'BYTES', but model 'seq_direct' "
-     "expects 'UINT64'"),
-    ("seq_string", _body({"sequence_id": 12, "sequence_start": True}),
-     "sequence batching control 'CORRID' data-type is 'UINT64', but model 'seq_string' "
-     "expects 'BYTES'"),
-    ("seq_direct", _body({"sequence_id": 5, "sequence_start": "yes"}),
-     "Unable to parse 'sequence_start'"),
-    ("seq_direct", _body({"sequence_id": [5], "sequence_start": True}),
-     "Unable to parse 'sequence_id'"),
+     "['START','IN'], but missing required input(s) ]."),
+    ("seq_string", _body({"sequence_id": 0, "sequence_start": True}),
+     "inference request to model 'seq_string' must specify a non-zero or non-empty "
+     "correlation ID"),
+    ("seq_direct", _body({"sequence_id": "", "sequence_start": True}),
+     "inference request to model 'seq_direct' must specify a non-zero or non-empty "
+     "correlation ID"),
 ])
 def test_bad_sequence_requests_get_triton_texts(v2_servers, model, body, text):
     base = v2_servers["main"][0]
     r = _post(base, model, body)
     assert r.status_code == 400 and text in r.json()["error"]
+    alive(base)
+
+
+@pytest.mark.parametrize("model,body,status,text", [
+    ("seq_direct", _body({"sequence_id": 5, "sequence_start": "yes"}),
+     deviation("client-error-4xx", continuum=400, triton=500),
+     "Unable to parse 'sequence_start': attempt to access JSON non-boolean as boolean"),
+    ("seq_direct", _body({"sequence_id": [5], "sequence_start": True}),
+     deviation("client-error-4xx", continuum=400, triton=500),
+     "Unable to parse 'sequence_id': attempt to access JSON non-string as string"),
+    ("seq_string", _body({"sequence_id": "x" * 129, "sequence_start": True}), 501,
+     "string correlation ID cannot be longer than 128 characters"),
+    ("seq_direct", _body({"sequence_id": "x" * 129, "sequence_start": True}), 501,
+     "string correlation ID cannot be longer than 128 characters"),
+])
+def test_malformed_sequence_ids_and_flags(v2_servers, model, body, status, text):
+    base = v2_servers["main"][0]
+    r = _post(base, model, body)
+    assert (r.status_code, r.json()) == (status, {"error": text})
+    alive(base)
+
+
+@differs("integer-id-on-string-corrid")
+def test_an_integer_id_on_a_string_corrid_model_is_refused(v2_servers):
+    base = v2_servers["main"][0]
+    r = _post(base, "seq_string", _body({"sequence_id": 12, "sequence_start": True}))
+    assert (r.status_code, r.json()["error"]) == (400, (
+        "sequence batching control 'CORRID' data-type is 'UINT64', but model 'seq_string' "
+        "expects 'BYTES'"))
     alive(base)
 
 
@@ -191,9 +240,9 @@ def test_state_output_must_be_a_model_output_to_be_requested(v2_servers):
 def test_a_second_start_restarts_the_sequence(v2_servers):
     base = v2_servers["main"][0]
     assert send(base, "seq_direct", 61, 5, start=True)["OUT"] == [[5]]
-    assert send(base, "seq_direct", 61, 5)["OUT"] == [[10]]
+    assert send(base, "seq_direct", 61, 5)["OUT"] == [[running([5, 5])[-1]]]
     assert send(base, "seq_direct", 61, 7, start=True)["OUT"] == [[7]]     # state re-created
-    assert send(base, "seq_direct", 61, 1, end=True)["OUT"] == [[8]]
+    assert send(base, "seq_direct", 61, 1, end=True)["OUT"] == [[running([7, 1])[-1]]]
 
 
 def test_an_idle_sequence_loses_its_slot(v2_servers):
@@ -202,7 +251,7 @@ def test_an_idle_sequence_loses_its_slot(v2_servers):
     time.sleep(1.0)                                       # > max_sequence_idle (400 ms)
     with pytest.raises(InferenceServerException, match="must specify the START flag"):
         send(base, "seq_idle", 71, 1)
-    assert run_sequence(base, "seq_idle", 72, [1, 2]) == [1, 3]   # the slot is free again
+    assert run_sequence(base, "seq_idle", 72, [1, 2]) == running([1, 2])   # the slot is free
     alive(base)
 
 
@@ -214,7 +263,7 @@ def test_backlogged_sequences_wait_and_expire_on_their_timeout(v2_servers):
         time.sleep(0.2)
         assert not waiting.done()
         send(base, "seq_idle", 81, 1, end=True)
-        assert waiting.result(timeout=10) == [5, 10]     # never an error
+        assert waiting.result(timeout=10) == running([5, 5])     # never an error
     send(base, "seq_idle", 83, 1, start=True)
     r = _post(base, "seq_idle", _body({"sequence_id": 84, "sequence_start": True,
                                         "timeout": 100_000}))
@@ -225,24 +274,32 @@ def test_backlogged_sequences_wait_and_expire_on_their_timeout(v2_servers):
 
 
 def test_bad_sequence_configs_fail_to_load_with_triton_texts(v2_servers):
+    """A config that fails Triton's sequence-batching checks does not load (Triton's text for
+    a version that fails) and the loaded version goes on serving."""
     base = v2_servers["main"][0]
-    config = httpx.get(f"{base}/v2/models/seq_string/config").json()
+    config = httpx.get(f"{base}/v2/models/seq_idle/config").json()
     bad = json.loads(json.dumps(config))
     bad["sequence_batching"]["control_input"][0]["control"][0]["int32_false_true"] = [0, 1, 2]
-    r = httpx.post(f"{base}/v2/repository/models/seq_string/load",
+    r = httpx.post(f"{base}/v2/repository/models/seq_idle/load",
                    json={"parameters": {"config": json.dumps(bad)}})
-    assert r.status_code == 400
-    assert "sequence batching control 'int32_false_true' must have exactly 2 entries for " \
-           "CONTROL_SEQUENCE_START for seq_string" in r.json()["error"]
+    assert r.status_code == deviation("load-failure-reason", continuum=400, triton=500)
+    assert r.json()["error"].startswith("failed to load 'seq_idle', failed to poll from model "
+                                        "repository")
+    assert deviation("load-failure-reason", triton="", continuum="sequence batching control "
+                     "'int32_false_true' must have exactly 2 entries for CONTROL_SEQUENCE_START "
+                     "for seq_idle") in r.json()["error"]
     bad = json.loads(json.dumps(config))
     bad["sequence_batching"]["state"][0]["initial_state"][0]["dims"] = [2]
-    r = httpx.post(f"{base}/v2/repository/models/seq_string/load",
+    r = httpx.post(f"{base}/v2/repository/models/seq_idle/load",
                    json={"parameters": {"config": json.dumps(bad)}})
-    assert "'initial_state' dim for input name 'ACC' doesn't match 'state' dim description. " \
-           "2 != 1" in r.json()["error"]
-    r = httpx.post(f"{base}/v2/repository/models/seq_string/load", json={})
+    assert (r.status_code, r.json()["error"]) == (400, (
+        "load failed for model 'seq_idle': version 1 is at UNAVAILABLE state: Invalid "
+        "argument: 'initial_state' dim for input name 'ACC' doesn't match 'state' dim "
+        "description. 2 != 1;\n"))
+    assert run_sequence(base, "seq_idle", "again", [4, 4]) == running([4, 4])   # still serving
+    r = httpx.post(f"{base}/v2/repository/models/seq_idle/load", json={})
     assert r.status_code == 200
-    assert run_sequence(base, "seq_string", "again", [4, 4]) == [4, 8]
+    assert run_sequence(base, "seq_idle", 7001, [4, 4]) == running([4, 4])
     alive(base)
 
 
@@ -255,8 +312,14 @@ def _generate_stream(base, model, body):
 
 def test_iterative_sequences_are_rescheduled_and_batched_with_new_requests(v2_servers):
     base = v2_servers["main"][0]
+    before = stats(base, "iterative")
     status, events = _generate_stream(base, "iterative", {"IN": 3})
     assert status == 200 and [e["OUT"] for e in events] == [2, 1, 0]
+    after = stats(base, "iterative")        # every iteration is an inference and an execution
+    assert after["inference_count"] - before["inference_count"] == 3
+    assert after["execution_count"] - before["execution_count"] == 3
+    assert after["inference_stats"]["success"]["count"] - \
+        before["inference_stats"]["success"]["count"] == 3
     with cf.ThreadPoolExecutor(4) as ex:          # four at once: iterations share executions
         runs = list(ex.map(lambda n: _generate_stream(base, "iterative", {"IN": n}),
                            [6, 6, 6, 6]))
@@ -286,6 +349,7 @@ def test_iterative_requests_over_a_grpc_stream(v2_servers):
     assert by_id == {"a": [1, 0], "b": [2, 1, 0]}
 
 
+@differs("reschedule-refused")
 def test_rescheduling_without_iterative_sequence_is_refused(v2_servers):
     base = v2_servers["main"][0]
     status, events = _generate_stream(base, "not_iterative", {"IN": 2})
@@ -295,6 +359,7 @@ def test_rescheduling_without_iterative_sequence_is_refused(v2_servers):
     alive(base)
 
 
+@continuum_only("a Continuum batch strategy (batch_strategy.py beside the config)")
 def test_a_custom_batch_strategy_caps_the_batch_volume(v2_servers):
     """examples/batch_strategies/volume_batching.py as the model's batch_strategy.py: at
     most 12 bytes (three INT32 [1, 1] requests) per batch, though max_batch_size is 8."""
@@ -313,6 +378,7 @@ def test_a_custom_batch_strategy_caps_the_batch_volume(v2_servers):
     assert len(executions) == 3                  # 9 requests, three per execution
 
 
+@continuum_only("pytorch-backend model (the reference server has only the python backend)")
 def test_pytorch_model_state_starts_from_its_data_file(v2_servers):
     """torch_state: OUT = ACC + IN with ACC from initial_state/start ([100, 200]) at START;
     the client may ask for ACC_OUT because it is also a model output."""

@@ -1,5 +1,6 @@
-"""Two live v2 servers for the gRPC and shared-memory tests (one pair per test session; see
-the `v2_servers` fixture in conftest.py)."""
+"""Two live v2 servers for the gRPC, shared-memory, sequence and decoupled tests (one pair per
+test session; see the `v2_servers` fixture in conftest.py): Continuum, or tritonserver 2.51
+under `CONTINUUM_V2_TARGET=triton` (tests/v2_target.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import warnings
 from pathlib import Path
 
 from examples.prepare_model_repository import prepare
-from tests.conftest import free_port, start_server
+from tests.v2_target import ON_TRITON, start_v2_server
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "model_repository"
@@ -106,7 +107,7 @@ def torch_state_model(root: Path) -> None:
 
 def repository(root: Path) -> Path:
     """simple, text_tokenizer, the test model under dynamic batching (`delayed`: 300 ms per
-    execution, so concurrent requests queue and batch), `repeat`, a decoupled model, the
+    execution, so concurrent requests queue and batch; `cheap`: no delay, no queue delay), `repeat`, a decoupled model, the
     sequence models of SEQUENCE_MODELS, `iterative` (an iterative sequence model) with
     `not_iterative` (the same model without the sequence batcher), and `volume` (the test
     model with the volume-batching strategy: 12 bytes, 3 requests, per batch) and
@@ -114,6 +115,7 @@ def repository(root: Path) -> Path:
     for name in ("simple", "text_tokenizer"):
         (root / name).symlink_to(EXAMPLES / name, target_is_directory=True)
     seq_model(root, "delayed", "dynamic_batching { max_queue_delay_microseconds: 100000 }", 300)
+    seq_model(root, "cheap", "dynamic_batching { }", 0)
     (root / "repeat" / "1").mkdir(parents=True)
     (root / "repeat" / "1" / "model.py").symlink_to(ROOT / "tests/triton_models/repeat_model.py")
     (root / "repeat" / "config.pbtxt").write_text(
@@ -134,32 +136,29 @@ def repository(root: Path) -> Path:
             'output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] }, '
             '{ name: "BATCH" data_type: TYPE_INT32 dims: [ 1 ] } ] '
             'parameters { key: "delay_ms" value { string_value: "30" } }')
-    seq_model(root, "volume", "dynamic_batching { max_queue_delay_microseconds: 200000 } "
-              'parameters { key: "MAX_BATCH_VOLUME_BYTES" value { string_value: "12" } }', 100)
-    (root / "volume" / "batch_strategy.py").symlink_to(
-        ROOT / "examples/batch_strategies/volume_batching.py")
-    torch_state_model(root)
+    if not ON_TRITON:           # a Continuum batch strategy; a pytorch-backend model
+        seq_model(root, "volume", "dynamic_batching { max_queue_delay_microseconds: 200000 } "
+                  'parameters { key: "MAX_BATCH_VOLUME_BYTES" value { string_value: "12" } }',
+                  100)
+        (root / "volume" / "batch_strategy.py").symlink_to(
+            ROOT / "examples/batch_strategies/volume_batching.py")
+        torch_state_model(root)
     return root
 
 
 def start_v2_servers(tmp_path_factory):
     """Two live servers: `main` (client shared memory allowed, explicit model control) and
-    `locked` (client shared memory off, model-repository and statistics RPCs restricted)."""
+    `locked` (client shared memory off, model-repository and statistics RPCs restricted).
+    Returns ({name: (base URL, gRPC address)}, [V2Server])."""
     prepare()
     repo = repository(tmp_path_factory.mktemp("grpc_repo"))
-    out = {}
-    procs = []
-    for name, extra in (("main", ["--allow-client-shm", "--model-control-mode", "explicit",
-                                  "--load-model", "*"]),
-                        ("locked", ["--grpc-restricted-protocol",
-                                    "model-repository,statistics:admin-key=s3cret"])):
-        grpc_port = free_port()
-        proc, base = start_server(["--no-llm", "--model-repository", str(repo),
-                                   "--grpc-port", str(grpc_port), *extra,
-                                   "--uvicorn-log-level", "warning"], "/v2/health/ready",
-                                  repo.parent / f"{name}.log", timeout=120)
-        procs.append(proc)
-        out[name] = (base, f"127.0.0.1:{grpc_port}")
-    return out, procs
+    out, servers = {}, []
+    for name, opts in (("main", dict(control_mode="explicit", load_models=["*"])),
+                       ("locked", dict(allow_client_shm=False, grpc_restricted=[
+                           "model-repository,statistics:admin-key=s3cret"]))):
+        server = start_v2_server(repo, repo.parent / f"{name}.log", **opts)
+        servers.append(server)
+        out[name] = (server.http, server.grpc)
+    return out, servers
 
 

@@ -5,7 +5,10 @@ Owns: reading `DIR/<model>/config.pbtxt` into `tritonclient.grpc.model_config_pb
 file, line and field), the defaults Triton fills in (version policy latest 1, one CPU instance,
 the backend's default file name), the version policy (which numeric version folders are
 served), the datatype names (config `TYPE_FP32` ↔ wire `FP32`), the dynamic batcher's settings
-as a `scheduler.dynamic_batcher.BatcherConfig`, and the JSON form served at `.../config`.
+as a `scheduler.dynamic_batcher.BatcherConfig`, and the JSON form served at `.../config`. A
+config naming no backend gets the one whose default file is in a version folder; a python
+model may have no config.pbtxt at all, and its `auto_complete_config` completes its config
+(`triton_compat.auto_complete`), as Triton's auto-complete does.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ def load_config(model_dir: Path, override: str | None = None) -> mc.ModelConfig:
         except json_format.ParseError as e:
             raise ConfigError(f"Invalid config override: {e}") from None
         path = Path("the 'config' parameter")
+    elif not path.exists() and detect_backend(model_dir) == "python":
+        config = mc.ModelConfig()    # auto-completed by the model (Triton's minimal config)
     else:
         try:
             text = path.read_text()
@@ -68,11 +73,16 @@ def load_config(model_dir: Path, override: str | None = None) -> mc.ModelConfig:
         raise ConfigError(f"{path}: field 'name': model name '{config.name}' does not match "
                           f"its directory '{model_dir.name}'")
     if not config.backend:
-        config.backend = PLATFORM_TO_BACKEND.get(config.platform, "")
+        config.backend = PLATFORM_TO_BACKEND.get(config.platform, "") or \
+            ("" if config.platform else detect_backend(model_dir))
     if config.backend not in BACKENDS:
         raise ConfigError(f"{path}: field 'backend': unsupported backend "
                           f"'{config.backend or config.platform}' (supported: "
                           f"{', '.join(BACKENDS)})")
+    if config.backend == "python":     # the model's auto_complete_config, if it has one
+        from triton_compat.auto_complete import complete
+        config = complete(config, model_dir)
+        config.name = config.name or model_dir.name
     config.platform = BACKENDS[config.backend][0]
     if config.max_batch_size < 0:
         raise ConfigError(f"{path}: field 'max_batch_size' must be >= 0")
@@ -81,13 +91,26 @@ def load_config(model_dir: Path, override: str | None = None) -> mc.ModelConfig:
     if config.backend != "ensemble" and not config.instance_group:
         group = config.instance_group.add()
         group.count, group.kind = 1, mc.ModelInstanceGroup.KIND_CPU
-    for group in config.instance_group:
-        if not group.name:
-            group.name = config.name
+    for i, group in enumerate(config.instance_group):
+        if not group.name:                 # Triton's default: instances `<model>_<i>_<j>`
+            group.name = f"{config.name}_{i}"
         if group.count < 1:
             group.count = 1
     _check_io(config, path)
+    if config.HasField("sequence_batching"):
+        from triton_compat.sequence.spec import check_controls
+        check_controls(config)
     return config
+
+
+def detect_backend(model_dir: Path) -> str:
+    """The backend of a model whose config names none: the first of BACKENDS whose default
+    file is in a version folder (Triton core's auto-complete of the backend field), else ''."""
+    for backend, (_, filename) in BACKENDS.items():
+        if filename and any(p.is_dir() and p.name.isdigit() and (p / filename).is_file()
+                            for p in model_dir.iterdir()):
+            return backend
+    return ""
 
 
 def _check_io(config: mc.ModelConfig, path: Path) -> None:
@@ -158,10 +181,14 @@ def batcher_config(config: mc.ModelConfig) -> BatcherConfig:
         level_policies={int(k): policy(v) for k, v in db.priority_queue_policy.items()})
 
 
-def config_to_json(config: mc.ModelConfig) -> dict:
+def config_to_json(config: mc.ModelConfig, defaults: bool = False) -> dict:
     """The config as Triton serves it at `/v2/models/{m}/config`: protobuf JSON with the proto
-    field names and 64-bit integers as JSON numbers (protobuf's JSON writes them as strings)."""
-    return _ints(MessageToDict(config, preserving_proto_field_name=True), config.DESCRIPTOR)
+    field names and 64-bit integers as JSON numbers (protobuf's JSON writes them as strings).
+    `defaults`: every field, also those left at their default (what a python model's
+    `auto_complete_config` gets)."""
+    return _ints(MessageToDict(config, preserving_proto_field_name=True,
+                               always_print_fields_with_no_presence=defaults),
+                 config.DESCRIPTOR)
 
 
 _INT64 = {FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_SINT64,

@@ -31,6 +31,9 @@ class V2Context:
     shm: object                                   # shared_memory.SharedMemoryManager
     lifecycle: object = None
     grpc_restrictions: dict = field(default_factory=dict)   # category -> (header, value)
+    # True while other HTTP requests are in progress: a cheap model's infer then waits for the
+    # end of the event loop's pass to run with them as one batch (runtime.ModelRuntime.submit)
+    busy: Callable[[], bool] = lambda: False
 
     def repository(self):
         """The loaded repository. Raises InferError(503) while it loads."""

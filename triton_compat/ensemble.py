@@ -42,9 +42,10 @@ class EnsembleRuntime:
 
     def submit(self, request: BackendRequest, datatypes: dict[str, str] | None = None,
                priority: int = 0, timeout_us: int | None = None,
-               inline: bool = False) -> Future:
+               inline: bool = False, defer=None) -> Future:
         """Validate and start the request; the future resolves to {output name: array}.
-        (`inline` is accepted for the runtime interface; steps run on their own models.)"""
+        (`inline` and `defer` are accepted for the runtime interface; steps run on their own
+        models.)"""
         batch_size = check_inputs(self.signature, request.inputs, datatypes or {})
         wanted = check_outputs(self.signature, request.outputs or None)
         run = _EnsembleRun(self, request, wanted, priority, timeout_us, batch_size)

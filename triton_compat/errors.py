@@ -15,9 +15,14 @@ class InferError(Exception):
     code name when the status alone does not give it (e.g. "ALREADY_EXISTS", sent as 400 over
     HTTP and ALREADY_EXISTS over gRPC)."""
 
-    def __init__(self, message: str, status: int = 400, code: str | None = None) -> None:
+    def __init__(self, message: str, status: int = 400, code: str | None = None,
+                 refused: bool = False) -> None:
         super().__init__(message)
         self.message, self.status, self.code = message, status, code
+        # True when the request was refused before it ran (validation, a full queue): Triton
+        # answers those from its infer call, not as a model response (a `triton_grpc_error`
+        # stream goes on after them)
+        self.refused = refused
 
     def __str__(self) -> str:
         return self.message

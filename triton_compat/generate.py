@@ -1,14 +1,18 @@
 """Triton's generate extension: `POST /v2/models/{m}[/versions/{v}]/generate` and
-`/generate_stream` (server-sent events).
+`/generate_stream` (server-sent events), as tritonserver 2.51 answers them.
 
-Owns: the JSON body → inputs and parameters (a key naming a model input is that input, any
-other key a request parameter; a repeated key is refused), the response objects (outputs of
-one element unwrapped to a scalar, BYTES as text), "exactly 1 response" for `/generate`, and the
-event stream: one `data: {...}` event per response, flushed as produced; an error inside the
-stream is `data: {"error": "..."}`; a client that disconnects cancels the request (the engine
-aborts it). Decoupled models (the LLM) stream their own responses; other models answer once
-through the same runtime and batcher as `/infer`.
-Reference: server/docs/protocol/extension_generate.md, http_server.cc GenerateRequestClass.
+Owns: the JSON body → inputs and parameters (http_server.cc ConvertGenerateRequest: each key,
+in body order, is a model input when it names one, else a request parameter of type string,
+int, bool or double; `parameters` holds more of either; `id` is the request id and a
+parameter too), the response objects (FinalizeResponse: outputs of one element unwrapped to
+a scalar, BYTES as text, the request's `id` echoed, keys sorted), "exactly 1 response" for
+`/generate`, and the event stream: one `data: {...}` event per response, sent as the model
+sends it. The first response sets the status; a model's error is an event `{"error": ...}`;
+errors before the model runs are plain JSON. A client that disconnects cancels the request
+(the engine aborts it). Decoupled models (the LLM) stream their own responses; other models
+answer once through the same runtime and batcher as `/infer`.
+Reference: server/docs/protocol/extension_generate.md, http_server.cc (2.51) HandleGenerate,
+GenerateRequestClass.
 """
 
 from __future__ import annotations
@@ -25,92 +29,157 @@ from triton_compat.config import wire_datatype
 from triton_compat.context import V2Context
 from triton_compat.errors import InferError
 from triton_compat.infer import InferRequest, run
+from triton_compat.tensors import _json_type_error
 
 # Triton's text. tritonserver 2.51 sends it as a 200 whose body is {"error": ...} (its
 # response had started, measured); here the response has not started: a 400, as any bad request.
 ONE_RESPONSE = ("generate expects model to produce exactly 1 response, use generate stream "
                 "for model that generates various number of responses")
+PARAM_TYPES = (str, int, float, bool)
 
 
-def _no_duplicates(pairs: list) -> dict:
-    seen = {}
-    for key, value in pairs:
-        if key in seen:
-            raise InferError(f"generate request has the key '{key}' more than once")
-        seen[key] = value
-    return seen
+class _Object(list):
+    """A JSON object read as its (key, value) pairs, in body order, repeats kept."""
 
 
-def parse_body(raw: bytes) -> dict:
-    """The request JSON object, keys in body order. Raises InferError(400)."""
+def parse_body(raw: bytes) -> _Object:
+    """The request JSON object as (key, value) pairs in body order, repeats kept (Triton reads
+    them one by one). Raises InferError(400)."""
     try:
-        body = json.loads(raw or b"{}", object_pairs_hook=_no_duplicates)
+        body = json.loads(raw or b"{}", object_pairs_hook=_Object)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise InferError(f"failed to parse the request JSON buffer: {e}") from None
-    if not isinstance(body, dict):
-        raise InferError("the generate request must be a JSON object")
+        raise InferError(f"failed to parse the request JSON buffer: {e}", refused=True) \
+            from None
+    if not isinstance(body, _Object):
+        raise InferError("the generate request must be a JSON object", refused=True)
     return body
 
 
-def to_inputs(config, body: dict) -> tuple[dict, dict, dict]:
-    """(inputs, datatypes, parameters) from a generate body, shaped by the model's config
-    (a batch dimension of 1 for batching models). Raises InferError(400) with Triton's texts."""
-    by_name = {t.name: t for t in config.input}
-    inputs, datatypes = {}, {}
-    for name, t in by_name.items():
-        if name not in body:
-            if not t.optional:   # current source's text (2.51 let core say "expected 2 inputs")
-                raise InferError("unexpected key not found in generate request, expecting key "
-                                 f"'{name}'")
-            continue
-        wire = wire_datatype(t.data_type)
-        value = body[name]
-        flat = value if isinstance(value, list) else [value]
+def _shape(dims: list[int], count: int, name: str) -> list[int]:
+    """Triton's two-pass shape for `count` values on metadata `dims`: fixed dims take their
+    share, the innermost variable dim the rest, other variable dims 1."""
+    shape = list(dims)
+    for d in reversed(shape):
+        if d != -1:
+            if d == 0 or count % d:
+                raise InferError(f"The schema can not convert input '{name}' to tensor with "
+                                 "proper shape")
+            count //= d
+    for i in reversed(range(len(shape))):
+        if shape[i] == -1:
+            shape[i], count = count, 1
+    if count != 1:
+        raise InferError(f"The schema can not convert input '{name}' to tensor with proper "
+                         "shape")
+    return shape
+
+
+def _tensor(name: str, wire: str, dims: list[int], value) -> np.ndarray:
+    """One input from its JSON value (a value or a 1-D array). Raises InferError(400) with
+    Triton's texts."""
+    flat = value if isinstance(value, list) and not isinstance(value, _Object) else [value]
+    if wire == "BYTES":
+        if not all(isinstance(v, str) for v in flat):
+            raise InferError(_json_type_error("BYTES"))
+        array = np.array([v.encode() for v in flat], dtype=np.object_)
+    else:
+        types = {bool} if wire == "BOOL" else {int} if wire.startswith(("INT", "UINT")) \
+            else {int, float}
+        if not all(type(v) in types for v in flat) or \
+                (wire.startswith("UINT") and any(v < 0 for v in flat)):
+            raise InferError(_json_type_error(wire))
         try:
-            if wire == "BYTES":
-                array = np.array([v.encode() if isinstance(v, str) else
-                                  json.dumps(v).encode() for v in flat], dtype=np.object_)
-            else:
-                array = np.array(flat, dtype=triton_to_np_dtype(wire))
-        except (TypeError, ValueError, OverflowError):
-            raise InferError(f"input '{name}' has unsupported datatype {wire}") from None
-        dims = [d if d != -1 else array.size for d in t.dims] or [array.size]
-        if int(np.prod(dims)) != array.size:
-            raise InferError(f"The schema can not convert input '{name}' to tensor with proper "
-                             "shape")
-        array = array.reshape(dims)
-        if config.max_batch_size > 0:
-            array = array[None]
-        inputs[name], datatypes[name] = array, wire
-    params = {k: v for k, v in body.items() if k not in by_name}
-    return inputs, datatypes, params
+            array = np.array(flat, dtype=triton_to_np_dtype(wire))
+        except (OverflowError, ValueError):
+            raise InferError(f"Unable to parse 'data': a value of input '{name}' does not fit "
+                             f"{wire}") from None
+    return array.reshape(_shape(dims, array.size, name))
 
 
-def to_json(model: str, version: str, outputs: dict) -> dict:
-    """A generate response: outputs of one element as scalars, BYTES as text."""
+def _convert(config, pairs, inputs: dict, datatypes: dict, params: dict,
+             request_id: str) -> None:
+    """Triton's ConvertGenerateRequest over `pairs`, filling inputs and parameters."""
+    by_name = {t.name: t for t in config.input}
+    lead = [-1] if config.max_batch_size > 0 else []
+    for key, value in pairs:
+        t = by_name.get(key)
+        if t is None:
+            if not isinstance(value, PARAM_TYPES):
+                raise InferError(f"parameter '{key}' has invalid type. It should be either "
+                                 "'int', 'bool', or 'string'.")
+            params[key] = value
+            continue
+        if key in inputs:
+            raise InferError(f"[request id: {request_id or '<id_unknown>'}] input '{key}' "
+                             "already exists in request")
+        wire = wire_datatype(t.data_type)
+        inputs[key] = _tensor(key, wire, lead + list(t.dims), value)
+        datatypes[key] = wire
+
+
+def to_inputs(config, pairs: _Object) -> tuple[dict, dict, dict, str]:
+    """(inputs, datatypes, parameters, request id) from a generate body, shaped by the
+    model's metadata. Raises InferError(400, refused) with Triton's texts."""
+    try:
+        return _to_inputs(config, pairs)
+    except InferError as e:
+        e.refused = True
+        raise
+
+
+def _to_inputs(config, pairs: _Object) -> tuple[dict, dict, dict, str]:
+    ids = [v for k, v in pairs if k == "id"]
+    if ids and not isinstance(ids[0], str):
+        raise InferError("Unable to parse 'id': attempt to access JSON non-string as string")
+    request_id = ids[0] if ids else ""
+    inputs, datatypes, params = {}, {}, {}
+    top = []
+    for key, value in pairs:
+        if key != "parameters":
+            top.append((key, value))
+            continue
+        if any(t.name == "parameters" for t in config.input):
+            raise InferError("Keyword 'parameters' for nested schema also given as input "
+                             "tensor name")
+        if not isinstance(value, _Object):
+            raise InferError("Expected JSON object for keyword: 'parameters': attempt to "
+                             "access JSON non-object as object")
+        try:
+            _convert(config, value, inputs, datatypes, params, request_id)
+        except InferError as e:
+            raise InferError(f"Converting keyword: 'parameters': {e.message}") from None
+    _convert(config, top, inputs, datatypes, params, request_id)
+    return inputs, datatypes, params, request_id
+
+
+def to_json(model: str, version: str, outputs: dict, request_id: str = "") -> dict:
+    """A generate response: outputs of one element as scalars, BYTES as text, the request's
+    id when it has one, keys sorted as Triton's std::map writes them."""
     out = {"model_name": model, "model_version": version}
+    if request_id:
+        out["id"] = request_id
     for name, array in outputs.items():
         flat = np.asarray(array).reshape(-1)
         values = [v.decode("utf-8", "replace") if isinstance(v, bytes) else
                   v.item() if hasattr(v, "item") else v for v in flat]
         out[name] = values[0] if len(values) == 1 else values
-    return out
+    return dict(sorted(out.items()))
 
 
 async def responses(ctx: V2Context, model: str, version: str,
-                    body: dict) -> AsyncIterator[dict]:
-    """The response objects of one generate request. Raises InferError."""
+                    pairs: _Object) -> AsyncIterator[dict]:
+    """The response objects of one generate request. Raises InferError: refused before it
+    runs (`refused` set), or a model's error response."""
     rt = ctx.repository().runtime(model, version)
-    inputs, datatypes, params = to_inputs(rt.config, body)
+    inputs, datatypes, params, request_id = to_inputs(rt.config, pairs)
     if getattr(rt, "decoupled", False):
-        async for outputs, _final in rt.generate(inputs, str(params.get("id", "")),
-                                                 datatypes):
+        async for outputs, _final in rt.generate(inputs, request_id, datatypes, params):
             if outputs is not None:            # None: a flag-only final response
-                yield to_json(model, str(rt.version), outputs)
+                yield to_json(model, str(rt.version), outputs, request_id)
         return
     ran, tensors = await run(ctx.repository(), ctx.shm, InferRequest(
-        model, version, "", inputs, datatypes, None, params))
-    yield to_json(model, ran, {t.name: t.array for t in tensors})
+        model, version, request_id, inputs, datatypes, None, params))
+    yield to_json(model, ran, {t.name: t.array for t in tensors}, request_id)
 
 
 def _event(obj: dict) -> str:
@@ -124,9 +193,10 @@ def router(ctx: V2Context) -> APIRouter:
     @r.post("/v2/models/{model}/generate")
     @r.post("/v2/models/{model}/versions/{version}/generate")
     async def generate(model: str, request: Request, version: str = ""):
-        body = parse_body(await request.body())
+        ctx.repository().runtime(model, version)      # unknown model: 404 first
+        pairs = parse_body(await request.body())
         got = []
-        stream = responses(ctx, model, version, body)
+        stream = responses(ctx, model, version, pairs)
         try:
             async for item in stream:
                 got.append(item)
@@ -141,17 +211,26 @@ def router(ctx: V2Context) -> APIRouter:
     @r.post("/v2/models/{model}/generate_stream")
     @r.post("/v2/models/{model}/versions/{version}/generate_stream")
     async def generate_stream(model: str, request: Request, version: str = ""):
-        body = parse_body(await request.body())
-        stream = responses(ctx, model, version, body)
-        try:                             # errors before the first response: a plain status
-            first = await stream.__anext__()
+        ctx.repository().runtime(model, version)
+        pairs = parse_body(await request.body())
+        stream = responses(ctx, model, version, pairs)
+        status, first = 200, None
+        try:                   # the first response sets the status; a refusal is plain JSON
+            first = _event(await stream.__anext__())
         except StopAsyncIteration:
-            first = None
+            pass
+        except InferError as e:
+            if e.refused:
+                raise
+            status, first = e.status, _event({"error": e.message})
+            await stream.aclose()
 
         async def events():
             try:
                 if first is not None:
-                    yield _event(first)
+                    yield first
+                if status != 200:
+                    return
                 async for item in stream:
                     yield _event(item)
             except InferError as e:
@@ -159,6 +238,6 @@ def router(ctx: V2Context) -> APIRouter:
             finally:
                 await stream.aclose()        # a disconnect cancels us here: abort the request
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(events(), status_code=status, media_type="text/event-stream")
 
     return r

@@ -88,13 +88,14 @@ async def infer_http(ctx: V2Context, model: str, version: str, headers, body: by
     body = decode_body(body, headers.get("content-encoding"), limit)
     header_length = headers.get("inference-header-content-length")
     try:
-        parsed = parse_request(body, int(header_length) if header_length else None)
+        parsed = parse_request(body, int(header_length) if header_length else None,
+                               model)
     except ValueError as e:                # TensorError, or a bad header value
         raise InferError(str(e) if isinstance(e, TensorError) else
                          f"invalid Inference-Header-Content-Length: {header_length}") from None
     version_ran, outputs = await run(repo, ctx.shm, InferRequest(
         model, version, parsed.id, parsed.inputs, parsed.datatypes, parsed.outputs,
-        parsed.parameters))
+        parsed.parameters), ctx.busy)
     try:
         payload, json_length = encode_response(model, version_ran, parsed.id, outputs,
                                                parsed.binary_default)

@@ -78,18 +78,22 @@ class OutputTensor:
 def int_param(params: dict, key: str) -> int | None:
     """A non-negative integer request parameter (priority, timeout), or None when absent.
 
-    Raises InferError(400) for another value."""
+    Raises InferError(400) for another value, with the text of Triton's JSON reader (which
+    answers it with 500: a client's mistake is a 400 here, docs/triton-conformance.md)."""
     value = params.get(key)
     if value is None:
         return None
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise InferError(f"parameter '{key}' must be a non-negative integer, got {value!r}")
+        raise InferError(f"Unable to parse '{key}': attempt to access JSON "
+                         "non-unsigned-integer as unsigned-integer")
     return value
 
 
 def array_from_bytes(name: str, datatype: str, shape: list[int], raw, model: str,
-                     request_id: str = "") -> np.ndarray:
+                     request_id: str = "", declared: int | None = None) -> np.ndarray:
     """An input tensor from its raw bytes (a bytes-like; fixed-size types are not copied).
+    `declared`: the byte size the client gave, when `raw` may be shorter (a shared-memory
+    reference), as the size error reports it.
 
     BYTES: 4-byte little-endian length before each element. Raises InferError(400) when the
     size does not match the shape, with Triton core's texts (InferenceRequest::Normalize,
@@ -113,9 +117,10 @@ def array_from_bytes(name: str, datatype: str, shape: list[int], raw, model: str
     if dtype is None:
         raise InferError(f"input '{name}' has an invalid datatype '{datatype}'")
     expected = count * np.dtype(dtype).itemsize
-    if len(raw) != expected:
+    size = len(raw) if declared is None else declared
+    if size != expected or len(raw) != expected:
         raise InferError(f"{log}input byte size mismatch for input '{name}' for model "
-                         f"'{model}'. Expected {expected}, got {len(raw)}")
+                         f"'{model}'. Expected {expected}, got {size}")
     return np.frombuffer(raw, dtype=dtype).reshape(shape)
 
 
@@ -133,18 +138,22 @@ def tensor_bytes(datatype: str, array: np.ndarray) -> bytes:
 
 class Inference:
     """One inference in flight: shared-memory regions held, the request submitted to its
-    model's runtime (`future`; `inline` as `ModelRuntime.submit`, None: the runtime's
-    `runs_inline`). `finish(outputs)` builds the response outputs; `release()`
+    model's runtime (`future`; `inline` as `ModelRuntime.submit`, None: a loop thread, which
+    runs a cheap model (`runs_inline`) at once, or at the end of its pass when `busy()`:
+    `later.call_soon`, by default the running asyncio loop's). `finish(outputs)` builds the response outputs; `release()`
     gives the regions back (always, in a `finally`).
 
     Raises InferError with the status Triton gives: 400 bad input or region use, 404 unknown
     model, 503 not ready / queue full / timeout."""
 
     def __init__(self, repository, shm, request: InferRequest,
-                 inline: bool | None = None) -> None:
+                 inline: bool | None = None, busy=None, later=None) -> None:
         self.rt = repository.runtime(request.model, request.version)
-        if inline is None:                  # the event loop: only a model cheaper than a hop
+        defer = None
+        if inline is None:                  # a loop thread: only a model cheaper than a hop
             inline = self.rt.runs_inline
+            if inline and busy is not None and busy():    # others arriving: batch them
+                inline, defer = False, later or asyncio.get_running_loop()
         self.shm, self.request, self.held = shm, request, []
         try:
             inputs = {}
@@ -153,7 +162,7 @@ class Inference:
                     region, view = shm.acquire(value.ref)
                     self.held.append(region)
                     value = array_from_bytes(name, value.datatype, value.shape, view,
-                                             request.model, request.id)
+                                             request.model, request.id, value.ref.byte_size)
                 inputs[name] = value
             for o in request.outputs or []:
                 if o.shm is not None:
@@ -163,8 +172,10 @@ class Inference:
             names = [o.name for o in request.outputs] if request.outputs is not None else None
             self.future = self.rt.submit(BackendRequest(inputs, names, request.id, params),
                                          request.datatypes, priority or 0, timeout,
-                                         inline=inline)
-        except BaseException:
+                                         inline=inline, defer=defer)
+        except BaseException as e:
+            if isinstance(e, InferError):
+                e.refused = True             # answered before the model ran
             self.release()
             raise
 
@@ -173,8 +184,10 @@ class Inference:
         config's); those asked into a region are written there."""
         rt, request = self.rt, self.request
         types = rt.signature.outputs
-        wanted = request.outputs if request.outputs is not None else \
-            [OutputRequest(name) for name in types]
+        if request.outputs is None:
+            wanted = [OutputRequest(name) for name in types]
+        else:                   # an output asked for twice is sent once, as Triton 2.51
+            wanted = list({o.name: o for o in reversed(request.outputs)}.values())[::-1]
         result = [OutputTensor(o.name, types[o.name], outputs[o.name], o) for o in wanted]
         for t in result:
             if t.request.shm is not None:
@@ -196,12 +209,14 @@ def model_failure(e: Exception) -> InferError:
     return InferError(f"{type(e).__name__}: {e}", 500)   # a model bug: the v2 error shape
 
 
-async def run(repository, shm, request: InferRequest) -> tuple[str, list[OutputTensor]]:
+async def run(repository, shm, request: InferRequest,
+              busy=None) -> tuple[str, list[OutputTensor]]:
     """Run `request` on its model, awaiting it on the event loop: the version that ran it and
     the outputs to send (see `Inference`). A model cheaper than a thread hand-off runs on the
-    loop itself when an instance is idle (`ModelRuntime.runs_inline`). Raises InferError (500
-    for a model failure)."""
-    inference = Inference(repository, shm, request)
+    loop itself when an instance is idle (`ModelRuntime.runs_inline`): at once when the
+    request is alone, at the end of the loop's pass with the requests that arrived with it
+    when `busy()` (other requests in progress). Raises InferError (500 for a model failure)."""
+    inference = Inference(repository, shm, request, busy=busy)
     future = inference.future
     try:
         try:        # done already when it ran inline: no hop through the loop

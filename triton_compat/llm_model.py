@@ -86,12 +86,20 @@ def _coerce(key: str, value):
     return value
 
 
-def sampling_params(inputs: dict, default_max_tokens: int = 16):
+def sampling_params(inputs: dict, default_max_tokens: int = 16,
+                    request_params: dict | None = None):
     """Engine `SamplingParams` from the request's `sampling_parameters` (JSON) and
-    `max_tokens`. Raises InferError(400) naming a bad key or value."""
+    `max_tokens`; without `sampling_parameters`, from the request's parameters (as the vLLM
+    backend reads them: a generate body's `"parameters": {"temperature": 0}`), less the
+    request id and Triton's own `triton_*` keys. Raises InferError(400) naming a bad key or
+    value."""
     from scheduler.request import SamplingParams
 
-    raw = _scalar(inputs, "sampling_parameters", "{}") or "{}"
+    if "sampling_parameters" not in inputs and request_params:
+        raw = json.dumps({k: v for k, v in request_params.items()
+                          if k != "id" and not k.startswith("triton_")})
+    else:
+        raw = _scalar(inputs, "sampling_parameters", "{}") or "{}"
     try:
         given = json.loads(raw)
     except json.JSONDecodeError as e:
@@ -144,15 +152,21 @@ class LLMModel:
         raise InferError(DECOUPLED_HTTP, 501)
 
     async def generate(self, inputs: dict, request_id: str = "",
-                       datatypes: dict | None = None) -> AsyncIterator[tuple]:
+                       datatypes: dict | None = None,
+                       parameters: dict | None = None) -> AsyncIterator[tuple]:
         """Responses for one request: ({output name: array}, final); exactly the last one is
-        final. Raises InferError: 400 bad input, 503 engine not ready or full, 500 engine
-        failure."""
+        final. `parameters` (the request's) are the sampling parameters when the request has
+        no `sampling_parameters` input, as in the vLLM backend. Raises InferError: 400 bad
+        input, 503 engine not ready or full, 500 engine failure."""
         llm, tokenizer = self.get_llm(), self.get_tokenizer()
         if llm is None or tokenizer is None:
             raise InferError(f"Request for unknown model: '{self.name}' is not ready "
                              "(the engine is loading)", 503)
-        check_inputs(self.signature, inputs, datatypes or {})      # Triton's input errors
+        try:
+            check_inputs(self.signature, inputs, datatypes or {})  # Triton's input errors
+        except InferError as e:
+            e.refused = True
+            raise
         prompt = _scalar(inputs, "text_input")
         flags = {n: bool(_scalar(inputs, n, False)) for n in BOOL_INPUTS}
         stream = flags["stream"]
@@ -160,7 +174,7 @@ class LLMModel:
             ("exclude_input_in_output" in inputs and not flags["exclude_input_in_output"])
         if prepend and stream:
             raise InferError("When streaming, `exclude_input_in_output` = False is not allowed.")
-        params = sampling_params(inputs)
+        params = sampling_params(inputs, request_params=parameters)
         ids = tokenizer.encode(str(prompt))
         start = time.perf_counter_ns()
         texts, counts, reasons, ok = [""] * params.n, [0] * params.n, [None] * params.n, False

@@ -1,7 +1,8 @@
 """Triton's `nv_inference_*` metrics, read from each model's statistics at scrape time.
 
 Owns: a prometheus-client collector registered on the server's registry, so `/metrics` shows
-Triton's names (server/docs/user_guide/metrics.md) with `model` and `version` labels beside
+Triton's names (server/docs/user_guide/metrics.md) with `model` and `version` labels (and
+`reason` on failures, as tritonserver 2.51) beside
 the LLM's `continuum_*` metrics. Counters are cumulative (durations in microseconds); the
 pending-request count is a gauge. Nothing is counted twice: the values come from `ModelStats`.
 """
@@ -13,8 +14,6 @@ from prometheus_client.core import Metric
 _COUNTERS = [
     ("nv_inference_request_success", "Number of successful inference requests",
      lambda s: s.success.count),
-    ("nv_inference_request_failure", "Number of failed inference requests",
-     lambda s: s.fail.count),
     ("nv_inference_count", "Number of inferences performed (batch rows)",
      lambda s: s.inference_count),
     ("nv_inference_exec_count", "Number of model executions performed",
@@ -42,6 +41,13 @@ class TritonCollector:
         """Yield one metric family per Triton name, one sample per loaded model version."""
         repo = self.get_repository()
         runtimes = repo.all_runtimes() if repo is not None else []
+        failure = Metric("nv_inference_request_failure",
+                         "Number of failed inference requests, all batch sizes", "counter")
+        for model, version, rt in runtimes:
+            for reason, count in rt.stats.fail_reasons.items():
+                failure.add_sample("nv_inference_request_failure", {
+                    "model": model, "reason": reason, "version": str(version)}, count)
+        yield failure
         for name, doc, read in _COUNTERS:
             family = Metric(name, doc, "counter")
             for model, version, rt in runtimes:

@@ -7,6 +7,8 @@ ready). `--model-control-mode none` loads every model at start and refuses load 
 `explicit` loads the `--load-model` names (`*` = all) at start and then what the client asks.
 Loading an ensemble loads its composing models first. A model that fails to load is
 UNAVAILABLE with the error as its reason; the server and the other models keep serving.
+Models served without a folder (`builtin`: the LLM as Triton's vLLM backend shows it) are
+served whether or not there is a repository folder (`root` None).
 """
 
 from __future__ import annotations
@@ -34,15 +36,30 @@ class ModelEntry:
     runtimes: dict = field(default_factory=dict)   # version -> runtime
     state: str = "UNAVAILABLE"
     reason: str = "unloaded"
+    stamp: tuple = ()                              # its files when loaded (`_stamp`)
+    versions: list = field(default_factory=list)   # versions last loaded (or tried)
+
+
+def _stamp(folder: Path) -> tuple:
+    """What identifies a model folder's contents: (path, size, mtime) of every file."""
+    out = []
+    for p in sorted(folder.rglob("*")):
+        try:
+            st = p.stat()
+        except OSError:
+            continue
+        if p.is_file():
+            out.append((str(p), st.st_size, st.st_mtime_ns))
+    return tuple(out)
 
 
 class ModelRepository:
     """Models of one repository folder. Thread-safe (one lock around load / unload)."""
 
-    def __init__(self, root: str | Path, control_mode: str = "none",
+    def __init__(self, root: str | Path | None, control_mode: str = "none",
                  load_models: list[str] | None = None) -> None:
-        self.root = Path(root)
-        if not self.root.is_dir():
+        self.root = Path(root) if root is not None else None     # None: builtin models only
+        if self.root is not None and not self.root.is_dir():
             raise ValueError(f"--model-repository {root}: not a directory")
         if control_mode not in ("none", "explicit"):
             raise ValueError(f"--model-control-mode must be none or explicit, got {control_mode}")
@@ -66,7 +83,9 @@ class ModelRepository:
                 logger.error("model %s failed to load: %s", name, e)
 
     def names(self) -> list[str]:
-        """Model folders of the repository, sorted."""
+        """Model folders of the repository, sorted (none without a folder)."""
+        if self.root is None:
+            return []
         return sorted(p.name for p in self.root.iterdir()
                       if p.is_dir() and not p.name.startswith("."))
 
@@ -75,31 +94,37 @@ class ModelRepository:
         out = []
         with self.lock:
             for name, model in sorted(self.builtin.items()):
-                if model.ready() or not ready_only:
-                    out.append({"name": name, "version": "1",
-                                "state": "READY" if model.ready() else "UNAVAILABLE",
-                                "reason": "" if model.ready() else "loading"})
+                if model.ready():
+                    out.append({"name": name, "version": "1", "state": "READY"})
+                elif not ready_only:
+                    out.append({"name": name, "version": "1", "state": "LOADING",
+                                "reason": "the engine is loading"})
             for name in self.names():
                 entry = self.models.get(name)
                 if entry is None:
                     if not ready_only:
                         out.append({"name": name})
                     continue
-                if entry.runtimes:
-                    out += [{"name": name, "version": str(v), "state": entry.state,
-                             "reason": entry.reason} for v in sorted(entry.runtimes)]
-                elif not ready_only:
-                    out.append({"name": name, "state": entry.state, "reason": entry.reason})
+                # as tritonserver 2.51: no "reason" when there is none
+                extra = {"reason": entry.reason} if entry.reason else {}
+                versions = sorted(entry.runtimes) or entry.versions
+                if ready_only and entry.state != "READY":
+                    continue
+                out += [{"name": name, "version": str(v), "state": entry.state, **extra}
+                        for v in versions] or [{"name": name, "state": entry.state, **extra}]
         return out
 
     def load(self, name: str, config_override: str | None = None,
              _startup: bool = False) -> None:
         """(Re)load `name` and, for an ensemble, its composing models. `config_override`: the
         model's configuration as JSON, used instead of its config.pbtxt (Triton's `config`
-        load parameter).
+        load parameter). As in tritonserver 2.51: loading a model already loaded whose files
+        have not changed since, without an override, changes nothing; a reload that fails
+        leaves the loaded versions serving.
 
-        Raises InferError: 400 in control mode none (after start-up) or for a load failure,
-        404 for a name not in the repository."""
+        Raises InferError: 400 in control mode none (after start-up) or for a config that
+        does not load ("failed to poll", 500 in Triton), 400 / 500 for a version that fails
+        to load (Triton's texts), 404 for a name not in the repository."""
         if self.control_mode == "none" and not _startup:
             raise InferError("explicit model load / unload is not allowed if model control "
                              "mode is NONE (start with --model-control-mode explicit)")
@@ -107,38 +132,65 @@ class ModelRepository:
             raise InferError(f"failed to load '{name}', failed to poll from model "
                              f"repository: no model folder '{name}' in {self.root}", 404)
         with self.lock:
-            self._unload(name)
-            entry = self.models[name] = ModelEntry(name)
+            old = self.models.get(name)
+            stamp = _stamp(self.root / name)
+            if config_override is None and old is not None and old.state == "READY" and \
+                    old.stamp == stamp:
+                return
+            entry = ModelEntry(name, stamp=stamp)
             try:
-                entry.config = config = load_config(self.root / name, config_override)
-                versions = select_versions(config, self.root / name)
-                if config.backend == "ensemble":
-                    for step in config.ensemble_scheduling.step:
-                        dep = self.models.get(step.model_name)
-                        if dep is None or dep.state != "READY":
-                            self.load(step.model_name, _startup=True)
-                for v in versions:
-                    entry.runtimes[v] = (
-                        EnsembleRuntime(config, v, self.runtime) if config.backend == "ensemble"
-                        else SequenceRuntime(config, self.root / name, v)
-                        if config.HasField("sequence_batching")
-                        else ModelRuntime(config, self.root / name, v))
-            except (ConfigError, InferError) as e:
-                for rt in entry.runtimes.values():
-                    rt.close()
-                entry.runtimes, entry.state, entry.reason = {}, "UNAVAILABLE", str(e)
-                raise InferError(f"load failed for model '{name}': {e}") from None
-            entry.state, entry.reason = "READY", ""
-            logger.info("loaded model %s versions %s", name, versions)
+                entry.config = load_config(self.root / name, config_override)
+            except ConfigError as e:
+                if old is None or not old.runtimes:     # listed by name alone, as Triton
+                    self.models.pop(name, None)
+                raise InferError(f"failed to load '{name}', failed to poll from model "
+                                 f"repository: {e}") from None
+            self._load_versions(entry, old)
+            logger.info("loaded model %s versions %s", name, sorted(entry.runtimes))
+
+    def _load_versions(self, entry: ModelEntry, old: ModelEntry | None) -> None:
+        """Start `entry`'s versions (an ensemble's steps first), then put it in place of
+        `old`. Raises InferError with Triton's text for a version that fails, keeping `old`.
+        Caller holds the lock."""
+        name, config = entry.name, entry.config
+        version = None
+        try:
+            versions = select_versions(config, self.root / name)
+            if config.backend == "ensemble":
+                for step in config.ensemble_scheduling.step:
+                    dep = self.models.get(step.model_name)
+                    if dep is None or dep.state != "READY":
+                        self.load(step.model_name, _startup=True)
+            for version in versions:
+                entry.runtimes[version] = (
+                    EnsembleRuntime(config, version, self.runtime)
+                    if config.backend == "ensemble"
+                    else SequenceRuntime(config, self.root / name, version)
+                    if config.HasField("sequence_batching")
+                    else ModelRuntime(config, self.root / name, version))
+        except (ConfigError, InferError) as e:
+            for rt in entry.runtimes.values():
+                rt.close()
+            invalid = isinstance(e, ConfigError) or e.status == 400
+            text = (f"load failed for model '{name}': version {version or 1} is at UNAVAILABLE "
+                    f"state: {'Invalid argument' if invalid else 'Internal'}: {e};\n")
+            if old is None or not old.runtimes:
+                entry.runtimes, entry.reason, entry.versions = {}, text, [version or 1]
+                self.models[name] = entry
+            raise InferError(text, 400 if invalid else 500) from None
+        if old is not None:
+            for rt in old.runtimes.values():
+                rt.close()
+        entry.state, entry.reason, entry.versions = "READY", "", sorted(entry.runtimes)
+        self.models[name] = entry
 
     def unload(self, name: str) -> None:
-        """Unload `name` (waits for its queued and running requests). Raises InferError."""
+        """Unload `name` (waits for its queued and running requests). Raises InferError(400)
+        in control mode none."""
         if self.control_mode == "none":
             raise InferError("explicit model load / unload is not allowed if model control "
                              "mode is NONE (start with --model-control-mode explicit)")
-        with self.lock:
-            if name not in self.models and name not in self.names():
-                raise InferError(f"failed to unload '{name}': unknown model", 404)
+        with self.lock:           # an unknown name succeeds, as in tritonserver 2.51
             self._unload(name)
 
     def _unload(self, name: str) -> None:
@@ -152,7 +204,8 @@ class ModelRepository:
     def runtime(self, name: str, version: str | int | None = None):
         """The runtime serving `name` at `version` (None / '' / -1: the latest loaded one).
 
-        Raises InferError: 404 unknown model or version, 503 model not ready."""
+        Raises InferError: 404 unknown model or version, or a model with no loaded version
+        (unloaded, failed, loading); 503 while the LLM loads."""
         if name in self.builtin:
             model = self.builtin[name]
             if str(version) not in ("None", "", "-1", "1"):
@@ -166,8 +219,8 @@ class ModelRepository:
         if entry is None and name not in self.names():
             raise InferError(f"Request for unknown model: '{name}' is not found", 404)
         if entry is None or entry.state != "READY" or not entry.runtimes:
-            raise InferError(f"Request for unknown model: '{name}' is not ready "
-                             f"({entry.reason if entry else 'unloaded'})", 503)
+            raise InferError(f"Request for unknown model: '{name}' has no available "
+                             "versions", 404)                  # tritonserver 2.51's text
         if version in (None, "", -1, "-1"):
             return entry.runtimes[max(entry.runtimes)]
         try:
@@ -178,6 +231,18 @@ class ModelRepository:
             raise InferError(f"Request for unknown model: '{name}' version {version} is not "
                              "found", 404)
         return entry.runtimes[v]
+
+    def stats_runtime(self, name: str, version: str | int | None = None):
+        """`runtime`, for the statistics extension: raises InferError(400) with tritonserver
+        2.51's texts for an unknown or unloaded model or version (gRPC INVALID_ARGUMENT), where
+        the other model routes answer 404."""
+        try:
+            return self.runtime(name, version)
+        except InferError as e:
+            if e.status != 404 or " version " not in e.message:
+                raise InferError(f"requested model '{name}' is not available") from None
+            raise InferError("requested model version is not available for model "
+                             f"'{name}'") from None
 
     def versions(self, name: str) -> list[str]:
         """The loaded versions of `name`, ascending, as strings."""

@@ -69,7 +69,7 @@ def _router(ctx: V2Context, max_input_size: int) -> APIRouter:
     async def model_stats(model: str = "", version: str = ""):
         r = repo()
         if model:
-            rt = r.runtime(model, version)
+            rt = r.stats_runtime(model, version)
             return {"model_stats": [rt.stats.json(model, str(rt.version))]}
         return {"model_stats": [rt.stats.json(n, str(v)) for n, v, rt in r.all_runtimes()]}
 
@@ -92,8 +92,8 @@ def _router(ctx: V2Context, max_input_size: int) -> APIRouter:
     async def model_ready(model: str, version: str = ""):
         try:
             repo().runtime(model, version)
-        except InferError:
-            return Response(status_code=400)
+        except InferError:          # tritonserver 2.51: 400 with this text, whatever the cause
+            return JSONResponse({"error": "Model version not ready"}, status_code=400)
         return Response(status_code=200)
 
     @router.get("/v2/models/{model}/config")

@@ -43,6 +43,9 @@ RESCHEDULE_REFUSED = ("Request is released with TRITONSERVER_REQUEST_RELEASE_RES
 # `simple`: two thread hand-offs ≈ 100–150 µs of latency against ≈ 30 µs of execute).
 INLINE_MAX_US = 200.0
 EXEC_EWMA_WEIGHT = 0.2       # weight of the newest execution in `exec_us`
+# A model one of whose executions took this long (µs) never runs on the event loop again: its
+# cost varies with its input, and one slow execution there would stall every other request.
+INLINE_BAN_US = 5_000.0
 
 
 def settle(future: Future, result) -> None:
@@ -56,6 +59,13 @@ def settle(future: Future, result) -> None:
             future.set_result(result)
     except InvalidStateError:          # cancelled meanwhile
         pass
+
+
+def _mark_cancelled(future: Future, request: BackendRequest) -> None:
+    """A request whose caller cancelled its future (the HTTP client went away) is cancelled
+    for the model too (`InferenceRequest.is_cancelled()`)."""
+    if future.cancelled():
+        request.cancelled = True
 
 
 def _now_us() -> int:
@@ -106,16 +116,20 @@ class ModelRuntime:
         self._done: dict[int, list] = {}             # preserve_ordering: finished, not released
         self.stopping = False
         self.exec_us: float | None = None     # moving average of execute wall time, µs
+        self.inline_banned = False            # an execution once took over INLINE_BAN_US
+        self._drain_pending = False           # a `_drain` is queued on the event loop
         self.thread = threading.Thread(target=self._loop, name=f"batcher-{config.name}",
                                        daemon=True)
         self.thread.start()
 
     @property
     def runs_inline(self) -> bool:
-        """Whether an event-loop caller should pass `submit(inline=True)`: the model has run
-        and its executions average at most INLINE_MAX_US. False until the first execution
-        has been timed, so a slow model never blocks the loop by default."""
-        return self.exec_us is not None and self.exec_us <= INLINE_MAX_US
+        """Whether an event-loop caller should pass `submit(inline=True)`: the model is not
+        decoupled (its execute may send responses over time), has run, its executions average
+        at most INLINE_MAX_US and none has ever taken INLINE_BAN_US. False until the first
+        execution has been timed, so a slow model never blocks the loop by default."""
+        return self.exec_us is not None and self.exec_us <= INLINE_MAX_US and \
+            not self.decoupled and not self.inline_banned
 
     async def generate(self, inputs: dict, request_id: str = "", datatypes: dict | None = None,
                        parameters: dict | None = None):
@@ -128,8 +142,12 @@ class ModelRuntime:
         def deliver(result, final: bool) -> None:
             loop.call_soon_threadsafe(responses.put_nowait, (result, final))
 
-        future = self.submit(BackendRequest(inputs, [], request_id, parameters or {}, deliver),
-                             datatypes)
+        request = BackendRequest(inputs, [], request_id, parameters or {}, deliver)
+        try:
+            future = self.submit(request, datatypes)
+        except InferError as e:
+            e.refused = True
+            raise
         def on_done(f: Future) -> None:     # execute failed or never ran: end the stream
             if f.cancelled():
                 deliver(InferError("the request was cancelled", 500), True)
@@ -137,14 +155,18 @@ class ModelRuntime:
                 deliver(f.exception(), True)
 
         future.add_done_callback(on_done)
-        while True:
-            result, final = await responses.get()
-            if isinstance(result, Exception):
-                raise result if isinstance(result, InferError) else \
-                    InferError(f"{type(result).__name__}: {result}", 500)
-            yield result, final
-            if final:
-                return
+        final = False
+        try:
+            while True:
+                result, final = await responses.get()
+                if isinstance(result, Exception):
+                    raise result if isinstance(result, InferError) else \
+                        InferError(f"{type(result).__name__}: {result}", 500)
+                yield result, final
+                if final:
+                    return
+        finally:          # the client went away before the end: is_cancelled() says so
+            request.cancelled = request.cancelled or not final
 
     @property
     def pending_count(self) -> int:
@@ -153,36 +175,42 @@ class ModelRuntime:
 
     def submit(self, request: BackendRequest, datatypes: dict[str, str] | None = None,
                priority: int = 0, timeout_us: int | None = None,
-               inline: bool = False) -> Future:
+               inline: bool = False, defer=None) -> Future:
         """Validate and queue `request`; the future resolves to {output name: array}.
 
         `inline`: the caller runs the batch itself when one is ready at once and an instance
         is idle: the future is then resolved on return, with no hand-off to the instance's
         thread. For a thread that may block (a gRPC worker), or the event loop when
-        `runs_inline` says the model is cheap.
+        `runs_inline` says the model is cheap and the request is alone.
+        `defer`: the event loop, when the model is cheap but other requests are arriving: the
+        batch runs on the loop at the end of this pass (`_drain`), so the requests that
+        arrived together queue first and run as one batch, as Triton's batcher forms them.
         Raises InferError: 400 for a bad request or priority, 503 when the queue is full or
         the model is being unloaded."""
         batch_size = self._validate(request, datatypes)
         if "sequence_id" in request.parameters:     # Triton passes them to any model
             request.correlation_id, request.flags = sequence_params(request.parameters)
-        try:
-            level = self.batcher.level_of(priority)
-        except ValueError as e:
-            raise InferError(str(e)) from None
+        level = self.batcher.level_of(priority)
         shape_key = self._shape_key(request.inputs)
         now = _now_us()
         future: Future = Future()
         timeout = self.queue.timeout_us(level, timeout_us) if self.batcher.dynamic else 0
         item = Pending(Job(request, future, time.perf_counter_ns()), now, batch_size, shape_key,
                        level, now + timeout if timeout else None)
+        future.add_done_callback(lambda f: _mark_cancelled(f, request))
         with self.cond:
             if self.stopping:
                 raise InferError(f"model '{self.config.name}' is being unloaded", 503)
             try:
                 self.queue.push(item)
-            except QueueFullError as e:
-                self.stats.record_failure(0)
-                raise InferError(str(e), 503) from None
+            except QueueFullError as e:       # not a failure in Triton's statistics
+                raise InferError(f"[request id: {request.id or '<id_unknown>'}] {e}",
+                                 503) from None
+            if defer is not None:         # at the end of this loop pass, in one batch
+                if not self._drain_pending:
+                    self._drain_pending = True
+                    defer.call_soon(self._drain)
+                return future
             job = self._claim_ready(now)
             if job and not inline:
                 self.pool.submit(self._work, *job)
@@ -192,14 +220,28 @@ class ModelRuntime:
             self._execute(*job)
         return future
 
+    def _drain(self) -> None:
+        """On the event loop, at the end of a pass: run the batches the requests of the pass
+        form, one after the other while they are ready and an instance is idle (a model
+        without dynamic batching runs them one per execution); the batcher thread takes
+        what is left (a queue delay to wait out, every instance busy)."""
+        while True:
+            with self.cond:
+                self._drain_pending = False
+                job = None if self.inline_banned else self._claim_ready(_now_us())
+                if job is None:
+                    if self.queue.items:
+                        self.cond.notify()
+                    return
+            self._execute(*job)
+
     def _validate(self, request: BackendRequest, datatypes: dict[str, str] | None) -> int:
         """Triton's request checks (decoupled over one-response inference, inputs, outputs);
         fills in `request.outputs`. Returns the batch size. Raises InferError."""
         if self.decoupled and request.deliver is None:
             raise InferError(DECOUPLED_HTTP, 501)
-        batch_size = check_inputs(self.signature, request.inputs, datatypes or {}, request.id)
         request.outputs = check_outputs(self.signature, request.outputs or None)
-        return batch_size
+        return check_inputs(self.signature, request.inputs, datatypes or {}, request.id)
 
     def _shape_key(self, inputs: dict[str, np.ndarray]) -> tuple:
         """Requests with different keys never share a batch: the shapes past the batch
@@ -290,6 +332,7 @@ class ModelRuntime:
         took = (end - start) / 1000
         self.exec_us = took if self.exec_us is None else \
             self.exec_us + EXEC_EWMA_WEIGHT * (took - self.exec_us)
+        self.inline_banned = self.inline_banned or took > INLINE_BAN_US
         return self._complete(instance, list(zip(jobs, results)), seq, chain)
 
     def _complete(self, instance, ready: list[tuple[Job, object]], seq: int,

@@ -2,11 +2,12 @@
 
 Owns: the table of regions by name, each mapped once at register; handing an inference a view
 of `[offset, offset + byte_size)` of a region (`acquire` / `release`, a use count per region);
-unregister, deferred while a region is in use (it stays listed and its name taken until the
-last inference using it releases it, as Triton's `awaiting_unregister_`); and the checks with
-Triton's texts and codes (shared_memory_manager.cc, common.cc `ValidateSharedMemoryKey`,
-http_server.cc). Client shared memory is refused unless the server runs with
-`--allow-client-shm` (Triton's flag; off by default).
+unregister, refused while an inference uses the region (tritonserver 2.51's
+UnregisterHelper); and the checks with tritonserver 2.51's texts (shared_memory_manager.cc,
+http_server.cc), answered 400 where a client's mistake gets 500 there
+(docs/triton-conformance.md). Client shared memory is refused unless the server runs with
+`--allow-client-shm` (a flag of later Tritons; off by default), with 403 over HTTP and
+UNAVAILABLE over gRPC, as Triton refuses a restricted API.
 
 System regions are opened as `shm_open` opens them on Linux: the file `/dev/shm/<key without
 its leading slashes>`. A key can never name anything else: it must be one path component, not
@@ -30,7 +31,9 @@ CLIENT_SHM_DISABLED = ("Client shared memory is disabled. Start the server with 
                        "'--allow-client-shm=true' to enable.")  # kClientShmDisabledErrorStr
 CUDA_IPC_HANDLE_BYTES = 64
 # TRITONSERVER_Error codes -> HTTP status (Triton's HttpCodeFromError)
-UNSUPPORTED, NOT_FOUND, INVALID_ARG = 501, 404, 400
+NOT_FOUND, INVALID_ARG = 404, 400
+# client shared memory off: HTTP 403 and gRPC UNAVAILABLE, the codes of a restricted API
+SHM_OFF_STATUS, SHM_OFF_CODE = 403, "UNAVAILABLE"
 
 
 @dataclass
@@ -44,8 +47,7 @@ class Region:
     byte_size: int
     device_id: int = 0
     buffer: object = None               # system: mmap of [0, offset + byte_size) of the object
-    uses: int = 0
-    awaiting_unregister: bool = False
+    uses: int = 0                       # inferences holding it (unregister refused meanwhile)
 
     def status(self) -> dict:
         """The region's entry in a status response (Triton's GetStatus)."""
@@ -55,29 +57,25 @@ class Region:
         return {"name": self.name, "device_id": self.device_id, "byte_size": self.byte_size}
 
 
-def gpus_not_supported(name: str) -> InferError:
-    """Registering CUDA region `name` where there is no CUDA: the text of Triton's current
-    source for a build without GPUs. (tritonserver 2.51 from nvidia-pytriton is a GPU build:
-    on a host without a GPU it answers "failed to register shared memory region: invalid args"
-    over gRPC, after checking the handle; the text of a build without GPUs says why.)"""
-    return InferError(f"failed to register CUDA shared memory region: '{name}', GPUs not "
-                      "supported", INVALID_ARG)
+# tritonserver 2.51 (a GPU build) on a host without a GPU, for a handle it cannot open
+CUDA_INVALID = "failed to register shared memory region: invalid args"
 
 
-def key_path(name: str, key: str) -> str:
-    """The file `shm_open(key)` opens, or InferError(400) for a key that is not one plain name
-    in the shared-memory namespace or uses Triton's reserved prefix."""
+def cuda_unavailable() -> InferError:
+    """Registering a CUDA region where there is no CUDA: tritonserver 2.51's answer on a host
+    without a GPU (400)."""
+    return InferError(CUDA_INVALID, INVALID_ARG)
+
+
+def key_path(key: str) -> str:
+    """The file `shm_open(key)` opens. Raises InferError(400) with tritonserver 2.51's text
+    for a key `shm_open` cannot open: more than one path component, `.` or `..`, or Triton's
+    reserved `triton_python_backend_shm_region_` prefix (checked here, before the file system
+    is touched, so a key never names anything outside /dev/shm)."""
     bare = key.lstrip("/")
-    if not bare or "/" in bare or bare in (".", "..") or "\0" in bare:
-        # Triton's current source checks only "all slashes" and the prefix and lets shm_open
-        # refuse the rest (2.51 checks nothing: "Unable to open shared memory region", 500,
-        # measured); here a key that could leave /dev/shm never reaches the file system.
-        raise InferError(f"cannot register shared memory region '{name}' - invalid shm key "
-                         f"'{key}'", INVALID_ARG)
-    if bare.startswith(RESERVED_PREFIX):
-        raise InferError(f"cannot register shared memory region '{name}' with key '{key}' as "
-                         f"the key contains the reserved prefix '{RESERVED_PREFIX}'",
-                         INVALID_ARG)
+    if not bare or "/" in bare or bare in (".", "..") or "\0" in bare or \
+            bare.startswith(RESERVED_PREFIX):
+        raise InferError(f"Unable to open shared memory region: '{key}'", INVALID_ARG)
     return os.path.join(SHM_DIR, bare)
 
 
@@ -90,9 +88,10 @@ class SharedMemoryManager:
         self.regions: dict[str, Region] = {}
 
     def check_allowed(self) -> None:
-        """Raise InferError(501) unless client shared memory is allowed (--allow-client-shm)."""
+        """Raise InferError (403 / UNAVAILABLE, as a restricted API) unless client shared
+        memory is allowed (--allow-client-shm)."""
         if not self.allow:
-            raise InferError(CLIENT_SHM_DISABLED, UNSUPPORTED)
+            raise InferError(CLIENT_SHM_DISABLED, SHM_OFF_STATUS, SHM_OFF_CODE)
 
     def register_system(self, name: str, key: str, offset: int, byte_size: int) -> None:
         """Map `byte_size` bytes at `offset` of the POSIX shared-memory object `key` as region
@@ -103,7 +102,7 @@ class SharedMemoryManager:
         if not name:
             raise InferError("'region name' is necessary to register system shared memory "
                              "region", INVALID_ARG)
-        path = key_path(name, key)
+        path = key_path(key)
         with self.lock:
             if name in self.regions:
                 raise InferError(f"shared memory region '{name}' already in manager",
@@ -111,7 +110,7 @@ class SharedMemoryManager:
             try:
                 fd = os.open(path, os.O_RDWR)
             except OSError:        # Triton's text; its code is INTERNAL (500), but a key that
-                # names no object is the client's mistake: 400 here, as all bad input
+                # names no object is the client's mistake: 400 here
                 raise InferError(f"Unable to open shared memory region: '{key}'",
                                  INVALID_ARG) from None
             try:
@@ -132,15 +131,15 @@ class SharedMemoryManager:
     def register_cuda(self, name: str, raw_handle: bytes, device_id: int,
                       byte_size: int) -> None:
         """Open a CUDA IPC memory handle as region `name`. Raises InferError: refused, no name,
-        no CUDA here ("GPUs not supported", Triton's text for a build without GPUs), a handle
-        that is not a cudaIpcMemHandle_t, or the CUDA error."""
+        a handle that is not a cudaIpcMemHandle_t, no CUDA here (tritonserver 2.51's text on a
+        host without a GPU), or the CUDA error."""
         self.check_allowed()
         if not name:
             raise InferError("'region name' is necessary to register cuda shared memory "
                              "region", INVALID_ARG)
         from triton_compat import cuda_ipc
         if not cuda_ipc.available():
-            raise gpus_not_supported(name)
+            raise cuda_unavailable()
         if len(raw_handle) != CUDA_IPC_HANDLE_BYTES:
             raise InferError("'raw_handle' must be a valid base64 encoded cudaIpcMemHandle_t",
                              INVALID_ARG)
@@ -172,18 +171,27 @@ class SharedMemoryManager:
 
     def unregister(self, kind: str, name: str = "") -> None:
         """Unregister region `name` of `kind`, or every `kind` region when `name` is empty.
-        An unknown name succeeds; a region in use goes when its last user releases it."""
+        An unknown name succeeds. Raises InferError(400) with tritonserver 2.51's texts for a
+        region an inference is using (every other region of an unregister-all still goes)."""
         self.check_allowed()
         with self.lock:
             names = [name] if name else [n for n, r in self.regions.items() if r.kind == kind]
+            busy = []
             for n in names:
                 region = self.regions.get(n)
                 if region is None or region.kind != kind:
                     continue
                 if region.uses:
-                    region.awaiting_unregister = True
+                    busy.append(n)
                 else:
                     self._drop(region)
+        if busy and name:
+            raise InferError(f"Cannot unregister shared memory region '{name}', it is "
+                             "currently in use.", INVALID_ARG)
+        if busy:
+            label = "system" if kind == "system" else "cuda"
+            raise InferError(f"Failed to unregister the following {label} shared memory "
+                             "regions: " + "".join(f"{n} ," for n in busy), INVALID_ARG)
 
     def _drop(self, region: Region) -> None:
         del self.regions[region.name]
@@ -199,8 +207,9 @@ class SharedMemoryManager:
 
     def acquire(self, ref) -> tuple[Region, memoryview]:
         """A view of `ref` (region, offset, byte_size) for one inference; the region stays
-        mapped until `release`. Raises InferError with Triton's texts (GetMemoryInfo): unknown
-        region (404), offset outside it, offset + byte_size overflow or outside it (400)."""
+        mapped until `release`; it is shorter than `ref.byte_size` when offset + byte_size
+        wraps past 2**64. Raises InferError with Triton's texts (GetMemoryInfo): unknown region
+        (404), offset outside it, offset + byte_size outside it (400)."""
         with self.lock:
             region = self.regions.get(ref.region)
             if region is None:
@@ -209,11 +218,9 @@ class SharedMemoryManager:
             if ref.offset >= region.byte_size:
                 raise InferError(f"Invalid offset for shared memory region: '{ref.region}'",
                                  INVALID_ARG)
-            if ref.byte_size > (1 << 64) - 1 - ref.offset:
-                raise InferError(f"Integer overflow detected: byte_size ({ref.byte_size}) + "
-                                 f"offset ({ref.offset}) exceeds maximum value "
-                                 f"({(1 << 64) - 1}) for region '{ref.region}'", INVALID_ARG)
-            if ref.offset + ref.byte_size > region.byte_size:
+            # the sum as tritonserver 2.51 computes it, in 64 bits: a byte_size that wraps
+            # it passes here, and the tensor's size check then refuses it
+            if (ref.offset + ref.byte_size) % (1 << 64) > region.byte_size:
                 raise InferError("Invalid offset + byte size for shared memory region: "
                                  f"'{ref.region}'", INVALID_ARG)
             region.uses += 1
@@ -224,12 +231,9 @@ class SharedMemoryManager:
         return region, memoryview(region.buffer)[start:start + ref.byte_size]
 
     def release(self, region: Region) -> None:
-        """End one inference's use of `region`; a deferred unregister happens now."""
+        """End one inference's use of `region`."""
         with self.lock:
             region.uses -= 1
-            if region.uses == 0 and region.awaiting_unregister and \
-                    self.regions.get(region.name) is region:
-                self._drop(region)
 
     def write(self, ref, data: bytes, output: str) -> None:
         """Copy an output's bytes into `ref` (a region acquired by this inference). Raises

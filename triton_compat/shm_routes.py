@@ -19,7 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from triton_compat.errors import InferError
-from triton_compat.shared_memory import SharedMemoryManager, gpus_not_supported
+from triton_compat.shared_memory import SharedMemoryManager
 
 
 def _uint(body: dict, key: str, required: bool) -> int:
@@ -76,9 +76,6 @@ def router(shm: SharedMemoryManager, json_object: Callable[[bytes], dict]) -> AP
     @r.post("/v2/cudasharedmemory/region/{name}/register")
     async def cuda_register(request: Request, name: str = ""):
         _may_register(shm, "cuda", name)
-        from triton_compat import cuda_ipc
-        if not cuda_ipc.available():
-            raise gpus_not_supported(name)
         body = await body_of(request)
         handle = body.get("raw_handle")
         if not isinstance(handle, dict) or not isinstance(handle.get("b64"), str):

@@ -15,6 +15,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+# the `reason` label values of Triton 2.51's nv_inference_request_failure
+FAIL_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
+
 
 @dataclass
 class Duration:
@@ -47,12 +50,15 @@ class ModelStats:
     execution_count: int = 0
     last_inference_ms: int = 0
     batch: dict = field(default_factory=dict)    # batch size -> [input, infer, output]
+    # failures by Triton's `reason` label of nv_inference_request_failure
+    fail_reasons: dict = field(default_factory=lambda: dict.fromkeys(FAIL_REASONS, 0))
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def record_failure(self, duration_ns: int) -> None:
-        """A request that failed before execution (queue full, timeout)."""
+    def record_failure(self, duration_ns: int, reason: str = "REJECTED") -> None:
+        """A request that failed before execution (a queue timeout: REJECTED)."""
         with self.lock:
             self.fail.add(duration_ns)
+            self.fail_reasons[reason] += 1
 
     def record_execution(self, enqueued_ns: list[int], batch_sizes: list[int], results,
                          start_ns: int, end_ns: int, times, padded_size: int = 0) -> None:
@@ -73,6 +79,7 @@ class ModelStats:
             for t0, rows, result in zip(enqueued_ns, batch_sizes, results):
                 if isinstance(result, Exception):
                     self.fail.add(end_ns - t0)
+                    self.fail_reasons["BACKEND"] += 1
                     continue
                 self.success.add(end_ns - t0)
                 self.inference_count += rows
@@ -89,6 +96,8 @@ class ModelStats:
         does (perf_analyzer finds a model's version by that count)."""
         with self.lock:
             (self.success if ok else self.fail).add(duration_ns)
+            if not ok:
+                self.fail_reasons["BACKEND"] += 1
             if ok:
                 self.queue.add(queue_ns)
                 self.inference_count += batch_size

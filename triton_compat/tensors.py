@@ -49,8 +49,9 @@ class ParsedRequest:
     parameters: dict
 
 
-def parse_request(body: bytes, header_length: int | None) -> ParsedRequest:
-    """Decode an infer request. Raises TensorError with a message fit for the client."""
+def parse_request(body: bytes, header_length: int | None, model: str = "") -> ParsedRequest:
+    """Decode an infer request for `model` (named in error texts). Raises TensorError with a
+    message fit for the client."""
     if header_length is not None:
         if not 0 <= header_length <= len(body):
             raise TensorError(f"Inference-Header-Content-Length {header_length} is outside the "
@@ -62,17 +63,22 @@ def parse_request(body: bytes, header_length: int | None) -> ParsedRequest:
         req = _loads(header)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise TensorError(f"failed to parse the request JSON buffer: {e}") from None
-    except RecursionError:
-        raise TensorError("failed to parse the request JSON buffer: nested too deeply") from None
-    if not isinstance(req, dict) or not isinstance(req.get("inputs"), list):
-        raise TensorError("the request must be a JSON object with an 'inputs' array")
+    except RecursionError:      # deeper than json reads: a nested array, not an object
+        req = None
+    # tritonserver 2.51's texts from here on
+    if not isinstance(req, dict) or "inputs" not in req:
+        raise TensorError("Unable to parse 'inputs': attempt to access non-existing object "
+                          "member 'inputs'")
+    if not isinstance(req["inputs"], list):
+        raise TensorError("Unable to parse 'inputs': attempt to access JSON non-array as array")
     params = _parameters(req, "the request")
     if any(isinstance(k, str) and k.startswith("triton_") for k in params):
         raise TensorError("parameter keys starting with 'triton_' are reserved for Triton usage "
                           "and should not be specified.")
     inputs, datatypes, offset = {}, {}, 0
     for spec in req["inputs"]:
-        name, array, used = _parse_input(spec, binary[offset:])
+        name, array, used = _parse_input(spec, binary[offset:], header_length is not None,
+                                         model)
         if name in inputs:
             raise TensorError(f"input '{name}' already exists in request")   # Triton's text
         inputs[name], datatypes[name] = array, spec["datatype"]
@@ -84,16 +90,9 @@ def parse_request(body: bytes, header_length: int | None) -> ParsedRequest:
     if req.get("outputs") is not None:
         if not isinstance(req["outputs"], list):
             raise TensorError("'outputs' must be a JSON array")
+        # a repeated output is answered once (infer.Inference.finish), as tritonserver 2.51
         outputs = [_parse_output(o, bool(params.get("binary_data_output", False)))
                    for o in req["outputs"]]
-        # Triton's core refuses a repeated output (InferenceRequest::AddOriginalRequestedOutput,
-        # current source); tritonserver 2.51's HTTP frontend instead answers one copy (measured).
-        # The current source wins.
-        seen: set[str] = set()
-        for o in outputs:
-            if o.name in seen:
-                raise TensorError(f"output '{o.name}' already exists in request")
-            seen.add(o.name)
     return ParsedRequest(str(req.get("id", "")), inputs, datatypes, outputs,
                          bool(params.get("binary_data_output", False)), params)
 
@@ -116,7 +115,8 @@ def _parameters(obj: dict, where: str) -> dict:
     return params
 
 
-def _parse_input(spec, binary: memoryview) -> tuple[str, np.ndarray | ShmInput, int]:
+def _parse_input(spec, binary: memoryview, has_header: bool,
+                 model: str) -> tuple[str, np.ndarray | ShmInput, int]:
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
         raise TensorError("each input must be an object with a 'name'")
     name, datatype, shape = spec["name"], spec.get("datatype"), spec.get("shape")
@@ -143,9 +143,15 @@ def _parse_input(spec, binary: memoryview) -> tuple[str, np.ndarray | ShmInput, 
     if ref is not None:
         return name, ShmInput(ref, datatype, shape), 0
     if size is not None:
-        if not isinstance(size, int) or isinstance(size, bool) or size < 0 or size > len(binary):
-            raise TensorError(f"input '{name}': binary_data_size {size} is larger than the "
-                              f"{len(binary)} bytes of binary data left")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise TensorError("Unable to parse 'binary_data_size'")
+        if size and not has_header:                    # Triton's texts, from here on
+            raise TensorError("must specify valid 'Infer-Header-Content-Length' in request "
+                              "header and 'binary_data_size' when passing inputs in binary "
+                              "data format")
+        if size > len(binary):
+            raise TensorError(f"unexpected size for input '{name}', expecting "
+                              f"{size - len(binary)} additional bytes for model '{model}'")
         return name, _from_binary(name, datatype, dtype, shape, bytes(binary[:size])), size
     if "data" not in spec:
         raise TensorError("Input must set only one of the following fields: 'data', "
@@ -205,17 +211,31 @@ def _from_json(name, datatype, dtype, shape, data) -> np.ndarray:
     if list in types:
         flat = _flatten(flat)
         types = set(map(type, flat))
-    if len(flat) != math.prod(shape):
-        raise TensorError(f"input '{name}': {len(flat)} elements in 'data' for shape {shape}, "
-                          f"expecting {math.prod(shape)}")
     if not types <= _json_types(datatype):
-        raise TensorError(f"input '{name}': 'data' holds values that are not {datatype}")
+        raise TensorError(_json_type_error(datatype))
+    if len(flat) != math.prod(shape):
+        raise TensorError("Unable to parse 'data': Shape does not match true shape of 'data' "
+                          "field")
     if datatype == "BYTES":
         return np.array([x.encode() for x in flat] or [], dtype=np.object_).reshape(shape)
     try:
         return np.array(flat, dtype=dtype).reshape(shape)
-    except (OverflowError, ValueError) as e:
-        raise TensorError(f"input '{name}': {e}") from None
+    except (OverflowError, ValueError):
+        if datatype.startswith("UINT") and min(flat) < 0:
+            raise TensorError(_json_type_error(datatype)) from None
+        raise TensorError(f"Unable to parse 'data': a value of input '{name}' does not fit "
+                          f"{datatype}") from None
+
+
+def _json_type_error(datatype: str) -> str:
+    """Triton's HTTP frontend text for a JSON `data` element of the wrong type."""
+    if datatype == "BYTES":
+        return "Unable to parse JSON bytes array: attempt to access JSON non-string as string"
+    what = ("non-boolean as boolean" if datatype == "BOOL" else
+            "non-unsigned-integer as unsigned-integer" if datatype.startswith("UINT") else
+            "non-signed-integer as signed-integer" if datatype.startswith("INT") else
+            "non-number as double")
+    return f"Unable to parse 'data': attempt to access JSON {what}"
 
 
 def _parse_output(spec, binary_default: bool) -> OutputRequest:

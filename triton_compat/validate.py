@@ -47,7 +47,9 @@ class Signature:
 
 def _count_error(sig: Signature, inputs: dict, absent: list[str], request_id: str) -> InferError:
     missing = ",".join(f"'{n}'" for n in absent)
-    got = ",".join(f"'{n}'" for n in sorted(inputs))
+    # the order tritonserver 2.51 prints them in: its unordered_map's, the reverse of the
+    # request's for a few inputs (measured)
+    got = ",".join(f"'{n}'" for n in reversed(list(inputs)))
     expected, required = len(sig.inputs), len(sig.required)
     count = (f"expected {expected} inputs" if required == expected else
              f"expected number of inputs between {required} and {expected}")
@@ -57,14 +59,28 @@ def _count_error(sig: Signature, inputs: dict, absent: list[str], request_id: st
                       "Please provide all required input(s).")
 
 
+NOTE_BATCH = ("NOTE: Setting a non-zero max_batch_size in the model config requires a batch "
+              "dimension to be prepended to each input shape. If you want to specify the full "
+              "shape including the batch dim in your input dims config, try setting "
+              "max_batch_size to zero. See the model configuration docs for more info on "
+              "max_batch_size.")
+
+
+def _dims(dims) -> str:
+    """Triton's DimsListToString: `[-1,16]`."""
+    return "[" + ",".join(str(d) for d in dims) + "]"
+
+
 def check_inputs(sig: Signature, inputs: dict[str, np.ndarray], datatypes: dict[str, str],
                  request_id: str = "") -> int:
-    """Validate inputs against the config with Triton's messages. Returns the batch size.
+    """Validate inputs against the config with Triton's messages, in Triton core's order
+    (InferenceRequest::Normalize): the input count (ValidateRequestInputs, also its "]" when
+    nothing is missing), unknown names, the batch dimension, the batch size, then each
+    input's datatype and shape. Returns the batch size (1 for models that do not batch).
 
-    Raises InferError(400) for a missing, extra, mistyped or misshapen input. The count check
-    and its text are Triton core's ValidateRequestInputs (also its "]" when nothing is
-    missing); a wrong name with the right count is Normalize's "unexpected inference input"."""
+    Raises InferError(400) for a missing, extra, mistyped or misshapen input."""
     name, expected = sig.name, sig.inputs
+    log = f"[request id: {request_id or '<id_unknown>'}] "
     extra = [n for n in inputs if n not in expected]
     absent = [n for n in sig.required if n not in inputs]
     if (len(inputs) > len(expected) or len(inputs) < len(sig.required)
@@ -72,40 +88,42 @@ def check_inputs(sig: Signature, inputs: dict[str, np.ndarray], datatypes: dict[
         raise _count_error(sig, inputs, absent, request_id)
     if extra:
         raise InferError(f"unexpected inference input '{extra[0]}' for model '{name}'")
-    batch, batching = None, sig.max_batch_size > 0
+    batch, batching = 0, sig.max_batch_size > 0
+    if batching:
+        for n, array in inputs.items():
+            if not array.shape:
+                raise InferError(f"{log}input '{n}' has no shape but model requires batch "
+                                 f"dimension for '{name}'")
+            if batch and array.shape[0] != batch:
+                raise InferError(f"{log}input '{n}' batch size does not match other inputs "
+                                 f"for '{name}'")
+            batch = array.shape[0]
+        if batch > sig.max_batch_size:
+            raise InferError(f"{log}inference request batch-size must be <= "
+                             f"{sig.max_batch_size} for '{name}'")
     for n, array in inputs.items():
         t = expected[n]
         if datatypes.get(n, t.wire) != t.wire:
-            raise InferError(f"inference input '{n}' data-type is '{datatypes[n]}', but "
+            raise InferError(f"{log}inference input '{n}' data-type is '{datatypes[n]}', but "
                              f"model '{name}' expects '{t.wire}'")
         shape = array.shape
-        if batching:
-            if not shape:
-                raise InferError(f"unexpected shape for input '{n}' for model '{name}'. "
-                                 f"Expected {list(t.dims)}, got {list(shape)}")
-            if batch is not None and shape[0] != batch:
-                raise InferError(f"input '{n}' batch size does not match other inputs "
-                                 f"for '{name}'")
-            batch = shape[0]
         if len(shape) != len(t.dims) or any(d != -1 and d != s for d, s in zip(t.dims, shape)):
-            raise InferError(f"unexpected shape for input '{n}' for model '{name}'. "
-                             f"Expected {list(t.dims)}, got {list(shape)}")
-    if batching:
-        if batch is None or batch < 1 or batch > sig.max_batch_size:
-            raise InferError(f"inference request batch-size must be <= "
-                             f"{sig.max_batch_size} for '{name}'")
-        return batch
-    return 1
+            raise InferError(f"{log}unexpected shape for input '{n}' for model '{name}'. "
+                             f"Expected {_dims(t.dims)}, got {_dims(shape)}. "
+                             f"{NOTE_BATCH if batching else ''}")
+    return max(batch, 1) if batching else 1
 
 
 def check_outputs(sig: Signature, names: list[str] | None) -> list[str]:
-    """The requested output names (all when None). Raises InferError(400) for an unknown one."""
+    """The requested output names (all when None), each once: a name asked for twice is
+    answered once, as Triton 2.51 does (its core keeps them in a set). Raises InferError(400)
+    for an unknown one."""
     if names is None:
         return list(sig.outputs)
     for n in names:
         if n not in sig.outputs:
             raise InferError(f"unexpected inference output '{n}' for model '{sig.name}'")
-    return list(names)
+    return list(dict.fromkeys(names))
 
 
 def check_result(sig: Signature, wanted: list[str], result, batch_size: int):

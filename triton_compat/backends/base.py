@@ -23,6 +23,7 @@ class BackendRequest:
     correlation_id: int | str = 0    # the sequence id (sequence models)
     flags: int = 0                   # SEQUENCE_START 1 | SEQUENCE_END 2
     reschedule: bool = False         # set by the backend: the model asked to run it again
+    cancelled: bool = False          # set by the server: the client went away (is_cancelled)
 
     @property
     def batch_size(self) -> int:

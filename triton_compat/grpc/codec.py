@@ -152,12 +152,9 @@ def decode_request(msg: pb.ModelInferRequest) -> InferRequest:
         datatypes[name] = datatype
     outputs = None
     if len(msg.outputs):
-        outputs, seen = [], set()
+        outputs = []             # a repeated output is answered once, as tritonserver 2.51
         for o in msg.outputs:
             name = o.name
-            if name in seen:     # Triton core's text (InferenceRequest::AddOriginalRequestedOutput)
-                raise InferError(f"output '{name}' already exists in request")
-            seen.add(name)
             ref = shm_ref(o.parameters, name)
             if ref is not None and "classification" in o.parameters:
                 raise InferError("output can't set both 'shared_memory_region' and "

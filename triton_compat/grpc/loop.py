@@ -43,6 +43,7 @@ logger = logging.getLogger("continuum.triton.grpc")
 OK = grpc.StatusCode.OK
 _REQUEST, _SHUTDOWN, _DONE = object(), object(), object()
 OUTSTANDING_REQUESTS = 16      # calls C-core may accept before the loop asks for more
+PASS_EVENTS = 64               # events handled at most before `call_soon` callbacks run
 
 
 class _Abort(Exception):
@@ -57,11 +58,12 @@ class _Rpc:
     """One call: its cygrpc Call, the client's metadata, and (streams) the mailboxes the loop
     fills: received messages (`inbox`, None = no more) and send completions (`sent`)."""
 
-    __slots__ = ("call", "metadata", "cancelled", "inbox", "sent", "metadata_sent")
+    __slots__ = ("call", "metadata", "cancelled", "inbox", "sent", "metadata_sent", "counted")
 
     def __init__(self, call, metadata) -> None:
         self.call, self.metadata = call, metadata
         self.cancelled, self.metadata_sent = False, False
+        self.counted = False                # in `Server.active` until answered
         self.inbox: queue.SimpleQueue | None = None
         self.sent: queue.SimpleQueue | None = None
 
@@ -181,6 +183,8 @@ class Server:
         self.lock = threading.Lock()
         self.stopping = False
         self.stopped = threading.Event()
+        self.active = 0                     # fast-method calls accepted and not yet answered
+        self._soon: list = []               # `call_soon` callbacks for the end of this pass
 
     def add_insecure_port(self, address: str) -> int:
         """Listen on `address` ("host:port"); the bound port, 0 when it cannot be bound."""
@@ -209,10 +213,38 @@ class Server:
             threading.Thread(target=cancel_after_grace, daemon=True).start()
         return self.stopped
 
+    def call_soon(self, callback) -> None:
+        """Run `callback()` on the loop thread once the events already in the completion queue
+        are handled (at most PASS_EVENTS later): what `asyncio`'s `call_soon` is to the HTTP
+        loop, so that a burst of calls to a cheap model queues first and runs as one batch.
+        Loop thread only."""
+        self._soon.append(callback)
+
+    def busy(self) -> bool:
+        """True while another fast-method call is in progress besides the caller's."""
+        return self.active > 1
+
+    def _run_soon(self) -> None:
+        callbacks, self._soon = self._soon, []
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:
+                logger.exception("gRPC loop callback failed")
+
     # -- the loop -----------------------------------------------------------------------------
     def _serve(self) -> None:
+        handled = 0
         while True:
-            event = self.cq.poll()
+            if self._soon and handled >= PASS_EVENTS:
+                self._run_soon()
+                handled = 0
+            event = self.cq.poll(0 if self._soon else None)
+            if event.completion_type == cygrpc.CompletionType.queue_timeout:
+                self._run_soon()              # nothing more has arrived: end of the pass
+                handled = 0
+                continue
+            handled += 1
             tag = event.tag
             try:
                 if tag is _REQUEST:
@@ -238,27 +270,41 @@ class Server:
             # unknown; or half-streaming, which Triton's service has none of. The texts here
             # and below are grpcio's (what grpc.server answered before); tritonserver's C++
             # gRPC answers the same codes with its own texts.
-            rpc.finish(None, grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+            rpc.finish(None, grpc.StatusCode.UNIMPLEMENTED, "")     # as tritonserver
         elif handler.request_streaming:
             rpc.inbox, rpc.sent = queue.SimpleQueue(), queue.SimpleQueue()
             rpc.call.start_server_batch((cygrpc.ReceiveCloseOnServerOperation(0),),
                                         (_on_closed, rpc))
             self.pool.submit(self._stream, rpc, handler)
         else:
+            if method in self.fast:         # in progress from now: its message may come later
+                with self.lock:
+                    self.active += 1
+                rpc.counted = True
             rpc.call.start_server_batch((cygrpc.ReceiveMessageOperation(0),),
                                         (self._on_message, (rpc, method, handler)))
+
+    def _uncount(self, rpc: _Rpc) -> None:
+        """A fast-method call is answered: no longer in progress (once)."""
+        if rpc.counted:
+            rpc.counted = False
+            with self.lock:
+                self.active -= 1
 
     def _on_message(self, args, event) -> None:
         rpc, method, handler = args
         data = event.batch_operations[0].message() if event.success else None
         if data is None:
+            self._uncount(rpc)
             rpc.finish(None, grpc.StatusCode.UNIMPLEMENTED,
                        f'"{method.decode()}" requires exactly one request message.')
             return
         try:
             request = handler.request_deserializer(data)
         except Exception:
-            rpc.finish(None, grpc.StatusCode.INTERNAL, "Exception deserializing request!")
+            # gRPC C++'s text, as tritonserver answers it
+            self._uncount(rpc)
+            rpc.finish(None, grpc.StatusCode.INTERNAL, "Unable to parse request")
             return
         fast = self.fast.get(method)
         if fast is None:
@@ -267,6 +313,7 @@ class Server:
         serialize = handler.response_serializer
 
         def reply(message, code: grpc.StatusCode = OK, details: str = "") -> None:
+            self._uncount(rpc)
             rpc.finish(serialize(message) if message is not None else None, code, details)
 
         try:

@@ -28,6 +28,7 @@ def start(ctx: V2Context, address: str, port: int) -> Server:
                         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                         ("grpc.so_reuseport", 0)], workers=WORKERS)
+    service.later, service.busy = server, server.busy    # batch a burst (Server.call_soon)
     try:
         bound = server.add_insecure_port(f"{address}:{port}")
     except RuntimeError:

@@ -29,7 +29,6 @@ from triton_compat.context import EXTENSIONS, SERVER_NAME, V2Context
 from triton_compat.errors import InferError
 from triton_compat.grpc.codec import decode_request, encode_response
 from triton_compat.grpc.stream import Stream
-from triton_compat.shared_memory import gpus_not_supported
 from triton_compat.infer import Inference, model_failure
 
 logger = logging.getLogger("continuum.triton.grpc")
@@ -84,6 +83,9 @@ class TritonService(service_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self, ctx: V2Context) -> None:
         self.ctx = ctx
         self.fast = {"ModelInfer": self.model_infer}
+        # set by grpc/server.start: the loop's `call_soon` and whether other calls are in
+        # progress, so a burst of calls to a cheap model runs as one batch (infer.Inference)
+        self.later, self.busy = None, None
 
     def check_restricted(self, rpc: str, metadata) -> None:
         """Raise InferError (UNAVAILABLE, Triton's text) when `rpc`'s category is restricted
@@ -114,11 +116,9 @@ class TritonService(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     @_unary
     def ModelReady(self, request, context):
-        try:
+        try:            # unknown, unloaded or loading: ready false, as tritonserver 2.51
             self.ctx.repository().runtime(request.name, request.version)
-        except InferError as e:
-            if e.status == 404:          # unknown: NOT_FOUND, as Triton; known: ready false
-                raise
+        except InferError:
             return pb.ModelReadyResponse(ready=False)
         return pb.ModelReadyResponse(ready=True)
 
@@ -145,8 +145,8 @@ class TritonService(service_pb2_grpc.GRPCInferenceServiceServicer):
     @_unary
     def ModelStatistics(self, request, context):
         repo = self.ctx.repository()
-        if request.name:
-            rt = repo.runtime(request.name, request.version)
+        if request.name:         # unknown: INVALID_ARGUMENT, Triton's text
+            rt = repo.stats_runtime(request.name, request.version)
             entries = [rt.stats.json(request.name, str(rt.version))]
         else:
             entries = [rt.stats.json(n, str(v)) for n, v, rt in repo.all_runtimes()]
@@ -180,7 +180,8 @@ class TritonService(service_pb2_grpc.GRPCInferenceServiceServicer):
                 raise InferError("ModelInfer RPC doesn't support models with decoupled "
                                  "transaction policy", 501)
             request = decode_request(msg)
-            inference = Inference(self.ctx.repository(), self.ctx.shm, request)
+            inference = Inference(self.ctx.repository(), self.ctx.shm, request,
+                                  busy=self.busy, later=self.later)
         except InferError as e:
             if lifecycle is not None:
                 lifecycle.leave()
@@ -305,9 +306,6 @@ class TritonService(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     @_unary
     def CudaSharedMemoryRegister(self, request, context):
-        from triton_compat import cuda_ipc
-        if not cuda_ipc.available():      # Triton without GPUs answers this before anything
-            raise gpus_not_supported(request.name)
         self.ctx.shm.register_cuda(request.name, request.raw_handle, request.device_id,
                                    request.byte_size)
         return pb.CudaSharedMemoryRegisterResponse()

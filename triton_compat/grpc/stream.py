@@ -40,14 +40,16 @@ def _as_infer_error(e: Exception) -> InferError:
     return InferError(f"{type(e).__name__}: {e}", 500)
 
 
-def _error(msg, e: Exception) -> tuple:
-    """(the error response of a request, its InferError) — the error ends a
-    `triton_grpc_error` stream."""
+def _error(msg, e: Exception, refused: bool = False) -> tuple:
+    """(the error response of a request, its InferError, or None when the request was
+    refused before it ran) — an error of a request that ran ends a `triton_grpc_error`
+    stream; a refusal does not (tritonserver 2.51's stream_infer_handler.cc checks the mode
+    only on responses)."""
     error = _as_infer_error(e)
     response = pb.ModelStreamInferResponse(error_message=error.message)
     r = response.infer_response
     r.id, r.model_name, r.model_version = msg.id, msg.model_name, msg.model_version
-    return _final(response, True), error
+    return _final(response, True), None if refused or error.refused else error
 
 
 class Stream:
@@ -115,7 +117,7 @@ class Stream:
             try:
                 self._start_decoupled(msg, rt, decode_request(msg))
             except Exception as e:
-                self._emit(_error(msg, e))
+                self._emit(_error(msg, e, refused=True))
             return
         with self.lock:                   # answered in request order, errors included
             seq, self.next_seq = self.next_seq, self.next_seq + 1
@@ -125,7 +127,7 @@ class Stream:
             request = decode_request(msg)
             inference = Inference(self.ctx.repository(), self.ctx.shm, request)
         except Exception as e:
-            self._ordered(seq, _error(msg, e))
+            self._ordered(seq, _error(msg, e, refused=True))
             return
         inference.future.add_done_callback(
             lambda _: self._ordered(seq, self._response(msg, request, inference)))
@@ -163,12 +165,14 @@ class Stream:
         wanted = [o.name for o in request.outputs] if request.outputs is not None else None
         types = {t.name: wire_datatype(t.data_type) for t in rt.config.output}
         empty_final = bool(request.parameters.get("triton_enable_empty_final_response", False))
+        model_params = {k: v for k, v in request.parameters.items()
+                        if not k.startswith("triton_")}
 
         async def pump():
             sent_final = False
             try:
                 async for outputs, final in rt.generate(request.inputs, msg.id,
-                                                        request.datatypes):
+                                                        request.datatypes, model_params):
                     if outputs is None:          # a flag-only final: sent below if asked
                         continue
                     tensors = [OutputTensor(n, types[n], a, None) for n, a in outputs.items()
@@ -179,8 +183,9 @@ class Stream:
                         final), None))
                 if not sent_final:
                     empty = pb.ModelStreamInferResponse()
-                    r = empty.infer_response
-                    r.id, r.model_name, r.model_version = msg.id, msg.model_name, "1"
+                    r = empty.infer_response       # the request's version, as Triton echoes
+                    r.id, r.model_name, r.model_version = msg.id, msg.model_name, \
+                        msg.model_version
                     if empty_final:
                         self._emit((_final(empty, True), None))
                     else:                        # nothing to send: just count it done

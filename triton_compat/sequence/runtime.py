@@ -69,25 +69,29 @@ class SequenceRuntime(ModelRuntime):
 
     def submit(self, request: BackendRequest, datatypes: dict[str, str] | None = None,
                priority: int = 0, timeout_us: int | None = None,
-               inline: bool = False) -> Future:
+               inline: bool = False, defer=None) -> Future:
         """Validate and queue one request of a sequence; the future resolves to {output name:
         array}. `timeout_us` bounds its wait in the backlog; `priority` does not apply.
         `inline`: a caller that may block (a gRPC worker) runs the batch itself when its
-        slot's instance is idle and the batch is ready at once. Raises InferError(400) with
-        Triton's texts for a bad input, correlation id or flags, 503 while the model is being
-        unloaded."""
+        slot's instance is idle and the batch is ready at once; `defer` is accepted for the
+        runtime interface (the sequence batcher forms its batches itself). Raises
+        InferError(400) with Triton's texts for a bad input, correlation id or flags, 503
+        while the model is being unloaded."""
         name = self.config.name
         corrid, flags = sequence_params(request.parameters)
+        if isinstance(corrid, str) and len(corrid) > 128:     # tritonserver 2.51's order
+            raise InferError("string correlation ID cannot be longer than 128 characters",
+                             501)
         if self.iterative and corrid in (0, ""):     # Triton's IterativeSequencer
             corrid, flags = next(self._ids), SEQUENCE_START
         batch_size = self._validate(request, datatypes)
-        self.spec.check_corrid(corrid, request.id)
         if batch_size > 1:
             raise InferError(f"inference request to model '{name}' must specify batch-size 1 "
                              "due to requirements of sequence batcher")
         if corrid in (0, ""):
             raise InferError(f"inference request to model '{name}' must specify a non-zero "
                              "or non-empty correlation ID")
+        self.spec.check_corrid(corrid, request.id)
         request.correlation_id, request.flags = corrid, flags
         now, future = _now_us(), Future()
         item = SeqItem(Job(request, future, time.perf_counter_ns()), corrid,
@@ -163,7 +167,8 @@ class SequenceRuntime(ModelRuntime):
             inputs.update(spec.control_inputs(r.flags, True, r.correlation_id))
             inputs.update(self.states[key])
             requests.append(BackendRequest(inputs, r.outputs + outputs, r.id, r.parameters,
-                                           r.deliver, r.correlation_id, r.flags))
+                                           r.deliver, r.correlation_id, r.flags,
+                                           cancelled=r.cancelled))
         return requests
 
     def _run(self, i: int, instance, entries, seq: int) -> None:
@@ -174,31 +179,38 @@ class SequenceRuntime(ModelRuntime):
         except Exception as e:       # a backend bug: fail this batch only
             results, times = [InferError(f"{type(e).__name__}: {e}", 500)] * len(entries), None
             requests = [BackendRequest({}, []) for _ in entries]
-        done, rows, again = [], [], []
+        done, ran, again = [], [], []
         for (slot, item), req, result in zip(entries, requests, results):
             if item is None:
                 continue
             if req.reschedule and self.iterative and not isinstance(result, Exception):
                 again.append(item)               # runs again in a later batch
+                ran.append((item.key, result))   # an inference of its own, as in Triton
                 continue
             if req.reschedule:
                 result = InferError(RESCHEDULE_REFUSED)
+            wanted = item.key.request.outputs
             if not self.decoupled:
-                result = check_result(self.signature, req.outputs, result, 1)
+                result = check_result(self.signature, wanted, result, 1)
             if isinstance(result, dict) and self.spec.states:
-                self.states[(i, slot.index)] = {s.input_name: result[s.output_name]
-                                                for s in self.spec.states
-                                                if s.output_name in result}
-                wanted = item.key.request.outputs
+                self._keep_state(self.states[(i, slot.index)], result)
                 result = {k: v for k, v in result.items() if k in wanted}
             done.append((item.key, result))
-            rows.append(1)
-        self.stats.record_execution([job.enqueued_ns for job, _ in done], rows,
-                                    [r for _, r in done], start, time.perf_counter_ns(),
+            ran.append((item.key, result))
+        self.stats.record_execution([job.enqueued_ns for job, _ in ran], [1] * len(ran),
+                                    [r for _, r in ran], start, time.perf_counter_ns(),
                                     times, padded_size=len(entries))
         if self.iterative:
             self._iterate(again, [job.request.correlation_id for job, _ in done])
         self._complete(instance, done, seq)
+
+    def _keep_state(self, state: dict, result: dict) -> None:
+        """A slot's implicit state after an execution: each state whose output the model
+        returned takes it; the others stay as they were (a python-backend model that does not
+        return a state output keeps that state at its initial value, as in Triton)."""
+        for s in self.spec.states:
+            if s.output_name in result:
+                state[s.input_name] = result[s.output_name]
 
     def _iterate(self, again: list[SeqItem], finished: list) -> None:
         """Iterative sequences: queue the rescheduled requests again (neither START nor END

@@ -63,8 +63,6 @@ def sequence_params(params: dict) -> tuple[int | str, int]:
             (isinstance(corrid, int) and corrid < 0):
         raise InferError("Unable to parse 'sequence_id': attempt to access JSON non-string "
                          "as string")
-    if isinstance(corrid, str) and len(corrid) > 128:
-        raise InferError("string correlation ID cannot be longer than 128 characters")
     flags = 0
     for key, bit in (("sequence_start", SEQUENCE_START), ("sequence_end", SEQUENCE_END)):
         value = params.get(key, False)
@@ -81,6 +79,26 @@ def sequence_tensors(config: mc.ModelConfig) -> tuple[list[str], list[str]]:
     sb, outputs = config.sequence_batching, {t.name for t in config.output}
     inputs = [c.name for c in sb.control_input] + [s.input_name for s in sb.state]
     return inputs, [s.output_name for s in sb.state if s.output_name not in outputs]
+
+
+def packed_corrid(corrid: int | str, datatype: str) -> np.ndarray:
+    """The CORRID control value, one element of `datatype` (an integer type): the id, or for a
+    string id what tritonserver 2.51 writes (SequenceBatch::SetControlTensors): the string's
+    4-byte little-endian length and its bytes, cut to the integer's size ("abc" as UINT64 is
+    0x0063626100000003)."""
+    dtype = np.dtype(triton_to_np_dtype(datatype))
+    if not isinstance(corrid, str):
+        return np.array([corrid]).astype(dtype)
+    raw = len(corrid.encode()).to_bytes(4, "little") + corrid.encode() + bytes(dtype.itemsize)
+    return np.frombuffer(raw[:dtype.itemsize], dtype).copy()
+
+
+def check_controls(config: mc.ModelConfig) -> None:
+    """Triton's checks of the control inputs, made when the config is read (tritonserver 2.51
+    refuses such a config at poll, before any version loads). Raises ConfigError."""
+    spec = SequenceSpec.__new__(SequenceSpec)
+    spec.model = config.name
+    spec._controls(config.sequence_batching)
 
 
 class SequenceSpec:
@@ -200,17 +218,15 @@ class SequenceSpec:
         return State(s.input_name, s.output_name, datatype, value)
 
     def check_corrid(self, corrid: int | str, request_id: str = "") -> None:
-        """Raises InferError(400) when the id's type does not fit the CORRID control's
-        (Triton core's InferenceRequest::ValidateCorrelationId; 2.51 does not check yet and
-        runs a string id on a UINT64 CORRID)."""
-        if self.corrid_type is None:
-            return
-        is_str = isinstance(corrid, str)
-        if is_str != (self.corrid_type == "BYTES"):
+        """Raises InferError(400) for an integer id when the CORRID control is TYPE_STRING
+        (the check of later Tritons' InferenceRequest::ValidateCorrelationId; tritonserver
+        2.51 refuses it with a text that depends on memory contents,
+        docs/triton-conformance.md). A string id on an integer CORRID runs, as in 2.51, with
+        the CORRID value `packed_corrid` gives."""
+        if self.corrid_type == "BYTES" and not isinstance(corrid, str):
             log = f"[request id: {request_id}] " if request_id else ""
             raise InferError(f"{log}sequence batching control '{self.corrid_name}' data-type "
-                             f"is '{'BYTES' if is_str else 'UINT64'}', but model "
-                             f"'{self.model}' expects '{self.corrid_type}'")
+                             f"is 'UINT64', but model '{self.model}' expects 'BYTES'")
 
     def control_inputs(self, flags: int, ready: bool, corrid: int | str) -> dict:
         """The control tensors of one request ([1, 1] when the model batches, else [1])."""
@@ -219,10 +235,11 @@ class SequenceSpec:
         for c in self.controls:
             if c.kind == _KIND.CONTROL_SEQUENCE_CORRID:
                 value = corrid if ready else (b"" if self.corrid_type == "BYTES" else 0)
-                dtype = np.object_ if c.datatype == "BYTES" else triton_to_np_dtype(c.datatype)
-                if isinstance(value, str):
-                    value = value.encode()
-                out[c.name] = np.full(shape, value, dtype)
+                if c.datatype == "BYTES":
+                    out[c.name] = np.full(shape, value.encode() if isinstance(value, str)
+                                          else value, np.object_)
+                else:
+                    out[c.name] = packed_corrid(value, c.datatype).reshape(shape)
                 continue
             on = {_KIND.CONTROL_SEQUENCE_START: flags & SEQUENCE_START,
                   _KIND.CONTROL_SEQUENCE_END: flags & SEQUENCE_END,

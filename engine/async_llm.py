@@ -1,13 +1,16 @@
 """Asynchronous front of the engine: the engine loop in the background, streams for asyncio.
 
-Owns: one asyncio queue per request and the loop that steps the engine. Two interchangeable
-back-ends share the stream bookkeeping (`_StreamRouter`):
+Owns: one asyncio queue per request, and `EngineCore`, the one command loop that steps the
+engine: it takes add / abort / abort_all / stop commands between steps, steps while requests
+are unfinished, and emits ("added" | "add_error" | "outputs" | "stats", payload) messages. Two
+interchangeable back-ends carry the commands and messages, and share the stream bookkeeping
+and the handling of those messages (`_StreamRouter`):
 
-- `AsyncLLM` (the default): the engine loop runs in a background thread of this process. Torch
-  releases the GIL inside its kernels, so the event loop (HTTP, SSE) runs during the forward
-  pass.
-- `ProcessAsyncLLM`: the engine runs in a child process (its own GIL); commands and
-  `RequestOutput`s cross a pipe, pickled. `benchmarks/async_bench.py` compares the two.
+- `AsyncLLM` (in-process use): the core runs in a background thread of this process; commands
+  cross a queue and messages are handled as they are emitted. Torch releases the GIL inside its
+  kernels, so the event loop (HTTP, SSE) runs during the forward pass.
+- `ProcessAsyncLLM` (the server): the core runs in a child process (its own GIL); commands and
+  messages cross a pipe, pickled. `benchmarks/async_bench.py` compares the two.
 
 Errors: `add_request` errors (too long, queue full, bad token id) are raised to the caller of
 `generate` before any output. A request that fails during a step ends its own stream with
@@ -50,23 +53,54 @@ class EngineDeadError(RuntimeError):
 class _StreamRouter:
     """Per-request asyncio queues fed from a background thread; `generate` and `abort`."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, on_stats=None) -> None:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._pending: dict[str, Future] = {}      # adds the core has not acknowledged yet
         self.dead_error: BaseException | None = None
+        self.on_stats = on_stats
         # Requests the engine can hold (running + waiting): past it `generate` refuses at once,
         # without a round trip to the engine, which reads commands only between steps.
         self.capacity = config.max_num_seqs + config.max_waiting_requests
 
-    def _submit_add(self, args: tuple, fut: Future) -> None:
+    def _command(self, kind: str, payload) -> None:
+        """Send a command to the core. Raises OSError when the core is gone."""
         raise NotImplementedError
 
+    def _submit_add(self, args: tuple, fut: Future) -> None:
+        self._pending[args[0]] = fut
+        try:
+            self._command("add", args)
+        except OSError as e:          # the engine is gone
+            self._pending.pop(args[0], None)
+            _resolve(fut, EngineDeadError(f"the engine is not running: {e}"))
+
     def _submit_abort(self, request_id: str) -> None:
-        raise NotImplementedError
+        try:
+            self._command("abort", request_id)
+        except OSError:             # the engine is gone: nothing left to abort
+            pass
 
     def abort_all(self) -> None:
         """Abort every request the engine holds (a server shutting down): each stream ends with
         a last output whose unfinished choices have finish_reason "abort". Any thread."""
-        raise NotImplementedError
+        try:
+            self._command("abort_all", None)
+        except OSError:             # the engine is gone: its streams have failed already
+            pass
+
+    def _on_message(self, kind: str, payload) -> None:
+        """A message of the core (`EngineCore`): outputs to their streams, stats to
+        `on_stats(step_stats, snapshot)`, an add's acknowledgement to its waiter."""
+        if kind in ("outputs", "stats"):
+            outputs, step_stats, snapshot = payload
+            self._dispatch(outputs)
+            if self.on_stats is not None:
+                self.on_stats(step_stats, snapshot)
+        elif kind == "added":
+            _resolve(self._pending.pop(payload), None)
+        elif kind == "add_error":
+            rid, err = payload
+            _resolve(self._pending.pop(rid), err)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         """Hand a step's outputs to their streams (called from a background thread)."""
@@ -82,11 +116,15 @@ class _StreamRouter:
             loop.call_soon_threadsafe(_deliver, items)
 
     def _fail_all(self, error: BaseException) -> None:
-        """The engine is gone: later `generate` calls raise EngineDeadError, and every stream
-        in flight ends with RequestFailedError."""
+        """The engine is gone: later `generate` calls raise EngineDeadError, every stream in
+        flight ends with RequestFailedError, and adds it never acknowledged fail."""
         self.dead_error = error
         for loop, q in list(self._streams.values()):
             loop.call_soon_threadsafe(q.put_nowait, RequestFailedError(f"{error}"))
+        for rid in list(self._pending):
+            fut = self._pending.pop(rid, None)
+            if fut is not None:
+                _resolve(fut, EngineDeadError(f"the engine is not running: {error}"))
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, priority: int = 0) -> AsyncIterator[RequestOutput]:
@@ -143,57 +181,53 @@ class _StreamRouter:
         self._submit_abort(request_id)
 
 
-class AsyncLLM(_StreamRouter):
-    """The engine loop in a background thread of this process (see the module docstring)."""
+class _QueueCommands:
+    """`EngineCore`'s command source over a `queue.SimpleQueue` (the thread back-end)."""
 
-    def __init__(self, engine: LLMEngine) -> None:
-        super().__init__(engine.config)
+    def __init__(self) -> None:
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._next = None
+
+    def wait(self) -> None:
+        """Block until a command is there."""
+        if self._next is None:
+            self._next = self.inbox.get()
+
+    def poll(self) -> bool:
+        """Whether a command is there now."""
+        if self._next is None:
+            try:
+                self._next = self.inbox.get_nowait()
+            except queue.Empty:
+                return False
+        return True
+
+    def recv(self) -> tuple:
+        """The next command (after `poll` said there is one)."""
+        item, self._next = self._next, None
+        return item
+
+
+class AsyncLLM(_StreamRouter):
+    """The engine's `EngineCore` in a background thread of this process (see the module
+    docstring)."""
+
+    def __init__(self, engine: LLMEngine, on_stats=None) -> None:
+        super().__init__(engine.config, on_stats)
         self.engine = engine
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._stopped = threading.Event()
+        self._commands = _QueueCommands()
         self._thread = threading.Thread(target=self._run, name="continuum-engine", daemon=True)
         self._thread.start()
 
-    def _submit_add(self, args: tuple, fut: Future) -> None:
-        self._inbox.put(("add", (args, fut)))
-
-    def _submit_abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
-
-    def abort_all(self) -> None:
-        self._inbox.put(("abort_all", None))
+    def _command(self, kind: str, payload) -> None:
+        self._commands.inbox.put((kind, payload))
 
     def _run(self) -> None:
         try:
-            while not self._stopped.is_set():
-                self._drain_inbox(block=not self.engine.has_unfinished_requests())
-                if self.engine.has_unfinished_requests():
-                    self._dispatch(self.engine.step())
+            EngineCore(self.engine, self._on_message).run(self._commands)
         except BaseException as e:      # a bug: report it to every waiting stream
             logger.exception("engine loop died")
             self._fail_all(e)
-
-    def _drain_inbox(self, block: bool) -> None:
-        while True:
-            try:
-                kind, payload = (self._inbox.get(timeout=0.5) if block
-                                 else self._inbox.get_nowait())
-            except queue.Empty:
-                return
-            block = False
-            if kind == "add":
-                args, fut = payload
-                try:
-                    self.engine.add_request(*args)
-                    _resolve(fut, None)
-                except Exception as e:
-                    _resolve(fut, e)
-            elif kind == "abort":
-                self.engine.abort_request(payload)
-            elif kind == "abort_all":
-                self._dispatch(self.engine.abort_all())
-            elif kind == "stop":
-                return
 
     @property
     def is_alive(self) -> bool:
@@ -202,9 +236,71 @@ class AsyncLLM(_StreamRouter):
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop the loop after the current step (pending requests are dropped)."""
-        self._stopped.set()
-        self._inbox.put(("stop", None))
+        self._command("stop", None)
         self._thread.join(timeout)
+
+
+class EngineCore:
+    """The engine's command loop, whatever carries commands and messages: add / abort /
+    abort_all / stop are taken between steps; while requests are unfinished, the engine steps
+    and its outputs go out with the step's stats and a scheduler snapshot.
+
+    `emit(kind, payload)`: ("added", request id) / ("add_error", (request id, exception)) per
+    add; ("outputs", (outputs, step_stats, snapshot)) per step and after "abort_all";
+    ("stats", ([], [], snapshot)) after aborts that changed state without a step. The step-cost
+    gauge in the snapshot is refitted once a second and at the last step before idle."""
+
+    def __init__(self, engine: LLMEngine, emit) -> None:
+        self.engine, self.emit = engine, emit
+        self.step_stats: list = []
+        self.next_cost = 0.0                  # monotonic time of the next step-cost refit
+        engine.stat_loggers.append(self.step_stats.append)
+
+    def run(self, commands) -> None:
+        """Serve `commands` (`wait()` blocks until one is there, `poll()` says whether one is,
+        `recv()` takes it) and step until "stop"."""
+        engine = self.engine
+        while True:
+            if not engine.has_unfinished_requests():
+                commands.wait()
+            aborted = False
+            while commands.poll():
+                kind, payload = commands.recv()
+                if kind == "stop":
+                    return
+                aborted = self.handle(kind, payload) or aborted
+            if engine.has_unfinished_requests():
+                self.step()
+            elif aborted:
+                self.emit("stats", ([], [], engine_snapshot(engine)))
+
+    def handle(self, kind: str, payload) -> bool:
+        """One command other than stop; True for an abort (its state goes out after)."""
+        engine = self.engine
+        if kind == "add":
+            try:
+                engine.add_request(*payload)
+                self.emit("added", payload[0])
+            except Exception as e:
+                self.emit("add_error", (payload[0], e))
+        elif kind == "abort":
+            engine.abort_request(payload)
+            return True
+        elif kind == "abort_all":
+            self.emit("outputs", (engine.abort_all(), [], engine_snapshot(engine)))
+        return False
+
+    def step(self) -> None:
+        """One engine step; its outputs, stats and snapshot go out."""
+        engine = self.engine
+        outputs = engine.step()
+        now = time.monotonic()
+        with_cost = now >= self.next_cost or not engine.has_unfinished_requests()
+        if with_cost:
+            self.next_cost = now + 1.0
+        self.emit("outputs", (outputs, list(self.step_stats),
+                              engine_snapshot(engine, with_cost)))
+        self.step_stats.clear()
 
 
 def engine_snapshot(engine: LLMEngine, step_cost: bool = True) -> dict:
@@ -234,12 +330,9 @@ def engine_info(engine: LLMEngine) -> dict:
 
 
 def _engine_core_main(config: EngineConfig, conn) -> None:
-    """Child process of `ProcessAsyncLLM`: build the engine, then serve commands and step.
-
-    Messages to the parent: ("ready", info) once; ("added", id) / ("add_error", (id, exc));
-    ("outputs", (outputs, step_stats, snapshot)) per step and after "abort_all";
-    ("stats", ([], [], snapshot)) after commands that changed state without a step (aborts).
-    """
+    """Child process of `ProcessAsyncLLM`: build the engine, then run its `EngineCore` over the
+    pipe. Sends ("ready", info) once, then the core's messages; ("dead", message) if the engine
+    cannot start or must stop."""
     if not logging.getLogger().handlers:     # a spawned child starts without logging config
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     # A terminal's Ctrl-C reaches the whole process group: the parent owns shutdown (it sends
@@ -257,60 +350,41 @@ def _rank_died(message: str) -> None:
     os._exit(1)
 
 
+class _PipeCommands:
+    """`EngineCore`'s command source over the child's end of the pipe."""
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
+
+    def wait(self) -> None:
+        """Block until a command is there."""
+        self.conn.poll(None)
+
+    def poll(self) -> bool:
+        """Whether a command is there now."""
+        return self.conn.poll(0)
+
+    def recv(self) -> tuple:
+        """The next command."""
+        return self.conn.recv()
+
+
 def _engine_core_loop(config: EngineConfig, conn) -> None:
-    """Build the engine, then serve commands and step until "stop" (see `_engine_core_main`).
-    Sends ("dead", message) and returns if the engine cannot start or must stop."""
+    """Build the engine, then run its core until "stop" (see `_engine_core_main`)."""
     try:
         engine = LLMEngine(config, on_fatal=_rank_died)
     except BaseException as e:
         conn.send(("dead", f"{type(e).__name__}: {e}"))
         return
     try:
-        _serve(engine, conn)
+        conn.send(("ready", engine_info(engine)))
+        EngineCore(engine, lambda kind, payload: conn.send((kind, payload))).run(
+            _PipeCommands(conn))
     except TensorParallelError as e:
         logger.error("engine stopped: %s", e)
         conn.send(("dead", str(e)))
     finally:
         engine.shutdown()
-
-
-def _serve(engine: LLMEngine, conn) -> None:
-    """Serve commands and step until "stop"."""
-    step_stats: list = []
-    next_cost = 0.0                         # monotonic time of the next step-cost refit
-    engine.stat_loggers.append(step_stats.append)
-    conn.send(("ready", engine_info(engine)))
-    while True:
-        if not engine.has_unfinished_requests():
-            conn.poll(None)
-        aborted = False
-        while conn.poll(0):
-            kind, payload = conn.recv()
-            if kind == "add":
-                try:
-                    engine.add_request(*payload)
-                    conn.send(("added", payload[0]))
-                except Exception as e:
-                    conn.send(("add_error", (payload[0], e)))
-            elif kind == "abort":
-                engine.abort_request(payload)
-                aborted = True
-            elif kind == "abort_all":
-                conn.send(("outputs", (engine.abort_all(), [], engine_snapshot(engine))))
-            elif kind == "stop":
-                return
-        if engine.has_unfinished_requests():
-            outputs = engine.step()
-            # The step-cost gauge: refitted once a second, and at the last step before idle.
-            now = time.monotonic()
-            with_cost = now >= next_cost or not engine.has_unfinished_requests()
-            if with_cost:
-                next_cost = now + 1.0
-            conn.send(("outputs", (outputs, list(step_stats),
-                                   engine_snapshot(engine, with_cost))))
-            step_stats.clear()
-        elif aborted:
-            conn.send(("stats", ([], [], engine_snapshot(engine))))
 
 
 class ProcessAsyncLLM(_StreamRouter):
@@ -325,12 +399,11 @@ class ProcessAsyncLLM(_StreamRouter):
         exits without `shutdown()` (killed, out of memory), after every stream has failed.
         Raises EngineDeadError if the engine cannot start (message says why).
         """
-        super().__init__(config)
-        self.on_stats, self.on_dead = on_stats, on_dead
+        super().__init__(config, on_stats)
+        self.on_dead = on_dead
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self._send_lock = threading.Lock()
-        self._pending: dict[str, Future] = {}
         self._stopping = False           # set by shutdown(): the pipe closing is then expected
         self._proc = ctx.Process(target=_engine_core_main, args=(config, child),
                                  name="continuum-engine-core", daemon=True)
@@ -351,54 +424,19 @@ class ProcessAsyncLLM(_StreamRouter):
                                         daemon=True)
         self._reader.start()
 
-    def _fail_all(self, error: BaseException) -> None:
-        super()._fail_all(error)
-        for rid in list(self._pending):        # adds the engine never acknowledged
-            fut = self._pending.pop(rid, None)
-            if fut is not None:
-                _resolve(fut, EngineDeadError(f"the engine is not running: {error}"))
-
-    def _send(self, msg: tuple) -> None:
+    def _command(self, kind: str, payload) -> None:
         with self._send_lock:
-            self._conn.send(msg)
-
-    def _submit_add(self, args: tuple, fut: Future) -> None:
-        self._pending[args[0]] = fut
-        try:
-            self._send(("add", args))
-        except OSError as e:          # the engine process is gone
-            self._pending.pop(args[0], None)
-            fut.set_exception(EngineDeadError(f"the engine is not running: {e}"))
-
-    def _submit_abort(self, request_id: str) -> None:
-        try:
-            self._send(("abort", request_id))
-        except OSError:             # the engine is gone: nothing left to abort
-            pass
-
-    def abort_all(self) -> None:
-        try:
-            self._send(("abort_all", None))
-        except OSError:             # the engine is gone: its streams have failed already
-            pass
+            self._conn.send((kind, payload))
 
     def _read(self) -> None:
         reason = None
         try:
             while True:
                 kind, payload = self._conn.recv()
-                if kind in ("outputs", "stats"):
-                    outputs, step_stats, snapshot = payload
-                    self._dispatch(outputs)
-                    if self.on_stats is not None:
-                        self.on_stats(step_stats, snapshot)
-                elif kind == "added":
-                    _resolve(self._pending.pop(payload), None)
-                elif kind == "add_error":
-                    rid, err = payload
-                    _resolve(self._pending.pop(rid), err)
-                elif kind == "dead":            # it stopped itself and says why
+                if kind == "dead":              # it stopped itself and says why
                     reason = payload
+                else:
+                    self._on_message(kind, payload)
         except (EOFError, OSError):       # the pipe closed: shutdown, or the child died
             if self._stopping:
                 self._fail_all(EngineDeadError("the engine was shut down"))
@@ -423,7 +461,7 @@ class ProcessAsyncLLM(_StreamRouter):
         """Stop the engine process (terminated if it does not exit within `timeout` seconds)."""
         self._stopping = True
         try:
-            self._send(("stop", None))
+            self._command("stop", None)
         except OSError:
             pass
         self._proc.join(timeout)

@@ -49,7 +49,7 @@ async def prepare_chat(state, body: ChatCompletionRequest
     Raises: APIError 400 (bad tool choice, conflicting constraints, a template that rejects
     the conversation, a constraint that does not compile)."""
     try:
-        mode = tool_mode(body, state.enable_auto_tool_choice)
+        mode = tool_mode(body, state.config.enable_auto_tool_choice)
         so, field = body.constraint()
         tool_so = tool_constraint(body, mode)
         if tool_so is not None and so is not None:
@@ -59,8 +59,8 @@ async def prepare_chat(state, body: ChatCompletionRequest
     if tool_so is not None:
         so, field = tool_so, "tools"
     kwargs = {"tools": template_tools(body)} if body.tools else {}
-    if state.chat_template is not None:
-        kwargs["chat_template"] = state.chat_template
+    if state.config.chat_template is not None:
+        kwargs["chat_template"] = state.config.chat_template
     try:
         ids = state.tokenizer.apply_chat_template(
             template_messages(body), add_generation_prompt=body.add_generation_prompt,

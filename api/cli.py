@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -118,9 +117,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", default=None, choices=["hermes"],
                    help="how tool calls are found in the model's text (hermes: <tool_call> "
                         "JSON blocks)")
-    triton = p.add_argument_group("Triton / KServe v2 (non-LLM models)")
+    triton = p.add_argument_group("Triton / KServe v2 (the LLM is always a v2 model too)")
     triton.add_argument("--model-repository", default=None, metavar="DIR",
-                        help="serve the Triton model repository DIR on /v2 (default: none)")
+                        help="also serve the Triton model repository DIR on /v2 (default: "
+                             "none: /v2 serves the LLM alone)")
     triton.add_argument("--model-control-mode", default="none", choices=["none", "explicit"],
                         help="none: load every model at start; explicit: load --load-model "
                              "names at start, then on /v2/repository requests (default: none)")
@@ -132,9 +132,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                              "API categories (health, metadata, inference, shared-memory, "
                              "model-config, model-repository, statistics, trace, logging) need "
                              "header KEY: VALUE, else 403")
-    triton.add_argument("--grpc-port", type=int, default=8001, metavar="PORT",
-                        help="KServe v2 gRPC (Triton's GRPCInferenceService) port when a model "
-                             "repository is served; 0 turns gRPC off (default: %(default)s)")
+    triton.add_argument("--grpc-port", type=int, default=None, metavar="PORT",
+                        help="KServe v2 gRPC (Triton's GRPCInferenceService) port; 0 turns "
+                             "gRPC off (default: 8001 with --model-repository, else off)")
     triton.add_argument("--grpc-address", default=None, metavar="HOST",
                         help="gRPC bind address (default: --host)")
     triton.add_argument("--grpc-restricted-protocol", action="append", default=[],
@@ -197,66 +197,18 @@ def main(argv: list[str] | None = None) -> None:
     from triton_compat.grpc.core_env import import_grpc
     import_grpc()                        # first, with C-core's I/O on the gRPC loop thread
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    from api.ray_serve.config import data_parallel_config
+    from api.serve_config import serve_config
     try:
-        config = engine_config(args)
-        if not args.no_llm:
-            from engine.device import DeviceUnavailableError, check_device_dtype
-            try:
-                check_device_dtype(args.device, args.dtype)
-            except DeviceUnavailableError as e:
-                raise ValueError(str(e)) from None
-        if args.shutdown_timeout < 0:
-            raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
-        if not 0 < args.port < 65536:
-            raise ValueError(f"--port must be in 1..65535, got {args.port}")
-        if args.http_max_input_size < 1:
-            raise ValueError(f"--http-max-input-size must be >= 1, got "
-                             f"{args.http_max_input_size}")
-        from triton_compat.restricted import parse_restrictions
-        args.restrictions = parse_restrictions(args.http_restricted_api)
-        args.grpc_restrictions = parse_restrictions(args.grpc_restricted_protocol,
-                                                    "--grpc-restricted-protocol")
-        args.allow_client_shm = _bool_flag("--allow-client-shm", args.allow_client_shm)
-        if not 0 <= args.grpc_port < 65536:
-            raise ValueError(f"--grpc-port must be in 0..65535, got {args.grpc_port}")
-        if args.model_repository is not None and args.grpc_port == args.port:
-            raise ValueError(f"--grpc-port {args.grpc_port} is also --port")
-        if (args.restrictions or args.grpc_restrictions) and args.model_repository is None:
-            raise ValueError("--http-restricted-api / --grpc-restricted-protocol need "
-                             "--model-repository (they guard the v2 endpoints)")
-        if args.no_llm and args.model_repository is None:
-            raise ValueError("--no-llm needs --model-repository (there would be nothing to "
-                             "serve)")
-        if args.model_repository is not None and not Path(args.model_repository).is_dir():
-            raise ValueError(f"--model-repository {args.model_repository}: not a directory")
-        if args.enable_auto_tool_choice and args.tool_call_parser is None:
-            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
-        args.chat_template_text = _chat_template(args.chat_template)
-        if args.model is not None and not Path(args.model).exists():
-            raise ValueError(f"model {args.model!r} is not a local path "
-                             "(Continuum never downloads weights)")
-        if config.tensor_parallel_size > 1 and not args.no_llm:
-            _check_tensor_parallel(config)
-        from api.ray_serve.config import data_parallel_config
+        config = serve_config(args)
         data_parallel = data_parallel_config(args)
     except ValueError as e:
         print(f"continuum: error: {e}", file=sys.stderr)
         sys.exit(2)
     if data_parallel is not None:        # N replicas of this server behind Ray Serve
         from api.ray_serve.app import serve_ray
-        serve_ray(argv[1:], args, data_parallel)
-    serve(args, config)
-
-
-def _check_tensor_parallel(config) -> None:
-    """Raise ValueError (one line) where the model's heads do not split over the ranks, or
-    an accelerator has fewer devices than ranks."""
-    from engine.device import resolve_device
-    from engine.distributed.parallel import check_tensor_parallel
-    from engine.loader import resolve_model
-    from engine.models.llama import ModelConfig
-    check_tensor_parallel(ModelConfig.from_dir(resolve_model(config.model)),
-                          config.tensor_parallel_size, resolve_device(config.device))
+        serve_ray(argv[1:], config, data_parallel)
+    serve(config)
 
 
 def _bool_flag(flag: str, value: str) -> bool:
@@ -282,47 +234,33 @@ def _chat_template(value: str | None) -> str | None:
     raise ValueError(f"--chat-template {value}: no such file")
 
 
-def build_server(args: argparse.Namespace, config, host: str, port: int,
-                 grpc_address: tuple[str, int]):
-    """(uvicorn-based `Server`, `ServerState`) of `continuum serve` from parsed `args` and its
-    `EngineConfig`, for host:port (the server binds there unless given sockets), with KServe
-    v2 gRPC on `grpc_address` when a model repository is served (port 0: none)."""
+def build_server(config):
+    """(uvicorn-based `Server`, `ServerState`) of `continuum serve` from its `ServeConfig`
+    (api/serve_config.py), for config.host:config.port (the server binds there unless given
+    sockets), with KServe v2 gRPC on config.grpc_host:grpc_port (port 0: none). The v2 layer
+    always serves the LLM as a model, and the model repository when there is one."""
     import uvicorn
 
     from api.http_protocol import HttpToolsProtocol
     from api.lifecycle import Lifecycle, Server
     from api.server import ServerState, build_app
 
-    name = args.served_model_name or (Path(args.model).stem if args.model
-                                      else "SmolLM2-135M-Instruct")
-    api_key = args.api_key if args.api_key is not None else os.environ.get("CONTINUUM_API_KEY")
-    lifecycle = Lifecycle(args.shutdown_timeout)
-    state = ServerState(None if args.no_llm else config, name, api_key or None,
-                        base_url=f"http://{host}:{port}/v1", lifecycle=lifecycle,
-                        http_max_input_size=args.http_max_input_size,
-                        chat_template=args.chat_template_text,
-                        enable_auto_tool_choice=args.enable_auto_tool_choice)
-    if args.model_repository is not None:
-        state.repository_args = (args.model_repository, args.model_control_mode,
-                                 args.load_model)
-        state.restricted_apis = args.restrictions
-        state.grpc_restrictions = args.grpc_restrictions
-        state.grpc_address = grpc_address
-        state.allow_client_shm = args.allow_client_shm
-    uv_config = uvicorn.Config(build_app(state), host=host, port=port,
-                               log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5,
+    lifecycle = Lifecycle(config.shutdown_timeout)
+    state = ServerState(config, lifecycle=lifecycle)
+    uv_config = uvicorn.Config(build_app(state), host=config.host, port=config.port,
+                               log_level=config.uvicorn_log_level, timeout_graceful_shutdown=5,
                                http=HttpToolsProtocol,    # a response's writes as one send
                                # the access log logs at info: below that level it would only
                                # cost its formatting on every request
-                               access_log=args.uvicorn_log_level in ("trace", "debug", "info"))
+                               access_log=config.uvicorn_log_level in ("trace", "debug",
+                                                                       "info"))
     return Server(uv_config, lifecycle), state
 
 
-def serve(args: argparse.Namespace, config) -> None:
-    """Run the server until it stops; exits with the lifecycle's status (0 after a drain, 1 if
-    the engine died or failed to start)."""
-    server, state = build_server(args, config, args.host, args.port,
-                                 (args.grpc_address or args.host, args.grpc_port))
+def serve(config) -> None:
+    """Run the server of `config` (a `ServeConfig`) until it stops; exits with the lifecycle's
+    status (0 after a drain, 1 if the engine died or failed to start)."""
+    server, state = build_server(config)
     server.run()
     if state.llm is not None:            # after a forced stop the lifespan did not run
         state.llm.shutdown()

@@ -227,8 +227,6 @@ def embedding_model(state, name: str) -> EmbeddingModel:
     is_llm = state.engine_config is not None and name == state.served_model_name
     repo = state.repository
     if repo is None:
-        if state.repository_args is None:
-            raise _not_embedding(name) if is_llm else _not_found(name)
         if state.repository_error:
             raise APIError(503, f"the model repository failed to load: "
                                 f"{state.repository_error}", "service_unavailable")

@@ -33,6 +33,7 @@ from api.metrics import Metrics
 from api.openai_serving import ResponseContext, merge, sse_events
 from api.protocol import ChatCompletionRequest, CompletionRequest
 from engine.async_llm import ProcessAsyncLLM, RequestFailedError
+from api.serve_config import ServeConfig
 from engine.config import EngineConfig
 from scheduler.request import ParamError, QueueFullError, SamplingParams
 
@@ -42,32 +43,48 @@ VERSION = "0.1.0"
 
 @dataclass
 class ServerState:
-    """Everything the routes share. `llm` and `tokenizer` are set once the engine is ready."""
+    """The server's runtime state, shared by the routes; its settings are `config` (a frozen
+    `api.serve_config.ServeConfig`), read through the properties below. `llm` and `tokenizer`
+    are set once the engine is ready; `repository` once the v2 model repository has loaded."""
 
-    engine_config: EngineConfig | None       # None: no LLM (`--no-llm`)
-    served_model_name: str
-    api_key: str | None = None
-    base_url: str = "http://127.0.0.1:8000/v1"       # for the ready line
+    config: ServeConfig
     llm: ProcessAsyncLLM | None = None
     tokenizer: object = None
     info: dict = field(default_factory=dict)
     ready: bool = False
     load_error: str | None = None
     started: float = field(default_factory=time.time)
-    metrics: Metrics = None
-    repository_args: tuple | None = None      # (dir, control mode, --load-model names)
+    metrics: Metrics | None = None
     repository: object = None                 # triton_compat ModelRepository once loaded
     repository_error: str | None = None
-    http_max_input_size: int = 64 << 20       # bytes, largest request body (/v1 and /v2)
-    chat_template: str | None = None          # --chat-template (text), else the model's own
-    enable_auto_tool_choice: bool = False     # --enable-auto-tool-choice (hermes parser)
     grammars: object = None                   # engine.structured GrammarCompiler (validation)
-    restricted_apis: dict = field(default_factory=dict)   # v2 category -> (header, value)
-    grpc_restrictions: dict = field(default_factory=dict)  # same, for gRPC RPCs
-    grpc_address: tuple | None = None         # (host, port) of KServe v2 gRPC; port 0: off
-    allow_client_shm: bool = False            # --allow-client-shm
-    v2: object = None                         # triton_compat V2Context (with a repository)
+    v2: object = None                         # triton_compat V2Context
     lifecycle: Lifecycle = field(default_factory=Lifecycle)
+
+    @property
+    def engine_config(self) -> EngineConfig | None:
+        """The LLM's engine config; None with --no-llm."""
+        return None if self.config.no_llm else self.config.engine
+
+    @property
+    def served_model_name(self) -> str:
+        """The LLM's name on both APIs."""
+        return self.config.served_model_name
+
+    @property
+    def api_key(self) -> str | None:
+        """--api-key (or CONTINUUM_API_KEY); None: no auth."""
+        return self.config.api_key
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI base URL the ready line prints."""
+        return f"http://{self.config.host}:{self.config.port}/v1"
+
+    @property
+    def http_max_input_size(self) -> int:
+        """Largest request body, bytes (/v1 and /v2)."""
+        return self.config.http_max_input_size
 
     def __post_init__(self) -> None:
         self.metrics = Metrics(self.served_model_name)
@@ -86,16 +103,18 @@ class ServerState:
         """Load the Triton model repository (runs in a thread; failures are logged)."""
         from triton_compat.repository import ModelRepository
         try:
-            repository = ModelRepository(*self.repository_args)
+            c = self.config
+            repository = ModelRepository(c.model_repository, c.model_control_mode,
+                                         list(c.load_models))
             if self.engine_config is not None:      # the LLM, as Triton's vLLM backend shows it
                 from triton_compat.llm_model import LLMModel
                 repository.builtin[self.served_model_name] = LLMModel(
                     self.served_model_name, lambda: self.llm if self.ready else None,
                     lambda: self.tokenizer)
             self.repository = repository
-            logger.info("model repository %s: %s", self.repository_args[0],
+            logger.info("v2 models (repository %s): %s", self.config.model_repository,
                         ", ".join(f"{m['name']} {m.get('state', '')}"
-                                  for m in self.repository.index()))
+                                  for m in self.repository.index()) or "none")
         except Exception as e:
             self.repository_error = f"{type(e).__name__}: {e}"
             logger.error("model repository failed to load: %s", self.repository_error)
@@ -104,8 +123,7 @@ class ServerState:
         """Everything this server serves is ready: the LLM (if any) and the repository."""
         llm_ok = self.engine_config is None or (self.ready and self.llm is not None
                                                  and self.llm.is_alive)
-        repo_ok = self.repository_args is None or (self.repository is not None
-                                                   and self.repository.ready())
+        repo_ok = self.repository is not None and self.repository.ready()
         return llm_ok and repo_ok and not self.lifecycle.draining
 
     def load(self) -> None:
@@ -211,9 +229,9 @@ def _front(app: FastAPI, state: ServerState):
         outer = InferFastPath(outer, state.v2, state.http_max_input_size)
     if state.api_key:
         outer = BearerAuth(outer, api_key=state.api_key)
-    if state.restricted_apis:
+    if state.config.http_restrictions:
         from triton_compat.restricted import RestrictedAPI
-        outer = RestrictedAPI(outer, restrictions=state.restricted_apis)
+        outer = RestrictedAPI(outer, restrictions=state.config.http_restrictions)
     return InFlightGate(outer, lifecycle=state.lifecycle)
 
 
@@ -224,7 +242,9 @@ def build_app(state: ServerState, load_in_background: bool = True):
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state.lifecycle.loop = asyncio.get_running_loop()
-        if state.repository_args is not None and state.repository is None:
+        from triton_compat import bls               # BLS: python models call the repository
+        bls.install(lambda: state.repository, state.lifecycle.loop)
+        if state.repository is None:
             threading.Thread(target=state.load_repository, name="continuum-repository",
                              daemon=True).start()
         if load_in_background and state.llm is None and state.engine_config is not None:
@@ -246,16 +266,7 @@ def build_app(state: ServerState, load_in_background: bool = True):
     async def _api_error(_: Request, exc: APIError):
         return error_response(exc)
 
-    if state.repository_args is not None:
-        from triton_compat import routes
-        from triton_compat.context import V2Context
-        from triton_compat.metrics import TritonCollector
-        from triton_compat.shared_memory import SharedMemoryManager
-        state.v2 = V2Context(lambda: state.repository, state.all_ready, VERSION,
-                             SharedMemoryManager(state.allow_client_shm), state.lifecycle,
-                             state.grpc_restrictions)
-        routes.install(app, state.v2, state.http_max_input_size)
-        state.metrics.registry.register(TritonCollector(lambda: state.repository))
+    _install_v2(app, state)
 
     def engine_or_503() -> ProcessAsyncLLM:
         if state.engine_config is None:
@@ -353,10 +364,9 @@ def build_app(state: ServerState, load_in_background: bool = True):
                      "CompletionRequest": CompletionRequest}
     bodies = {("post", "/v1/chat/completions"): "ChatCompletionRequest",
               ("post", "/v1/completions"): "CompletionRequest"}
-    if state.repository_args is not None:
-        from triton_compat.openapi_schemas import BODIES, SCHEMAS
-        schemas |= SCHEMAS
-        bodies |= BODIES
+    from triton_compat.openapi_schemas import BODIES, SCHEMAS
+    schemas |= SCHEMAS
+    bodies |= BODIES
 
     def model_names() -> dict[str, list[str]]:
         repo = state.repository
@@ -369,14 +379,31 @@ def build_app(state: ServerState, load_in_background: bool = True):
     return _front(app, state)
 
 
+def _install_v2(app: FastAPI, state: ServerState) -> None:
+    """The KServe v2 / Triton layer: its routes on `app`, its metrics, `state.v2`. It serves
+    the LLM as a model, and the model repository when there is one."""
+    from api.http_protocol import requests_in_progress
+    from triton_compat import routes
+    from triton_compat.context import V2Context
+    from triton_compat.metrics import TritonCollector
+    from triton_compat.shared_memory import SharedMemoryManager
+    c = state.config
+    state.v2 = V2Context(lambda: state.repository, state.all_ready, VERSION,
+                         SharedMemoryManager(c.allow_client_shm), state.lifecycle,
+                         c.grpc_restrictions, busy=lambda: requests_in_progress() > 1)
+    routes.install(app, state.v2, state.http_max_input_size)
+    state.metrics.registry.register(TritonCollector(lambda: state.repository))
+
+
 async def _start_grpc(state: ServerState):
-    """Start KServe v2 gRPC on the running loop when a repository is served and the port is
-    not 0. A port that cannot be bound stops the server (exit status 1) with one line."""
-    if state.v2 is None or state.grpc_address is None or not state.grpc_address[1]:
+    """Start KServe v2 gRPC on the running loop unless its port is 0. A port that cannot be
+    bound stops the server (exit status 1) with one line."""
+    c = state.config
+    if state.v2 is None or not c.grpc_port:
         return None
     from triton_compat.grpc.server import start
     try:
-        return start(state.v2, *state.grpc_address)
+        return start(state.v2, c.grpc_host, c.grpc_port)
     except RuntimeError as e:
         logger.error("%s", e)
         state.lifecycle.begin_drain("gRPC failed to start", 0.0, exit_code=1)

@@ -67,7 +67,7 @@ def test_ray_serve_config_is_valid_and_builds_the_documented_app():
     module, name = app.import_path.split(":")
     assert callable(getattr(importlib.import_module(module), name))
 
-    args, _ = replica_args(argv_from_dict({"data-parallel-backend": "ray", **app.args}))
+    args = replica_args(argv_from_dict({"data-parallel-backend": "ray", **app.args}))
     dp = data_parallel_config(args)
     opts = dp.replica_options()
     assert opts["num_replicas"] == "auto"

@@ -13,7 +13,6 @@ In: `serve` argv (and the parsed namespace). Out: a running Serve application na
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import signal
@@ -48,7 +47,7 @@ def build_app(args: dict) -> Application:
     flags.setdefault("data-parallel-backend", "ray")
     argv = argv_from_dict(flags)
     try:
-        parsed, _ = replica_args(argv)
+        parsed = replica_args(argv)
     except SystemExit:
         raise ValueError(f"bad continuum serve flags: {' '.join(argv)}") from None
     return bind_app(argv, data_parallel_config(parsed))
@@ -69,7 +68,7 @@ def _start_ray(address: str | None, dp: DataParallelConfig) -> None:
              namespace="serve", log_to_driver=False)
 
 
-def serve_ray(argv: list[str], args: argparse.Namespace, dp: DataParallelConfig) -> None:
+def serve_ray(argv: list[str], config, dp: DataParallelConfig) -> None:
     """Run the data-parallel app until SIGTERM / SIGINT, then delete it (every replica drains
     for up to --shutdown-timeout) and exit 0; exit 1 if it fails to deploy."""
     import ray
@@ -80,13 +79,13 @@ def serve_ray(argv: list[str], args: argparse.Namespace, dp: DataParallelConfig)
         signal.signal(sig, lambda *_: stop.set())
     code = 0
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.start(http_options={"host": config.host, "port": config.port})
         serve.run(bind_app(argv, dp), name=APP_NAME, route_prefix="/", blocking=False)
         logger.info("ready: %s replica(s) behind http://%s:%d (router: %s)",
-                    dp.num_replicas or f"{dp.min_replicas}..{dp.max_replicas}", args.host,
-                    args.port, dp.request_router)
+                    dp.num_replicas or f"{dp.min_replicas}..{dp.max_replicas}", config.host,
+                    config.port, dp.request_router)
         stop.wait()
-        logger.info("stopping: replicas drain for up to %g s", args.shutdown_timeout)
+        logger.info("stopping: replicas drain for up to %g s", config.shutdown_timeout)
     except Exception as e:
         logger.error("the Ray Serve app failed: %s", e)
         code = 1

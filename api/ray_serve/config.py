@@ -2,8 +2,8 @@
 
 Owns: the `--data-parallel-backend` flag group (`add_data_parallel_flags`), the frozen
 `DataParallelConfig` built from parsed flags (a bad combination raises ValueError, which the CLI
-prints as one line and exits 2), `replica_args` (how a replica rebuilds the same server from the
-same argv), and `argv_from_dict` (the `args:` of a Ray Serve config file → that argv).
+prints as one line and exits 2), `replica_config` (how a replica rebuilds the same server from
+the same argv: the CLI's own checked `ServeConfig`, api/serve_config.py), and `argv_from_dict` (the `args:` of a Ray Serve config file → that argv).
 
 In: parsed `argparse.Namespace`, or a dict from `deploy/ray-serve.yaml`. Out: a
 `DataParallelConfig`, whose `replica_options()` / `ingress_options()` are keyword arguments of
@@ -195,18 +195,17 @@ def argv_from_dict(flags: dict) -> list[str]:
     return argv
 
 
-def replica_args(argv: list[str]) -> tuple[argparse.Namespace, object]:
-    """Parse `serve` flags (argv after `serve`) into the namespace and `EngineConfig` one
-    server needs, as `api.cli.main` does. Raises ValueError naming a bad flag (argparse errors
-    raise SystemExit(2) after printing the usage line)."""
-    from api.cli import _bool_flag, _chat_template, build_parser, engine_config
-    from triton_compat.restricted import parse_restrictions
+def replica_args(argv: list[str]) -> argparse.Namespace:
+    """The parsed `serve` flags of argv (after `serve`). argparse errors raise SystemExit(2)
+    after printing the usage line."""
+    from api.cli import build_parser
 
-    args = build_parser().parse_args(["serve", *argv])
-    config = engine_config(args)
-    args.restrictions = parse_restrictions(args.http_restricted_api)
-    args.grpc_restrictions = parse_restrictions(args.grpc_restricted_protocol,
-                                                "--grpc-restricted-protocol")
-    args.allow_client_shm = _bool_flag("--allow-client-shm", args.allow_client_shm)
-    args.chat_template_text = _chat_template(args.chat_template)
-    return args, config
+    return build_parser().parse_args(["serve", *argv])
+
+
+def replica_config(argv: list[str]):
+    """The `ServeConfig` a replica serves for `continuum serve ARGV`, checked as the CLI checks
+    it (api/serve_config.py). Raises ValueError naming a bad flag."""
+    from api.serve_config import serve_config
+
+    return serve_config(replica_args(argv))

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import httpx
 from ray import serve
 
-from api.ray_serve.config import replica_args
+from api.ray_serve.config import replica_config
 from api.ray_serve.metrics import PUBLISH_PERIOD_S, board
 
 logger = logging.getLogger("continuum.ray_serve")
@@ -65,12 +65,14 @@ class ResponseHead:
 
 def _build_server(argv: list[str], host: str, port: int):
     """(uvicorn `Server`, `ServerState`) of `continuum serve ARGV` on host:port, as
-    `api.cli.serve` builds them, without gRPC (only this replica reaches it). Raises
-    ValueError for a bad flag."""
+    `api.cli.serve` builds them, from the same checked `ServeConfig`, without gRPC (only this
+    replica reaches it). Raises ValueError for a bad flag."""
+    import dataclasses
+
     from api.cli import build_server
 
-    args, config = replica_args(argv)
-    return build_server(args, config, host, port, (host, 0))
+    config = dataclasses.replace(replica_config(argv), host=host, port=port, grpc_port=0)
+    return build_server(config)
 
 
 @serve.deployment(name="ContinuumReplica")

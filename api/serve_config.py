@@ -1,0 +1,115 @@
+"""One serve configuration: `continuum serve`'s flags as a frozen `ServeConfig`, validated once.
+
+Owns: `ServeConfig` (everything a server needs to start, the engine's `EngineConfig` inside)
+and `serve_config(args)`, the one place the serve flags are checked. `continuum serve`
+(api/cli.py) and every Ray Serve replica (api/ray_serve/replica.py) build their server from
+it, through `api/cli.py:build_server`, so a replica refuses what the CLI refuses.
+Flows in: the `serve` namespace of `api.cli.build_parser()`; flows out: a `ServeConfig`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """A server's settings, checked (`serve_config`). Ports are TCP ports (gRPC 0: off);
+    `http_max_input_size` bytes; `shutdown_timeout` seconds; restrictions map an API category
+    to the (header, value) a request must carry."""
+
+    engine: EngineConfig
+    no_llm: bool
+    served_model_name: str
+    api_key: str | None
+    host: str
+    port: int
+    shutdown_timeout: float
+    http_max_input_size: int
+    uvicorn_log_level: str
+    chat_template: str | None                 # the template's text (--chat-template)
+    enable_auto_tool_choice: bool
+    model_repository: str | None              # None: /v2 serves the LLM alone
+    model_control_mode: str
+    load_models: tuple[str, ...]
+    http_restrictions: dict = field(default_factory=dict)
+    grpc_restrictions: dict = field(default_factory=dict)
+    grpc_host: str = "0.0.0.0"
+    grpc_port: int = 0
+    allow_client_shm: bool = False
+
+
+def serve_config(args: argparse.Namespace) -> ServeConfig:
+    """The `ServeConfig` of parsed `serve` flags. Raises ValueError naming the bad flag."""
+    from api.cli import _bool_flag, _chat_template, engine_config
+    from triton_compat.restricted import parse_restrictions
+
+    config = engine_config(args)
+    _check_numbers(args)
+    if not args.no_llm:
+        _check_model(args, config)
+    grpc_port = args.grpc_port
+    if grpc_port is None:            # Triton's port with a repository; else only when asked
+        grpc_port = 8001 if args.model_repository is not None else 0
+    if not 0 <= grpc_port < 65536:
+        raise ValueError(f"--grpc-port must be in 0..65535, got {grpc_port}")
+    if grpc_port == args.port:
+        raise ValueError(f"--grpc-port {grpc_port} is also --port")
+    if args.no_llm and args.model_repository is None:
+        raise ValueError("--no-llm needs --model-repository (there would be nothing to "
+                         "serve)")
+    if args.model_repository is not None and not Path(args.model_repository).is_dir():
+        raise ValueError(f"--model-repository {args.model_repository}: not a directory")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    name = args.served_model_name or (Path(args.model).stem if args.model
+                                      else "SmolLM2-135M-Instruct")
+    api_key = args.api_key if args.api_key is not None else os.environ.get("CONTINUUM_API_KEY")
+    return ServeConfig(
+        engine=config, no_llm=args.no_llm, served_model_name=name, api_key=api_key or None,
+        host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,
+        http_max_input_size=args.http_max_input_size,
+        uvicorn_log_level=args.uvicorn_log_level,
+        chat_template=_chat_template(args.chat_template),
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        model_repository=args.model_repository, model_control_mode=args.model_control_mode,
+        load_models=tuple(args.load_model),
+        http_restrictions=parse_restrictions(args.http_restricted_api),
+        grpc_restrictions=parse_restrictions(args.grpc_restricted_protocol,
+                                             "--grpc-restricted-protocol"),
+        grpc_host=args.grpc_address or args.host, grpc_port=grpc_port,
+        allow_client_shm=_bool_flag("--allow-client-shm", args.allow_client_shm))
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    if args.http_max_input_size < 1:
+        raise ValueError(f"--http-max-input-size must be >= 1, got "
+                         f"{args.http_max_input_size}")
+
+
+def _check_model(args: argparse.Namespace, config: EngineConfig) -> None:
+    """The LLM's device, dtype, weights and tensor-parallel split."""
+    from engine.device import DeviceUnavailableError, check_device_dtype
+    try:
+        check_device_dtype(args.device, args.dtype)
+    except DeviceUnavailableError as e:
+        raise ValueError(str(e)) from None
+    if args.model is not None and not Path(args.model).exists():
+        raise ValueError(f"model {args.model!r} is not a local path "
+                         "(Continuum never downloads weights)")
+    if config.tensor_parallel_size > 1:
+        from engine.device import resolve_device
+        from engine.distributed.parallel import check_tensor_parallel
+        from engine.loader import resolve_model
+        from engine.models.llama import ModelConfig
+        check_tensor_parallel(ModelConfig.from_dir(resolve_model(config.model)),
+                              config.tensor_parallel_size, resolve_device(config.device))

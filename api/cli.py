@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -264,6 +265,9 @@ def serve(config) -> None:
     server.run()
     if state.llm is not None:            # after a forced stop the lifespan did not run
         state.llm.shutdown()
+    if state.stuck:                      # a model's thread never returns: exit without it
+        logging.shutdown()
+        os._exit(server.lifecycle.exit_code)
     sys.exit(server.lifecycle.exit_code)
 
 

@@ -59,6 +59,7 @@ class ServerState:
     repository_error: str | None = None
     grammars: object = None                   # engine.structured GrammarCompiler (validation)
     v2: object = None                         # triton_compat V2Context
+    stuck: bool = False                       # a model's code still ran at shutdown
     lifecycle: Lifecycle = field(default_factory=Lifecycle)
 
     @property
@@ -91,9 +92,12 @@ class ServerState:
         self.lifecycle.abort_all = self.abort_all
 
     def abort_all(self) -> None:
-        """Abort every engine request (the drain's deadline passed); streams end with "abort"."""
+        """The drain's deadline passed: abort every engine request (streams end with "abort")
+        and answer every v2 request still in flight with 503."""
         if self.llm is not None:
             self.llm.abort_all()
+        if self.repository is not None:
+            self.repository.abort_all("the server is shutting down")
 
     def engine_died(self, message: str) -> None:
         """The engine process is gone (reader thread): stop the server, exit status 1."""
@@ -255,8 +259,8 @@ def build_app(state: ServerState, load_in_background: bool = True):
             await asyncio.to_thread(lambda: grpc_server.stop(1.0).wait())
         if state.llm is not None:
             state.llm.shutdown()
-        if state.repository is not None:
-            state.repository.close()
+        if state.repository is not None and not state.repository.close():
+            state.stuck = True          # a model's code still runs: do not wait for it at exit
         if state.v2 is not None:
             state.v2.shm.close()
 

@@ -106,8 +106,12 @@ class SequenceBatcher:
 
     def __len__(self) -> int:
         """Requests waiting: queued in slots or in the backlog."""
-        return sum(len(s.queue) for row in self.slots for s in row) + \
-            sum(len(b.items) for b in self._backlogs)
+        return sum(self.waiting())
+
+    def waiting(self) -> tuple[int, int]:
+        """(requests queued in slots, requests in the backlog)."""
+        return (sum(len(s.queue) for row in self.slots for s in row),
+                sum(len(b.items) for b in self._backlogs))
 
     def enqueue(self, item: SeqItem, now_us: int, timeout_us: int = 0) -> Slot | None:
         """Queue `item` in its sequence's slot, or in the backlog when no slot is free (then

@@ -8,6 +8,8 @@ process. Real server processes, real clients:
   `[DONE]`); a second signal stops at once;
 - a killed engine: every in-flight request gets an error within a second, liveness 503, the
   server exits non-zero within a few seconds;
+- a python model whose code never returns (execute, finalize) does not keep the server from
+  exiting;
 - never a traceback in the log.
 """
 
@@ -218,3 +220,42 @@ def test_engine_death_fails_in_flight_requests_and_exits_non_zero(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     text = _no_traceback(log)
     assert "engine process exited unexpectedly (exit code -9)" in text
+
+
+def test_a_model_that_never_returns_does_not_hold_the_exit(tmp_path):
+    """A request is stuck in a python model's execute (and its finalize would wait forever
+    too): SIGTERM still ends the server within its bounded shutdown, with status 0 and no
+    traceback; the stuck request's connection is closed."""
+    from pathlib import Path
+
+    repo = tmp_path / "repo"
+    (repo / "stuck" / "1").mkdir(parents=True)
+    (repo / "stuck" / "1" / "model.py").symlink_to(
+        Path(__file__).parent / "triton_models" / "stuck_model.py")
+    (repo / "stuck" / "config.pbtxt").write_text(
+        'backend: "python" max_batch_size: 0 input [ { name: "IN" data_type: TYPE_INT32 '
+        'dims: [ 1 ] } ] output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]')
+    log = tmp_path / "server.log"
+    proc, base = start_server(["--no-llm", "--model-repository", str(repo),
+                               "--uvicorn-log-level", "warning"], "/v2/health/ready", log,
+                              new_session=True)
+    try:
+        def stuck_request():
+            try:
+                httpx.post(f"{base}/v2/models/stuck/infer", timeout=120, json={"inputs": [
+                    {"name": "IN", "datatype": "INT32", "shape": [1], "data": [1]}]})
+            except httpx.HTTPError:
+                pass
+        worker = threading.Thread(target=stuck_request, daemon=True)
+        worker.start()
+        time.sleep(1.0)                          # the request is in execute now
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        worker.join(10)
+        assert not worker.is_alive()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text(errors="replace")
+    assert "Traceback" not in text, text[-3000:]
+    assert "an execution did not end" in text

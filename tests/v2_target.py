@@ -91,9 +91,8 @@ DEVIATIONS = {
         "Tritons that have the flag (newer than 2.51, which always allows it) answer 501 / "
         "UNIMPLEMENTED, which load balancers and fuzzers read as a server fault.",
     "model-output-checked":
-        "A python model output that disagrees with its config (missing, wrong datatype, wrong "
-        "batch rows) fails that request with 500 naming the output; tritonserver 2.51 sends "
-        "it as the model made it, which a client cannot tell from a good answer.",
+        "A python model that does not return an output the client asked for fails that "
+        "request with 500 naming the output; tritonserver 2.51 answers without it.",
 }
 
 

@@ -71,7 +71,7 @@ class BatchStrategy:
             raise ConfigError(f"{path}: the batch strategy does not define {missing[0]}()")
         self.module, self.model = module, config.name
         try:
-            self.batcher = module.batcher_initialize(config_to_json(config))
+            self.batcher = module.batcher_initialize(config_to_json(config, defaults=True))
         except Exception as e:
             raise ConfigError(f"{path}: batcher_initialize failed: {type(e).__name__}: "
                               f"{e}") from None

@@ -182,10 +182,10 @@ def batcher_config(config: mc.ModelConfig) -> BatcherConfig:
 
 
 def config_to_json(config: mc.ModelConfig, defaults: bool = False) -> dict:
-    """The config as Triton serves it at `/v2/models/{m}/config`: protobuf JSON with the proto
-    field names and 64-bit integers as JSON numbers (protobuf's JSON writes them as strings).
-    `defaults`: every field, also those left at their default (what a python model's
-    `auto_complete_config` gets)."""
+    """The config as JSON: protobuf JSON with the proto field names and 64-bit integers as JSON
+    numbers (protobuf's JSON writes them as strings). `defaults`: also the fields left at
+    their default (`max_batch_size: 0`, `optional: false`, empty lists), as tritonserver writes
+    the config at `/v2/models/{m}/config` and in a python model's `args["model_config"]`."""
     return _ints(MessageToDict(config, preserving_proto_field_name=True,
                                always_print_fields_with_no_presence=defaults),
                  config.DESCRIPTOR)

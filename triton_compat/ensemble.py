@@ -52,8 +52,9 @@ class EnsembleRuntime:
         run.launch()
         return run.future
 
-    def close(self, timeout_s: float = 30.0) -> None:
-        """Nothing to release: composing models are unloaded on their own."""
+    def close(self, timeout_s: float = 30.0) -> bool:
+        """Nothing to release: composing models are unloaded on their own. True."""
+        return True
 
 
 class _EnsembleRun:

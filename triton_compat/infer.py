@@ -21,6 +21,7 @@ from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor, 
 
 from triton_compat.backends import BackendRequest
 from triton_compat.errors import InferError
+from triton_compat.validate import output_datatype
 
 @dataclass
 class ShmRef:
@@ -188,7 +189,9 @@ class Inference:
             wanted = [OutputRequest(name) for name in types]
         else:                   # an output asked for twice is sent once, as Triton 2.51
             wanted = list({o.name: o for o in reversed(request.outputs)}.values())[::-1]
-        result = [OutputTensor(o.name, types[o.name], outputs[o.name], o) for o in wanted]
+        sig = rt.signature
+        result = [OutputTensor(o.name, output_datatype(sig, o.name, outputs[o.name]),
+                               outputs[o.name], o) for o in wanted]
         for t in result:
             if t.request.shm is not None:
                 self.shm.write(t.request.shm, tensor_bytes(t.datatype, t.array), t.name)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -262,8 +263,25 @@ class ModelRepository:
         return all(e.state == "READY" for e in self.models.values()
                    if e.reason != "unloaded")
 
-    def close(self) -> None:
-        """Unload everything (finalize python models)."""
+    def abort_all(self, message: str) -> None:
+        """Answer every v2 request still in flight with 503 `message` (the drain's deadline
+        passed); the LLM's requests are aborted by its engine."""
         with self.lock:
-            for name in list(self.models):
-                self._unload(name)
+            runtimes = [rt for e in self.models.values() for rt in e.runtimes.values()]
+        for rt in runtimes:
+            abort = getattr(rt, "abort_all", None)
+            if abort is not None:
+                abort(message)
+
+    def close(self, timeout_s: float = 10.0) -> bool:
+        """Unload everything (finalize python models) within `timeout_s` seconds in all (a
+        server's shutdown). Returns False when a model's code was still running after it
+        (logged; the caller should not wait for its threads)."""
+        deadline = time.monotonic() + timeout_s
+        clean = True
+        with self.lock:
+            for entry in self.models.values():
+                for rt in entry.runtimes.values():
+                    clean = rt.close(max(0.0, deadline - time.monotonic())) and clean
+                entry.runtimes, entry.state, entry.reason = {}, "UNAVAILABLE", "unloaded"
+        return clean

@@ -99,7 +99,7 @@ def _router(ctx: V2Context, max_input_size: int) -> APIRouter:
     @router.get("/v2/models/{model}/config")
     @router.get("/v2/models/{model}/versions/{version}/config")
     async def model_config(model: str, version: str = ""):
-        return config_to_json(repo().runtime(model, version).config)
+        return config_to_json(repo().runtime(model, version).config, defaults=True)
 
     @router.post("/v2/models/{model}/infer")
     @router.post("/v2/models/{model}/versions/{version}/infer")

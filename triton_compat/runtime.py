@@ -14,6 +14,7 @@ futures of a batch are resolved only after those of every earlier batch.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
@@ -32,6 +33,7 @@ from triton_compat.stats import ModelStats
 from triton_compat.validate import Signature, check_inputs, check_outputs, check_result
 
 
+logger = logging.getLogger("continuum.triton")
 # Triton's text for one-response inference of a decoupled model (http_server.cc)
 DECOUPLED_HTTP = "HTTP end point doesn't support models with decoupled transaction policy"
 # Triton core's text (infer_request.cc) for a request a model asked to run again when the model
@@ -59,6 +61,15 @@ def settle(future: Future, result) -> None:
             future.set_result(result)
     except InvalidStateError:          # cancelled meanwhile
         pass
+
+
+def _bounded(fn, timeout_s: float) -> bool:
+    """Run `fn()` on a daemon thread; whether it ended within `timeout_s` seconds (a model's
+    stuck `finalize` must not hold a server's shutdown)."""
+    thread = threading.Thread(target=fn, name="triton-finalize", daemon=True)
+    thread.start()
+    thread.join(max(0.0, timeout_s))
+    return not thread.is_alive()
 
 
 def _mark_cancelled(future: Future, request: BackendRequest) -> None:
@@ -118,6 +129,7 @@ class ModelRuntime:
         self.exec_us: float | None = None     # moving average of execute wall time, µs
         self.inline_banned = False            # an execution once took over INLINE_BAN_US
         self._drain_pending = False           # a `_drain` is queued on the event loop
+        self.inflight: set[Future] = set()    # futures of requests not answered yet
         self.thread = threading.Thread(target=self._loop, name=f"batcher-{config.name}",
                                        daemon=True)
         self.thread.start()
@@ -198,6 +210,8 @@ class ModelRuntime:
         item = Pending(Job(request, future, time.perf_counter_ns()), now, batch_size, shape_key,
                        level, now + timeout if timeout else None)
         future.add_done_callback(lambda f: _mark_cancelled(f, request))
+        self.inflight.add(future)
+        future.add_done_callback(self.inflight.discard)
         with self.cond:
             if self.stopping:
                 raise InferError(f"model '{self.config.name}' is being unloaded", 503)
@@ -353,8 +367,8 @@ class ModelRuntime:
                     self._release_seq += 1
             if chain and self.queue.items:
                 job = self._claim_ready(_now_us())
-            if self._waiting_work():  # wake the batcher only when it has work for an instance
-                self.cond.notify_all()
+            if self._waiting_work() or self.stopping:   # the batcher has work; or close()
+                self.cond.notify_all()                    # waits for the last execution
         for done, result in ready:
             settle(done.future, result)
         return job
@@ -368,14 +382,35 @@ class ModelRuntime:
         self.stats.record_failure(time.perf_counter_ns() - p.key.enqueued_ns)
         settle(p.key.future, error)
 
-    def close(self, timeout_s: float = 30.0) -> None:
-        """Stop accepting, let queued and running requests finish, then finalize instances."""
+    def abort_all(self, message: str) -> None:
+        """Answer every request not answered yet with InferError(503, `message`) (a server
+        past its drain deadline): queued ones never run, and a running one's result is
+        dropped when its execution ends."""
+        for future in list(self.inflight):
+            settle(future, InferError(message, 503))
+
+    def close(self, timeout_s: float = 30.0) -> bool:
+        """Stop accepting, let queued and running requests finish, then finalize instances,
+        all within `timeout_s` seconds. Returns False when that time ran out: an execution or
+        a `finalize` of the model's code was still running (it is logged and left behind)."""
+        deadline = time.monotonic() + timeout_s
         with self.cond:
             self.stopping = True
             self.cond.notify_all()
         self.thread.join(timeout_s)
-        self.pool.shutdown(wait=True)
-        for inst in self.instances:
-            inst.close()
+        self.pool.shutdown(wait=False)
+        with self.cond:
+            idle = self.cond.wait_for(lambda: self.executing == 0,
+                                      max(0.0, deadline - time.monotonic()))
+        if not idle:
+            logger.error("model %s: an execution did not end within %.0f s; its instances are "
+                         "not finalized", self.config.name, timeout_s)
+            return False
+        done = _bounded(lambda: [inst.close() for inst in self.instances],
+                        deadline - time.monotonic())
+        if not done:
+            logger.error("model %s: finalize did not end within %.0f s", self.config.name,
+                         timeout_s)
         if self.strategy is not None:
             self.strategy.close()
+        return done

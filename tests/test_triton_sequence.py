@@ -349,6 +349,16 @@ def test_iterative_requests_over_a_grpc_stream(v2_servers):
     assert by_id == {"a": [1, 0], "b": [2, 1, 0]}
 
 
+def test_a_response_returned_for_a_rescheduled_request_fails_it(v2_servers):
+    """A model that asks to run a request again must return None for it (the python backend's
+    rule): a response instead fails that request with Triton's text, once."""
+    base = v2_servers["main"][0]
+    r = _post(base, "wrong_reschedule", _body({}))
+    assert r.status_code == 500 and "Expected a None object in the execute function return " \
+        "list for reschduled request" in r.json()["error"]
+    alive(base)
+
+
 @differs("reschedule-refused")
 def test_rescheduling_without_iterative_sequence_is_refused(v2_servers):
     base = v2_servers["main"][0]

@@ -136,6 +136,13 @@ def repository(root: Path) -> Path:
             'output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] }, '
             '{ name: "BATCH" data_type: TYPE_INT32 dims: [ 1 ] } ] '
             'parameters { key: "delay_ms" value { string_value: "30" } }')
+    (root / "wrong_reschedule" / "1").mkdir(parents=True)
+    (root / "wrong_reschedule" / "1" / "model.py").symlink_to(
+        ROOT / "tests/triton_models/wrong_reschedule_model.py")
+    (root / "wrong_reschedule" / "config.pbtxt").write_text(
+        'backend: "python" max_batch_size: 4 sequence_batching { iterative_sequence: true } '
+        'input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ] '
+        'output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]')
     if not ON_TRITON:           # a Continuum batch strategy; a pytorch-backend model
         seq_model(root, "volume", "dynamic_batching { max_queue_delay_microseconds: 200000 } "
                   'parameters { key: "MAX_BATCH_VOLUME_BYTES" value { string_value: "12" } }',

@@ -180,11 +180,12 @@ class PythonBackend(Backend):
             sender = answer.sender
             if answer.done:
                 results.append(answer.result)
-            elif r.reschedule:
-                results.append({})
-            elif error is not None:
+            elif error is not None:    # a failed execution answers, and never runs again
+                r.reschedule = False
                 sender.close()
                 results.append(error)
+            elif r.reschedule:
+                results.append({})
             elif not p.sender_taken() or sender.is_closed():
                 results.append(InferError(f"python model '{self.name}' returned no response "
                                           "for a request and sent none", 500))

@@ -159,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_engine_flags(sub.add_parser("serve", help="serve a model over the OpenAI API"))
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    from benchmarks.serve_bench import add_arguments
+    from benchmarks.servebench.serve_bench import add_arguments
     add_arguments(bench.add_parser("serve", help="load-test an OpenAI-compatible server"))
     bench.add_parser("compare", add_help=False,
                      help="Continuum vs the transformers baseline (see --help)")
@@ -187,12 +187,12 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of the `continuum` console script; exits 2 with one line on a bad flag."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:2] == ["bench", "compare"]:
-        from benchmarks.compare import main as compare_main
+        from benchmarks.servebench.compare import main as compare_main
         compare_main(argv[2:])
         return
     args = build_parser().parse_args(argv)
     if args.command == "bench":
-        from benchmarks.serve_bench import main as bench_main
+        from benchmarks.servebench.serve_bench import main as bench_main
         bench_main(argv[2:])
         return
     from triton_compat.grpc.core_env import import_grpc

@@ -7,7 +7,7 @@ process) and each concurrency, N streamed requests (random prompts, EOS ignored)
 5 ms sleep wakes up — what an HTTP request arriving meanwhile would wait).
 
 Prints one JSON line per (back-end, concurrency): output throughput (tok/s), mean TTFT (ms),
-ITL p50 / p99 (ms), event-loop lag p50 / p99 (ms).
+ITL p50 / p99 (ms), event-loop lag p50 / p99 (ms); `--save-result FILE` writes them as a list.
 
     python benchmarks/async_bench.py [--concurrency 1,64] [--dtype bfloat16]
 """
@@ -25,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.harness import add_save_result, save_result  # noqa: E402
 from engine.async_llm import AsyncLLM, ProcessAsyncLLM  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
@@ -76,13 +77,16 @@ async def run_load(llm, concurrency: int, input_len: int, output_len: int, seed:
             "p99_loop_lag_ms": round(pct(lags, 0.99) * 1e3, 2)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Run every (back-end, concurrency) point; print, save and return their results."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--concurrency", default="1,64")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
-    args = ap.parse_args()
+    add_save_result(ap)
+    args = ap.parse_args(argv)
+    results = []
     config = EngineConfig(dtype=args.dtype, device="cpu", kv_cache_memory=1.0,
                           max_model_len=args.input_len + args.output_len + 16)
     for backend in ("thread", "process"):
@@ -91,10 +95,13 @@ def main() -> None:
             asyncio.run(run_load(llm, 2, args.input_len, 8, seed=999))       # warm-up
             for c in map(int, args.concurrency.split(",")):
                 r = asyncio.run(run_load(llm, c, args.input_len, args.output_len, seed=c))
-                print(json.dumps({"benchmark": "async_backend", "backend": backend,
-                                  "concurrency": c, "dtype": args.dtype, **r}), flush=True)
+                results.append({"benchmark": "async_backend", "backend": backend,
+                                "concurrency": c, "dtype": args.dtype, **r})
+                print(json.dumps(results[-1]), flush=True)
         finally:
             llm.shutdown()
+    save_result(args.save_result, results)
+    return results
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ each attention path, interleaved in rounds so that machine noise hits all alike:
 - `torch_grouped`: the pure-torch path (CUDA / NPU) with decode groups of similar context;
 - `torch_one_group`: the pure-torch path with one group padded to the step's longest context.
 
-Prints one JSON line with the median step time of each (ms) and the ratios to `kernels`.
+Prints one JSON line (and writes it to `--save-result FILE`) with the median step time of each
+(ms) and the ratios to `kernels`.
     python benchmarks/attention_bench.py [--dtype bfloat16] [--batch 64]
         [--min-len 32] [--max-len 1536] [--rounds 6]
 """
@@ -26,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import engine.model_runner as runner_module  # noqa: E402
+from benchmarks.harness import add_save_result, save_result  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from scheduler.request import SamplingParams  # noqa: E402
@@ -40,6 +42,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-len", type=int, default=1536)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--steps-per-round", type=int, default=4)
+    add_save_result(p)
     args = p.parse_args(argv)
     eng = LLMEngine(EngineConfig(dtype=args.dtype, kv_cache_memory=2.0))
     rng = random.Random(0)
@@ -77,6 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
               **{f"{k}_over_kernels": round(v / med["kernels"], 2)
                  for k, v in med.items() if k != "kernels"}}
     print(json.dumps(result))
+    save_result(args.save_result, result)
     return result
 
 

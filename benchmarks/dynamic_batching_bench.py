@@ -8,8 +8,8 @@ and drives every variant in turn with the same closed loop: `--concurrency` clie
 answered, for `--duration` seconds after a warm-up. Models: `content_type` (ONNX) and
 `text_embedding` (ensemble: tokenizer → encoder → pooling; off = no batching in any step).
 
-Prints one JSON line: per model, requests/s and p50 / p99 latency (ms) for on and off, the
-throughput ratio, and whether p99 is no worse. Usage:
+Prints one JSON line (and writes it to `--save-result FILE`): per model, requests/s and
+p50 / p99 latency (ms) for on and off, the throughput ratio, and whether p99 is no worse. Usage:
     python benchmarks/dynamic_batching_bench.py [--duration 15] [--concurrency 20]
 """
 
@@ -21,14 +21,14 @@ import json
 import re
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.compare import _free_port, _start, _stop  # noqa: E402
+from benchmarks.harness import (add_save_result, closed_loop, continuum,  # noqa: E402
+                                latency_summary, save_result)
 from examples.prepare_model_repository import prepare  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,37 +78,36 @@ def _request(model: str, i: int, rng: np.random.Generator):
 
 async def drive(url: str, model: str, concurrency: int, duration: float,
                 warmup: float) -> dict:
-    """Closed loop of `concurrency` clients; latencies of requests sent after the warm-up."""
+    """Closed loop of `concurrency` clients (`harness.closed_loop`) against `model`:
+    requests/s, p50 / p99 latency (ms) of the requests sent after the warm-up, failures."""
     import tritonclient.http.aio as aioclient
 
     client = aioclient.InferenceServerClient(url, conn_limit=concurrency)
-    latencies, failures = [], 0
-    start = time.perf_counter()
-    measure_from, stop_at = start + warmup, start + warmup + duration
+    rngs = [np.random.default_rng(w) for w in range(concurrency)]
 
-    async def worker(w: int) -> None:
-        nonlocal failures
-        rng = np.random.default_rng(w)
-        i = w
-        while time.perf_counter() < stop_at:
-            inputs = _request(model, i, rng)
-            t0 = time.perf_counter()
-            try:
-                await client.infer(model, inputs)
-            except Exception:
-                failures += 1
-                continue
-            if t0 >= measure_from:
-                latencies.append(time.perf_counter() - t0)
-            i += concurrency
+    def request(w: int, i: int):
+        return client.infer(model, _request(model, i, rngs[w]))
 
-    await asyncio.gather(*(worker(w) for w in range(concurrency)))
-    await client.close()
-    lat = np.array(latencies) * 1000
-    return {"requests_per_s": round(len(lat) / duration, 1),
-            "p50_ms": round(float(np.percentile(lat, 50)), 1) if len(lat) else None,
-            "p99_ms": round(float(np.percentile(lat, 99)), 1) if len(lat) else None,
-            "completed": len(lat), "failed": failures}
+    try:
+        latencies, failures = await closed_loop(request, concurrency, duration, warmup)
+    finally:
+        await client.close()
+    return {**latency_summary(latencies, duration, digits=1), "failed": failures}
+
+
+def _measure(host: str, models: list[str], args) -> dict:
+    """Per model, the closed loop with batching on, then off, and their comparison."""
+    result = {}
+    for model in models:
+        on = asyncio.run(drive(host, model, args.concurrency, args.duration, args.warmup))
+        off = asyncio.run(drive(host, f"{model}_nobatch", args.concurrency, args.duration,
+                                args.warmup))
+        result[model] = {
+            "batching_on": on, "batching_off": off,
+            "throughput_ratio": round(on["requests_per_s"] / off["requests_per_s"], 2),
+            "p99_no_worse": on["p99_ms"] <= off["p99_ms"]}
+        print(f"{model}: {json.dumps(result[model])}", file=sys.stderr, flush=True)
+    return result
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -118,31 +117,19 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--warmup", type=float, default=3.0, help="seconds not measured first")
     p.add_argument("--concurrency", type=int, default=20, help="concurrent clients")
     p.add_argument("--models", default="content_type,text_embedding")
+    add_save_result(p)
     args = p.parse_args(argv)
     prepare()                                   # the example model files (idempotent)
     result = {"concurrency": args.concurrency, "duration_s": args.duration}
     with tempfile.TemporaryDirectory() as tmp:
         repo = Path(tmp)
         build_repository(repo)
-        port = _free_port()
-        proc = _start([sys.executable, "-m", "api", "serve", "--no-llm", "--port", str(port),
-                       "--model-repository", str(repo), "--uvicorn-log-level", "warning",
-                       "--grpc-port", "0"],
-                      f"http://127.0.0.1:{port}", "/v2/health/ready", timeout=180)
-        try:
-            for model in args.models.split(","):
-                on = asyncio.run(drive(f"127.0.0.1:{port}", model, args.concurrency,
-                                       args.duration, args.warmup))
-                off = asyncio.run(drive(f"127.0.0.1:{port}", f"{model}_nobatch",
-                                        args.concurrency, args.duration, args.warmup))
-                result[model] = {
-                    "batching_on": on, "batching_off": off,
-                    "throughput_ratio": round(on["requests_per_s"] / off["requests_per_s"], 2),
-                    "p99_no_worse": on["p99_ms"] <= off["p99_ms"]}
-                print(f"{model}: {json.dumps(result[model])}", file=sys.stderr, flush=True)
-        finally:
-            _stop(proc)
+        flags = ["--no-llm", "--model-repository", str(repo), "--uvicorn-log-level", "warning",
+                 "--grpc-port", "0"]
+        with continuum(flags, ready_path="/v2/health/ready", timeout=180) as srv:
+            result |= _measure(srv.base.removeprefix("http://"), args.models.split(","), args)
     print(json.dumps(result))
+    save_result(args.save_result, result)
     return result
 
 

@@ -20,14 +20,12 @@ import argparse
 import asyncio
 import json
 import sys
-import time
 from pathlib import Path
-
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.compare import _free_port, _start, _stop  # noqa: E402
+from benchmarks.harness import (add_save_result, closed_loop, continuum,  # noqa: E402
+                                latency_summary, save_result)
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "model_repository"
@@ -51,35 +49,23 @@ def _bodies(route: str, model: str, encoding: str) -> tuple[str, list[dict]]:
 
 
 async def drive(base: str, route: str, args) -> dict:
-    """Closed loop of `args.concurrency` clients against one route; latencies (s) of the
-    requests sent after the warm-up, and the count of failures (non-200 or no answer)."""
+    """Closed loop of `args.concurrency` clients (`harness.closed_loop`) against one route;
+    latencies (s) of the requests sent after the warm-up, and the count of failures (non-200
+    or no answer)."""
     import aiohttp
 
     path, bodies = _bodies(route, args.model, args.encoding_format)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    latencies, failures = [], 0
-    start = time.perf_counter()
-    measure_from, stop_at = start + args.warmup, start + args.warmup + args.duration
     connector = aiohttp.TCPConnector(limit=args.concurrency)
     async with aiohttp.ClientSession(base, connector=connector, headers=headers) as session:
-        async def worker(w: int) -> None:
-            nonlocal failures
-            i = w
-            while time.perf_counter() < stop_at:
-                t0 = time.perf_counter()
-                try:
-                    async with session.post(path, json=bodies[i % len(bodies)]) as r:
-                        await r.read()
-                        ok = r.status == 200
-                except aiohttp.ClientError:
-                    ok = False
-                if not ok:
-                    failures += 1
-                elif t0 >= measure_from:
-                    latencies.append(time.perf_counter() - t0)
-                i += args.concurrency
+        async def post(body: dict) -> bool:
+            async with session.post(path, json=body) as r:
+                await r.read()
+                return r.status == 200
 
-        await asyncio.gather(*(worker(w) for w in range(args.concurrency)))
+        latencies, failures = await closed_loop(
+            lambda w, i: post(bodies[i % len(bodies)]), args.concurrency, args.duration,
+            args.warmup)
     return {"latencies": latencies, "failed": failures}
 
 
@@ -96,12 +82,12 @@ def _encoder_counts(base: str, model: str) -> tuple[int, int]:
 
 
 def _summary(runs: list[dict], duration: float, batches: list[tuple[int, int]]) -> dict:
-    lat = np.array([x for r in runs for x in r["latencies"]]) * 1000
+    """One route's runs pooled: `harness.latency_summary` over all of them (ms to 2
+    decimals), failures, and the encoder's mean batch size over the runs' phases."""
+    latencies = [x for r in runs for x in r["latencies"]]
     inferences, executions = (sum(b[i] for b in batches) for i in (0, 1))
-    return {"requests_per_s": round(len(lat) / (duration * len(runs)), 1),
-            "p50_ms": round(float(np.percentile(lat, 50)), 2) if len(lat) else None,
-            "p99_ms": round(float(np.percentile(lat, 99)), 2) if len(lat) else None,
-            "completed": len(lat), "failed": sum(r["failed"] for r in runs),
+    return {**latency_summary(latencies, duration * len(runs), digits=2),
+            "failed": sum(r["failed"] for r in runs),
             "encoder_mean_batch": round(inferences / executions, 2) if executions else None}
 
 
@@ -139,28 +125,20 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--base-url", default=None,
                    help="a running server (default: start one on the example repository)")
     p.add_argument("--api-key", default=None, help="the server's --api-key, if any")
-    p.add_argument("--save-result", default=None, help="also write the JSON to this file")
+    add_save_result(p)
     args = p.parse_args(argv)
-    proc = None
-    base = args.base_url.rstrip("/").removesuffix("/v1") if args.base_url else None
-    if base is None:
+    if args.base_url:
+        result = run(args.base_url.rstrip("/").removesuffix("/v1"), args)
+    else:
         from examples.prepare_model_repository import prepare
 
         prepare()                                   # the example model files (idempotent)
-        port = _free_port()
-        base = f"http://127.0.0.1:{port}"
-        proc = _start([sys.executable, "-m", "api", "serve", "--no-llm", "--port", str(port),
-                       "--model-repository", str(EXAMPLES), "--uvicorn-log-level", "warning",
-                       "--grpc-port", "0"],
-                      base, "/health/ready", timeout=180)
-    try:
-        result = run(base, args)
-    finally:
-        if proc is not None:
-            _stop(proc)
+        flags = ["--no-llm", "--model-repository", str(EXAMPLES), "--uvicorn-log-level",
+                 "warning", "--grpc-port", "0"]
+        with continuum(flags, timeout=180) as srv:
+            result = run(srv.base, args)
     print(json.dumps(result))
-    if args.save_result:
-        Path(args.save_result).write_text(json.dumps(result, indent=2))
+    save_result(args.save_result, result)
     return result
 
 

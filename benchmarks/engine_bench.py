@@ -16,8 +16,8 @@ Workload (issue 3): N requests (default 64) of random prompts (`--input-len` tok
   read bandwidth (a 1 GiB float32 sum with the engine's threads), and their quotient: the
   memory-bandwidth bound on single-stream decode; `single_stream_of_bound` is the fraction reached.
 
-Prints one JSON line. `--profile` adds a torch-profiler table of one decode step at batch 1 and
-at batch N to stderr.
+Prints one JSON line (and writes it to `--save-result FILE`). `--profile` adds a
+torch-profiler table of one decode step at batch 1 and at batch N to stderr.
 
     python benchmarks/engine_bench.py [--dtypes float32,bfloat16] [--num-prompts 64]
 """
@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from benchmarks.harness import add_save_result, save_result  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from scheduler.request import SamplingParams  # noqa: E402
@@ -121,7 +122,50 @@ def profile_step(eng: LLMEngine, prompts, batch: int) -> str:
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
 
 
-def main() -> None:
+def hf_figures(model_dir, dtype: str, prompts, args) -> dict:
+    """transformers `generate` on the same prompts: static-batch throughput and single-stream
+    decode rate (tok/s)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).eval()
+    hf_generate(hf, prompts[:1], 2)                                  # warm-up
+    bs = args.hf_batch_size
+    total = sum(hf_generate(hf, prompts[i:i + bs], args.output_len)
+                for i in range(0, len(prompts), bs))
+    one = hf_generate(hf, prompts[:1], 1)
+    return {"hf_throughput_tok_s": len(prompts) * args.output_len / total,
+            "hf_single_stream_tok_s": statistics.median(
+                (args.output_len - 1) / (hf_generate(hf, prompts[:1], args.output_len) - one)
+                for _ in range(args.repeats))}
+
+
+def measure(dtype: str, args) -> dict:
+    """Every figure of the module docstring for one dtype, rounded to 2 decimals."""
+    eng = LLMEngine(EngineConfig(dtype=dtype, device="cpu", kv_cache_memory=1.0,
+                                 max_model_len=args.input_len + args.output_len + 16))
+    prompts = random_prompts(args.num_prompts, args.input_len,
+                             eng.model_config.vocab_size, args.seed)
+    r = {"throughput_tok_s": engine_throughput(eng, prompts, args.output_len),
+         "single_stream_tok_s": statistics.median(
+             engine_single_stream(eng, prompts[i % len(prompts)], args.output_len)
+             for i in range(args.repeats))}
+    r["decode_bytes_per_step"] = decode_bytes_per_step(eng)
+    r["read_gb_s"] = read_bandwidth_gb_s()
+    r["single_stream_bound_tok_s"] = r["read_gb_s"] * 1e9 / r["decode_bytes_per_step"]
+    r["single_stream_of_bound"] = r["single_stream_tok_s"] / r["single_stream_bound_tok_s"]
+    if args.profile:
+        for b in (1, args.num_prompts):
+            print(f"--- {dtype}: one decode step at batch {b}\n{profile_step(eng, prompts, b)}",
+                  file=sys.stderr)
+    if not args.skip_hf:
+        r.update(hf_figures(eng.model_dir, dtype, prompts, args))
+        r["throughput_ratio"] = r["throughput_tok_s"] / r["hf_throughput_tok_s"]
+    del eng
+    return {k: round(v, 2) for k, v in r.items()}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Measure every dtype; print, save and return the result."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--num-prompts", type=int, default=64)
@@ -133,50 +177,20 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3,
                     help="single-stream runs; the median is reported (this machine is noisy)")
     ap.add_argument("--profile", action="store_true")
-    args = ap.parse_args()
+    add_save_result(ap)
+    args = ap.parse_args(argv)
 
     result: dict = {"benchmark": "engine_offline", "num_prompts": args.num_prompts,
                     "input_len": args.input_len, "output_len": args.output_len,
                     "hf_batch_size": args.hf_batch_size, "threads": torch.get_num_threads()}
     for dtype in args.dtypes.split(","):
-        eng = LLMEngine(EngineConfig(dtype=dtype, device="cpu", kv_cache_memory=1.0,
-                                     max_model_len=args.input_len + args.output_len + 16))
-        prompts = random_prompts(args.num_prompts, args.input_len,
-                                 eng.model_config.vocab_size, args.seed)
-        r = {"throughput_tok_s": engine_throughput(eng, prompts, args.output_len),
-             "single_stream_tok_s": statistics.median(
-                 engine_single_stream(eng, prompts[i % len(prompts)], args.output_len)
-                 for i in range(args.repeats))}
-        r["decode_bytes_per_step"] = decode_bytes_per_step(eng)
-        r["read_gb_s"] = read_bandwidth_gb_s()
-        r["single_stream_bound_tok_s"] = r["read_gb_s"] * 1e9 / r["decode_bytes_per_step"]
-        r["single_stream_of_bound"] = r["single_stream_tok_s"] / r["single_stream_bound_tok_s"]
-        if args.profile:
-            for b in (1, args.num_prompts):
-                print(f"--- {dtype}: one decode step at batch {b}\n{profile_step(eng, prompts, b)}",
-                      file=sys.stderr)
-        if not args.skip_hf:
-            from transformers import AutoModelForCausalLM
-
-            hf = AutoModelForCausalLM.from_pretrained(str(eng.model_dir),
-                                                      dtype=getattr(torch, dtype)).eval()
-            hf_generate(hf, prompts[:1], 2)                                  # warm-up
-            bs = args.hf_batch_size
-            total = sum(hf_generate(hf, prompts[i:i + bs], args.output_len)
-                        for i in range(0, len(prompts), bs))
-            r["hf_throughput_tok_s"] = len(prompts) * args.output_len / total
-            one = hf_generate(hf, prompts[:1], 1)
-            r["hf_single_stream_tok_s"] = statistics.median(
-                (args.output_len - 1) / (hf_generate(hf, prompts[:1], args.output_len) - one)
-                for _ in range(args.repeats))
-            r["throughput_ratio"] = r["throughput_tok_s"] / r["hf_throughput_tok_s"]
-            del hf
-        result[dtype] = {k: round(v, 2) for k, v in r.items()}
-        del eng
+        result[dtype] = measure(dtype, args)
     if "float32" in result and "bfloat16" in result:
         result["bf16_over_fp32_throughput"] = round(
             result["bfloat16"]["throughput_tok_s"] / result["float32"]["throughput_tok_s"], 2)
     print(json.dumps(result))
+    save_result(args.save_result, result)
+    return result
 
 
 if __name__ == "__main__":

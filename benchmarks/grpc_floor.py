@@ -11,8 +11,8 @@ grpcio's default).
 
 Run: `python benchmarks/grpc_floor.py --perf-analyzer VENV/bin/perf_analyzer` (perf_analyzer
 2.51, as for triton_protocol_bench.py). Flags: --servers stock,loop, --concurrency 1,4,16,
---workers (the stock pool size, default Continuum's), --interval-ms. Prints one line per point:
-infer/s, p99 µs, server CPU µs per request.
+--workers (the stock pool size, default Continuum's), --interval-ms, --save-result FILE (JSON:
+the points). Prints one line per point: infer/s, p99 µs, server CPU µs per request.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ from tritonclient.grpc import model_config_pb2 as mc  # noqa: E402
 from tritonclient.grpc import service_pb2 as pb  # noqa: E402
 from tritonclient.grpc import service_pb2_grpc  # noqa: E402
 
-from benchmarks.triton_protocol_bench import free_port, perf_analyzer  # noqa: E402
+from benchmarks.harness import add_save_result, free_port, save_result  # noqa: E402
+from benchmarks.triton_protocol_bench import perf_analyzer  # noqa: E402
 from triton_compat.grpc.loop import Server  # noqa: E402
 from triton_compat.grpc.server import WORKERS  # noqa: E402
 
@@ -104,15 +105,18 @@ def serve(kind: str, servicer: Canned, workers: int):
     return server, port
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Serve the canned servicer in this process and measure it with perf_analyzer."""
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Serve the canned servicer in this process and measure it with perf_analyzer; the
+    points ({"server", "concurrency", perf_analyzer's figures, "cpu_us_per_request"})."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--perf-analyzer", type=Path, required=True)
     p.add_argument("--servers", default="stock,loop")
     p.add_argument("--concurrency", default="1,4,16")
     p.add_argument("--workers", type=int, default=WORKERS)
     p.add_argument("--interval-ms", type=int, default=2000)
+    add_save_result(p)
     args = p.parse_args(argv)
+    points = []
     for kind in args.servers.split(","):
         servicer = Canned()
         server, port = serve(kind, servicer, args.workers)
@@ -126,8 +130,11 @@ def main(argv: list[str] | None = None) -> None:
                 point["cpu_us_per_request"] = round((time.process_time() - cpu) * 1e6
                                                     / max(served, 1), 1)
                 print(f"{kind:5s} floor c={c:<3d} {point}", flush=True)
+                points.append({"server": kind, "concurrency": c, **point})
         finally:
             server.stop(0)
+    save_result(args.save_result, points)
+    return points
 
 
 if __name__ == "__main__":

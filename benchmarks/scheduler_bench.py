@@ -5,7 +5,8 @@ caching on, every request decoding one token per step. The prompts are prefilled
 timed); then each timed step is one schedule and one update with a sampled token for every
 request. The runner's output is built outside the timed region.
 
-Prints one JSON line: median_ms, p99_ms, mean_ms over the timed steps, plus the set-up.
+Prints one JSON line (and writes it to `--save-result FILE`): median_ms, p99_ms, mean_ms over the
+timed steps, plus the set-up.
 Target: median <= 1 ms on the project's 2-core machine.
 
     python benchmarks/scheduler_bench.py [--steps 500] [--num-requests 256]
@@ -23,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.harness import add_save_result, save_result  # noqa: E402
 from scheduler.config import CacheConfig, SchedulerConfig  # noqa: E402
 from scheduler.output import ModelRunnerOutput  # noqa: E402
 from scheduler.request import Request, SamplingParams  # noqa: E402
@@ -52,7 +54,8 @@ def build(num_requests: int, min_len: int, max_len: int, steps: int, block_size:
     return sched
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
+    """Build the scheduler, time the steps; print, save and return the result."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--num-requests", type=int, default=256)
     ap.add_argument("--min-len", type=int, default=1024)
@@ -61,7 +64,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
+    add_save_result(ap)
+    args = ap.parse_args(argv)
 
     sched = build(args.num_requests, args.min_len, args.max_len, args.steps + args.warmup,
                   args.block_size, args.seed)
@@ -80,7 +84,7 @@ def main() -> None:
         if step >= args.warmup:
             times.append((t1 - t0 + t3 - t2) * 1e3)
     times.sort()
-    print(json.dumps({
+    result = {
         "benchmark": "scheduler_step",
         "num_running": args.num_requests,
         "context_tokens": [args.min_len, args.max_len],
@@ -91,7 +95,10 @@ def main() -> None:
         "p99_ms": round(times[int(0.99 * (len(times) - 1))], 4),
         "mean_ms": round(statistics.fmean(times), 4),
         "kv_usage": round(sched.kv.usage(), 4),
-    }))
+    }
+    print(json.dumps(result))
+    save_result(args.save_result, result)
+    return result
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ Configurations (model in the benchmark's repository):
 - `python-single` (`vad_single`): the same python model under the default scheduler: one
   request per execution (the baseline).
 Both servers in one run, one after the other: Continuum and (with `--triton-venv`) Triton
-2.51 on the python configurations. Output: a JSON file and a Markdown table.
+2.51 on the python configurations. Output: a JSON file (`--save-result`, default
+benchmarks/results/sequence_batching_bench.json) and a Markdown table.
 
 Run: `python benchmarks/sequence_batching_bench.py [--triton-venv VENV] [--streams 8,16,32]`
 (the Triton venv as in triton_protocol_bench.py).
@@ -30,11 +31,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import re
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -44,7 +42,8 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.triton_protocol_bench import start_continuum, start_triton, wait_ready  # noqa: E402
+from benchmarks.harness import add_save_result, save_result, stop, wait_ready  # noqa: E402
+from benchmarks.triton_protocol_bench import start_continuum, start_triton  # noqa: E402
 from examples.prepare_model_repository import silero_onnx  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -172,9 +171,7 @@ def measure(name: str, start, configs: list[str], args, repo: Path, log) -> dict
                 best = n
             out[config] = {"max_realtime_streams": best, "runs": runs}
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(60)
+        stop(proc)
     return out
 
 
@@ -208,7 +205,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--triton-venv", type=Path, default=None,
                    help="venv with nvidia-pytriton==0.7.0 and onnxruntime (omit: Continuum "
                         "only)")
-    p.add_argument("--output", type=Path, default=Path("sequence_batching_bench.json"))
+    add_save_result(p, "sequence_batching_bench")
     args = p.parse_args(argv)
     configs = args.configs.split(",")
     result = {}
@@ -224,7 +221,7 @@ def main(argv: list[str] | None = None) -> dict:
                 result["triton"] = measure(
                     "triton", lambda r, lg: start_triton(r, args.triton_venv, lg),
                     [c for c in configs if not c.startswith("onnx")], args, repo, log)
-    args.output.write_text(json.dumps(result, indent=2))
+    save_result(args.save_result, result)
     print(table(result))
     return result
 

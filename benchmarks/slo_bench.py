@@ -19,15 +19,15 @@ Every point starts `continuum serve` with the flags under test and sends ShareGP
 Every point reports vLLM's goodput with SLOs TTFT <= `--ttft-slo-ms` and TPOT <= 2d. A plot of
 the ITL distributions (CDFs) of part 1 goes to `--plot`.
 
-Run: `python benchmarks/slo_bench.py [--num-prompts 64] [--parts itl,sjf,memory]`.
+Run: `python benchmarks/slo_bench.py [--num-prompts 64] [--parts itl,sjf,memory]`; the result
+goes to `--save-result` (default benchmarks/results/slo_bench.json), the plot to
+benchmarks/results/slo_bench_itl.png.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.triton_protocol_bench import free_port, wait_ready  # noqa: E402
+from benchmarks.harness import RESULTS, add_save_result, continuum, save_result  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 KEYS = ("request_throughput", "output_throughput", "request_goodput", "mean_e2el_ms",
@@ -46,19 +46,11 @@ KEYS = ("request_throughput", "output_throughput", "request_goodput", "mean_e2el
 
 @contextmanager
 def server(flags: list[str], tmp: Path, name: str):
-    """A `continuum serve FLAGS` process on a free port; yields its base URL."""
-    port = free_port()
-    log = open(tmp / f"server_{name}.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "api", "serve", "--port", str(port),
-                             "--uvicorn-log-level", "warning", *flags],
-                            stdout=log, stderr=log, cwd=ROOT, start_new_session=True)
-    try:
-        wait_ready(f"http://127.0.0.1:{port}/health/ready", proc, timeout=300)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(60)
+    """A `continuum serve FLAGS` process on a free port, its log `tmp/server_NAME.log`; yields
+    its base URL."""
+    with open(tmp / f"server_{name}.log", "wb") as log, \
+            continuum(["--uvicorn-log-level", "warning", *flags], log=log) as srv:
+        yield srv.base
 
 
 def bench(base: str, tmp: Path, name: str, args, extra: list[str]) -> dict:
@@ -278,8 +270,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--tpot-slo-ms", type=float, default=None,
                    help="default: the part-1 target (twice the unloaded decode step)")
     p.add_argument("--pressure-blocks", type=int, default=128)
-    p.add_argument("--output", type=Path, default=Path("slo_bench.json"))
-    p.add_argument("--plot", type=Path, default=Path("slo_bench_itl.png"))
+    add_save_result(p, "slo_bench")
+    p.add_argument("--plot", type=Path, default=RESULTS / "slo_bench_itl.png",
+                   help="PNG of part 1's ITL distributions")
     args = p.parse_args(argv)
     parts = args.parts.split(",")
     res: dict = {}
@@ -288,8 +281,9 @@ def main(argv: list[str] | None = None) -> dict:
             if name in parts:
                 res[name] = fn(args, Path(tmp))
     res["ratios"] = ratios(res)
-    args.output.write_text(json.dumps(res, indent=1))
+    save_result(args.save_result, res, indent=1)
     if "itl" in res:
+        args.plot.parent.mkdir(parents=True, exist_ok=True)
         plot(res, args.plot)
     print(json.dumps(res["ratios"], indent=1))
     return res

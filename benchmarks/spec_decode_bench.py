@@ -21,7 +21,8 @@ scheduler chose (`continuum_spec_decode_mean_k`); acceptance rate and mean accep
 from the spec_decode counters (vLLM's definitions: accepted / draft tokens, and
 1 + accepted / drafts).
 
-Run: `python benchmarks/spec_decode_bench.py [--parts grounded,chat] [--out results.json]`.
+Run: `python benchmarks/spec_decode_bench.py [--parts grounded,chat] [--save-result FILE]`
+(default benchmarks/results/spec_decode_bench.json).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx  # noqa: E402
 
+from benchmarks.harness import add_save_result, save_result  # noqa: E402
 from benchmarks.slo_bench import _preemptions, bench, scrape, server  # noqa: E402
 from engine.loader import embedded_gguf_path  # noqa: E402
 
@@ -212,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="chat rounds; each round starts every config's server afresh, in an "
                          "order rotated by one per round, and the report gives median ratios")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="spec_decode_bench.json")
+    add_save_result(ap, "spec_decode_bench")
     ap.add_argument("--server-flags", default="", help="extra flags for every server")
     args = ap.parse_args(argv)
     parts, configs = args.parts.split(","), args.configs.split(",")
@@ -239,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
                     results["chat"][r].update(run_chat(base, tmp, f"{name}_r{r}", name, args,
                                                        zip(levels, counts)))
     report(results, levels)
-    Path(args.out).write_text(json.dumps(results, indent=1))
+    save_result(args.save_result, results, indent=1)
 
 
 def run_chat(base: str, tmp: Path, tag: str, name: str, args, points) -> dict:

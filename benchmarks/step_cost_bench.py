@@ -23,6 +23,7 @@ costs a GEMM row at the host's FLOP rate, so `per_row_ms` against the B = 1 step
 decode batching a latency target leaves.
 
     python benchmarks/step_cost_bench.py [--dtypes float32,bfloat16] [--batches 1,4,16,32,64]
+        [--save-result FILE]
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.engine_bench import random_prompts  # noqa: E402
+from benchmarks.harness import add_save_result, save_result  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from scheduler.request import SamplingParams  # noqa: E402
@@ -152,6 +154,7 @@ def measure(dtype: str, args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    """Measure every dtype; print, save and return the result."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--batches", default="1,4,16,32,64")
@@ -161,12 +164,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=3, help="sweeps over --batches (median)")
     p.add_argument("--jitter-steps", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
+    add_save_result(p)
     args = p.parse_args(argv)
     res = {"benchmark": "step_cost", "threads": torch.get_num_threads(), "context": args.context}
     for dtype in args.dtypes.split(","):
         res[dtype] = measure(dtype, args)
         print(json.dumps({dtype: res[dtype]}), file=sys.stderr, flush=True)
     print(json.dumps(res))
+    save_result(args.save_result, res)
     return res
 
 

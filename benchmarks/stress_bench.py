@@ -28,12 +28,11 @@ import time
 from pathlib import Path
 
 import aiohttp
-import numpy as np
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.compare import _free_port, _start, _stop  # noqa: E402
+from benchmarks.harness import add_save_result, continuum, percentile, save_result  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 IDLE_GAUGES = ("continuum_num_requests_running", "continuum_num_requests_waiting",
@@ -66,10 +65,6 @@ async def metrics(session: aiohttp.ClientSession, base: str) -> dict[str, float]
     for m in re.finditer(r"^([a-z_:]+)(?:{[^}]*})? (\S+)$", text, re.M):
         out.setdefault(m.group(1), float(m.group(2)))
     return out
-
-
-def _pct(values: list[float], q: float) -> float | None:
-    return float(np.percentile(values, q)) if values else None
 
 
 async def _poll_ready(session, base: str, codes: list[int], stop: asyncio.Event,
@@ -143,14 +138,14 @@ async def overload(base: str, burst: int, capacity: int, max_tokens: int = 16,
         "burst": burst, "capacity": capacity, "accepted": len(accepted),
         "refused": len(refused), "other_statuses": sorted({r[0] for r in results} - {200, 503}),
         "refused_with_retry_after": sum(r[3] is not None for r in refused),
-        "burst_refusal_ms_p50": _pct([r[1] * 1e3 for r in refused], 50),
-        "burst_refusal_ms_p99": _pct([r[1] * 1e3 for r in refused], 99),
+        "burst_refusal_ms_p50": percentile([r[1] * 1e3 for r in refused], 50),
+        "burst_refusal_ms_p99": percentile([r[1] * 1e3 for r in refused], 99),
         "accepted_exact": all(r[2]["usage"]["completion_tokens"] == max_tokens
                               for r in accepted),
         "prompt_tokens": sorted({r[2]["usage"]["prompt_tokens"] for r in accepted}),
         "ready_statuses": sorted(set(codes)), "ready_polls": len(codes),
-        "probes_refused": len(probe_ms), "probe_refusal_ms_p50": _pct(probe_ms, 50),
-        "probe_refusal_ms_p99": _pct(probe_ms, 99), "mean_step_ms_full": _step_ms(m0, m1),
+        "probes_refused": len(probe_ms), "probe_refusal_ms_p50": percentile(probe_ms, 50),
+        "probe_refusal_ms_p99": percentile(probe_ms, 99), "mean_step_ms_full": _step_ms(m0, m1),
         "idle_after_s": idle_s,
     }
 
@@ -201,8 +196,8 @@ async def overload_v2(base: str, burst: int, model: str = "slow") -> dict:
         "burst": burst, "accepted": len(accepted), "refused": len(refused),
         "other_statuses": sorted({r[0] for r in results} - {200, 503}),
         "refused_in_v2_shape": sum(isinstance(r[2].get("error"), str) for r in refused),
-        "refusal_ms_p50": _pct([r[1] * 1e3 for r in refused], 50),
-        "refusal_ms_p99": _pct([r[1] * 1e3 for r in refused], 99),
+        "refusal_ms_p50": percentile([r[1] * 1e3 for r in refused], 50),
+        "refusal_ms_p99": percentile([r[1] * 1e3 for r in refused], 99),
         "accepted_exact": all(next(o["data"] for o in r[2]["outputs"] if o["name"] == "OUT")
                               == [r[3]] for r in accepted) and bool(accepted),
         "ready_statuses": sorted(set(codes)), "ready_polls": len(codes),
@@ -267,15 +262,9 @@ async def wait_idle(session: aiohttp.ClientSession, base: str, timeout: float = 
 
 def _run_against_server(flags: list[str], work) -> dict:
     """Start `continuum serve FLAGS` on a free port, run `work(base, pid)`, stop it."""
-    port = _free_port()
-    base = f"http://127.0.0.1:{port}"
-    proc = _start([sys.executable, "-m", "api", "serve", "--port", str(port),
-                   "--max-model-len", "512", "--uvicorn-log-level", "warning", *flags],
-                  base, "/health/ready")
-    try:
-        return work(base, proc.pid)
-    finally:
-        _stop(proc)
+    with continuum(["--max-model-len", "512", "--uvicorn-log-level", "warning", *flags],
+                   timeout=900) as srv:
+        return work(srv.base, srv.proc.pid)
 
 
 def _overload_work(burst: int, capacity: int):
@@ -303,7 +292,7 @@ def main(argv: list[str] | None = None) -> dict:
                    help="overload burst size (default: 10x the 4 + 8 the server holds)")
     p.add_argument("--storm", type=int, default=1000, help="disconnect-storm requests")
     p.add_argument("--storm-concurrency", type=int, default=32)
-    p.add_argument("--save-result", default=None)
+    add_save_result(p)
     args = p.parse_args(argv)
     result = {
         "overload": _run_against_server(["--max-num-seqs", "4", "--max-waiting-requests", "8",
@@ -321,8 +310,7 @@ def main(argv: list[str] | None = None) -> dict:
             ["--no-llm", "--model-repository", str(repo), "--grpc-port", "0"],
             lambda base, pid: asyncio.run(overload_v2(base, 10 * (1 + 8))))
     print(json.dumps(result, indent=2))
-    if args.save_result:
-        Path(args.save_result).write_text(json.dumps(result, indent=2))
+    save_result(args.save_result, result)
     return result
 
 

@@ -10,7 +10,8 @@ Compile: time to first token of a request with a schema the server has never see
 compile happens before the engine admits it), of a second request with the same schema (cached)
 and of the same request unconstrained, each the median of `--compile-trials` fresh schemas.
 
-Prints one JSON object. Starts its own `continuum serve` unless given `--base-url`. Usage:
+Prints one JSON object (and writes it to `--save-result FILE`). Starts its own `continuum serve`
+unless given `--base-url`. Usage:
     python benchmarks/structured_bench.py [--concurrency 1,16] [--num-prompts 32]
 """
 
@@ -29,7 +30,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.compare import _free_port, _start, _stop  # noqa: E402
+from benchmarks.harness import add_save_result, continuum, save_result  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 GOAL = 0.9
@@ -126,33 +127,35 @@ async def compile_times(url: str, trials: int) -> dict:
             "compile_ms": round(ms(first) - ms(cached), 1)}
 
 
-def main(argv: list[str] | None = None) -> None:
+def measure(base: str, args) -> dict:
+    """Both parts against the server at `base`: the result object."""
+    url = f"{base}/v1/chat/completions"
+    result = {"compile": asyncio.run(compile_times(url, args.compile_trials)),
+              "throughput": [asyncio.run(throughput(url, int(c), args.num_prompts, args.rounds))
+                             for c in args.concurrency.split(",")],
+              "goal_ratio": GOAL}
+    result["meets_goal"] = all(t["ratio"] >= GOAL for t in result["throughput"])
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the benchmark (flags: see --help); print and return the JSON result."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base-url", default=None, help="a running server (default: start one)")
     p.add_argument("--concurrency", default="1,16")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--compile-trials", type=int, default=5)
+    add_save_result(p)
     args = p.parse_args(argv)
-    proc = None
-    base = args.base_url
-    if base is None:
-        port = _free_port()
-        base = f"http://127.0.0.1:{port}"
-        proc = _start([sys.executable, "-m", "api", "serve", "--port", str(port),
-                       "--max-model-len", "2048"], base, "/health/ready")
-    try:
-        url = f"{base}/v1/chat/completions"
-        result = {"compile": asyncio.run(compile_times(url, args.compile_trials)),
-                  "throughput": [asyncio.run(throughput(url, int(c), args.num_prompts,
-                                                        args.rounds))
-                                 for c in args.concurrency.split(",")],
-                  "goal_ratio": GOAL}
-        result["meets_goal"] = all(t["ratio"] >= GOAL for t in result["throughput"])
-        print(json.dumps(result, indent=2))
-    finally:
-        if proc is not None:
-            _stop(proc)
+    if args.base_url:
+        result = measure(args.base_url, args)
+    else:
+        with continuum(["--max-model-len", "2048"], timeout=900) as srv:
+            result = measure(srv.base, args)
+    print(json.dumps(result, indent=2))
+    save_result(args.save_result, result)
+    return result
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ and `throughput_tok_s` (output tokens / wall time), `outputs_equal_to_n1` (greed
 
 On this project's 2-core machine N = 3 puts three ranks on two cores: the figures show what the
 split and its communication cost, not a speed-up (there is none to have without more cores or
-devices). Prints one JSON line.
+devices). Prints one JSON line (and writes it to `--save-result FILE`).
 
     python benchmarks/tp_bench.py [--sizes 1,3] [--num-prompts 8] [--input-len 128]
 """
@@ -31,6 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.engine_bench import random_prompts  # noqa: E402
+from benchmarks.harness import add_save_result, save_result  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from scheduler.request import SamplingParams  # noqa: E402
@@ -83,14 +84,15 @@ def measure(size: int, prompts: list[list[int]], output_len: int) -> tuple[dict,
     return figures, [outputs[rid] for rid in ids]
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Parse flags, run every size, print one JSON line."""
+def main(argv: list[str] | None = None) -> dict:
+    """Parse flags, run every size; print, save and return the result."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="1,3", help="tensor-parallel sizes (default: 1,3)")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens")
     p.add_argument("--output-len", type=int, default=32, help="output tokens")
     p.add_argument("--seed", type=int, default=0)
+    add_save_result(p)
     args = p.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     prompts = random_prompts(args.num_prompts, args.input_len, 49152, args.seed)
@@ -101,7 +103,10 @@ def main(argv: list[str] | None = None) -> None:
         figures["outputs_equal_to_first_size"] = outs == first
         result[f"tp{size}"] = figures
         print(f"tp={size}: {json.dumps(figures)}", file=sys.stderr)
-    print(json.dumps({"workload": vars(args), **result}))
+    result = {"workload": {k: v for k, v in vars(args).items() if k != "save_result"}, **result}
+    print(json.dumps(result))
+    save_result(args.save_result, result)
+    return result
 
 
 if __name__ == "__main__":

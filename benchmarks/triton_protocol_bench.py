@@ -8,8 +8,9 @@ tensors, HTTP binary, gRPC, gRPC + system shared memory; concurrency 1 / 4 / 16.
 run at once and each point is measured on one, then the other, `--repeats` rounds (default 3)
 in alternating order: the host's speed drifts by tens of percent within minutes, and a point
 measured on one server minutes after the other compares the drift as much as the servers.
-Output: a JSON file (every round) and a table of the median infer/s and p99 latency (µs) with
-Continuum / Triton ratios.
+Output: a JSON file of every round (`--save-result`, default
+benchmarks/results/triton_protocol_bench.json) and a table of the median infer/s and p99 latency
+(µs) with Continuum / Triton ratios.
 
 Needs (not project dependencies; see the README's benchmark section):
 - perf_analyzer 2.51: `pip install tritonclient==2.51.0 nvidia-cuda-runtime-cu12` in a venv,
@@ -23,22 +24,18 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import os
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
-
-import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from benchmarks.harness import (add_save_result, free_port, launch, save_result,  # noqa: E402
+                                stop, wait_ready)
 from examples.prepare_model_repository import magika_onnx  # noqa: E402
 
 EXAMPLES = ROOT / "examples" / "model_repository"
@@ -70,38 +67,13 @@ def build_repository(root: Path) -> None:
     (root / "content_type" / "config.pbtxt").write_text(CONTENT_TYPE % onnx)
 
 
-def free_port() -> int:
-    """A free TCP port on the loopback interface."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(url: str, proc, timeout: float = 180) -> None:
-    """Poll `url` until it answers 200. Raises RuntimeError if `proc` exits or `timeout`
-    seconds pass."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} not ready in {timeout} s")
-
-
 def start_continuum(repo: Path, log) -> tuple:
     """`continuum serve --no-llm` on `repo` with client shared memory: (process, HTTP port,
     gRPC port)."""
     http, grpc = free_port(), free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "api", "serve", "--no-llm", "--model-repository", str(repo),
-         "--port", str(http), "--grpc-port", str(grpc), "--allow-client-shm",
-         "--uvicorn-log-level", "warning"], stdout=log, stderr=log, cwd=ROOT,
-        start_new_session=True)
+    proc = launch([sys.executable, "-m", "api", "serve", "--no-llm", "--model-repository",
+                   str(repo), "--port", str(http), "--grpc-port", str(grpc),
+                   "--allow-client-shm", "--uvicorn-log-level", "warning"], log)
     return proc, http, grpc
 
 
@@ -118,12 +90,11 @@ def start_triton(repo: Path, venv: Path, log) -> tuple:
     env = dict(os.environ, PATH=f"{venv / 'bin'}:{os.environ['PATH']}",
                LD_LIBRARY_PATH=":".join(libs + [os.environ.get("LD_LIBRARY_PATH", "")]))
     http, grpc, metrics = free_port(), free_port(), free_port()
-    proc = subprocess.Popen(
+    proc = launch(
         [str(ts / "bin" / "tritonserver"), "--model-repository", str(repo),
          "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
          # 2.51 predates --allow-client-shm: client shared memory is always on there
-         "--backend-directory", str(ts / "backends")],
-        stdout=log, stderr=log, env=env, start_new_session=True)
+         "--backend-directory", str(ts / "backends")], log, env)
     return proc, http, grpc
 
 
@@ -176,9 +147,7 @@ def measure(starts: dict, args, repo: Path, log) -> dict:
                             print(f"{name:9s} {key:28s} round {r + 1}: {point}", flush=True)
     finally:
         for proc, _, _ in procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(60)
+            stop(proc)
     return {name: {key: median_point(points) for key, points in by_key.items()}
             for name, by_key in rounds.items()}
 
@@ -227,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--servers", default="continuum,triton")
     p.add_argument("--repeats", type=int, default=3,
                    help="rounds per point; the report gives each point's median")
-    p.add_argument("--output", type=Path, default=Path("triton_protocol_bench.json"))
+    add_save_result(p, "triton_protocol_bench")
     args = p.parse_args(argv)
     starts = {"continuum": start_continuum}
     if args.triton_venv is not None:
@@ -238,7 +207,7 @@ def main(argv: list[str] | None = None) -> dict:
         build_repository(repo)
         with open(Path(tmp) / "servers.log", "wb") as log:
             result = measure(starts, args, repo, log)
-    args.output.write_text(json.dumps(result, indent=2))
+    save_result(args.save_result, result)
     if "continuum" in result and "triton" in result:
         print(table(result["continuum"], result["triton"]))
     return result

@@ -10,8 +10,9 @@ import sys
 
 import pytest
 
-from benchmarks.bench_datasets import iter_sharegpt_records, random_dataset
-from benchmarks.bench_metrics import RequestResult, calculate_metrics, parse_goodput, tpot_of
+from benchmarks.servebench.bench_datasets import iter_sharegpt_records, random_dataset
+from benchmarks.servebench.bench_metrics import (RequestResult, calculate_metrics, parse_goodput,
+                                                 tpot_of)
 from tests.conftest import KEY
 
 
@@ -97,7 +98,7 @@ def test_bench_serve_against_a_live_server(server, tmp_path):
 
 def test_summary_prints_a_run_without_a_concurrency_cap(capsys):
     """`continuum bench serve` without --max-concurrency (max_concurrency None) prints '-'."""
-    from benchmarks.serve_bench import print_summary
+    from benchmarks.servebench.serve_bench import print_summary
 
     m = {"max_concurrency": None, "completed": 2, "failed": 0, "duration": 1.0,
          "request_throughput": 2.0, "output_throughput": 20.0, "total_token_throughput": 30.0,

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from fastapi.testclient import TestClient
 
-from benchmarks.hf_baseline_server import build_app
+from benchmarks.servebench.hf_baseline_server import build_app
 
 
 @pytest.fixture(scope="module")

@@ -191,7 +191,9 @@ def test_two_regions_on_one_key(clients, region):
     handle, key = region
     g.register_system_shared_memory("ins", key, 128)
     try:
-        second = (lambda: g.register_system_shared_memory("outs", key, 128, offset=128))
+        def second():
+            return g.register_system_shared_memory("outs", key, 128, offset=128)
+
         if deviation("shm-same-key", continuum=True, triton=False):
             second()
             ins, _ = shm_io(grpcclient, "ins")

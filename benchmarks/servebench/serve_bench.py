@@ -4,16 +4,16 @@ Sends a dataset's requests to `--base-url` (endpoint `chat` or `completions`, al
 with Poisson arrivals at `--request-rate` (`inf` = all at once; `--burstiness` b draws gamma
 inter-arrival times of shape b, 1 = Poisson) under `--max-concurrency` (a comma list runs a
 sweep in one call). Measures TTFT, TPOT, ITL, E2EL, throughputs and goodput with vLLM's
-definitions (`benchmarks/bench_metrics.py`), shows a progress bar, prints a table, and can save
-the results (`--save-result FILE.json`: a list with one object per sweep point, vLLM's keys) and
-plot them (`--plot FILE.png`).
+definitions (`bench_metrics.py`), shows a progress bar, prints a table, and can save the results
+(`--save-result FILE.json`: a list with one object per sweep point, vLLM's keys) and plot them
+(`--plot FILE.png`).
 
 Output tokens come from the server's usage (requested with `stream_options.include_usage`) when
 it reports it, else from the tokenizer. Every loop is bounded: `--num-prompts` requests per
 point, `--request-timeout` per request, `--max-duration` per point. Only `--base-url` is
 contacted.
 
-    python benchmarks/serve_bench.py --base-url http://127.0.0.1:8000 --dataset-name random \\
+    continuum bench serve --base-url http://127.0.0.1:8000 --dataset-name random \\
         --random-input-len 128 --random-output-len 128 --ignore-eos --num-prompts 64 \\
         --max-concurrency 1,16,64 --save-result out.json --plot out.png
 """
@@ -29,14 +29,17 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+if __package__ in (None, ""):          # run as a file: the repository root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import aiohttp  # noqa: E402
 import httpx  # noqa: E402
 
-from benchmarks.bench_datasets import (SampleRequest, prefix_repetition_dataset,  # noqa: E402
-                                       random_dataset, sharegpt_dataset)
-from benchmarks.bench_metrics import RequestResult, calculate_metrics, parse_goodput  # noqa: E402
+from benchmarks.harness import save_result  # noqa: E402
+from benchmarks.servebench.bench_datasets import (  # noqa: E402
+    SampleRequest, prefix_repetition_dataset, random_dataset, sharegpt_dataset)
+from benchmarks.servebench.bench_metrics import (  # noqa: E402
+    RequestResult, calculate_metrics, parse_goodput)
 
 
 # ----------------------------------------------------------------------------- one request
@@ -243,8 +246,7 @@ def run(args) -> list[dict]:
                                   for r in per_request if r.success and r.output_len > 1]})
         results.append(metrics)
         print_summary(metrics)
-    if args.save_result:
-        Path(args.save_result).write_text(json.dumps(results, indent=1))
+    save_result(args.save_result, results, indent=1)
     if args.plot:
         plot(results, args.plot)
     return results

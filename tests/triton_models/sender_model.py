@@ -4,7 +4,6 @@ with the final flag."""
 
 import threading
 
-import numpy as np
 import triton_python_backend_utils as pb_utils
 
 

@@ -136,6 +136,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     triton.add_argument("--grpc-port", type=int, default=None, metavar="PORT",
                         help="KServe v2 gRPC (Triton's GRPCInferenceService) port; 0 turns "
                              "gRPC off (default: 8001 with --model-repository, else off)")
+    triton.add_argument("--metrics-port", type=int, default=0, metavar="PORT",
+                        help="also serve /metrics on PORT, as tritonserver does on 8002 "
+                             "(default: 0, only on --port)")
     triton.add_argument("--grpc-address", default=None, metavar="HOST",
                         help="gRPC bind address (default: --host)")
     triton.add_argument("--grpc-restricted-protocol", action="append", default=[],

@@ -42,6 +42,7 @@ class ServeConfig:
     grpc_host: str = "0.0.0.0"
     grpc_port: int = 0
     allow_client_shm: bool = False
+    metrics_port: int = 0                     # also /metrics here (Triton's 8002); 0: off
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:
@@ -60,6 +61,10 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         raise ValueError(f"--grpc-port must be in 0..65535, got {grpc_port}")
     if grpc_port == args.port:
         raise ValueError(f"--grpc-port {grpc_port} is also --port")
+    if not 0 <= args.metrics_port < 65536 or args.metrics_port in (args.port, grpc_port) \
+            and args.metrics_port:
+        raise ValueError(f"--metrics-port must be a free port in 1..65535 (or 0: off), got "
+                         f"{args.metrics_port}")
     if args.no_llm and args.model_repository is None:
         raise ValueError("--no-llm needs --model-repository (there would be nothing to "
                          "serve)")
@@ -83,7 +88,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         grpc_restrictions=parse_restrictions(args.grpc_restricted_protocol,
                                              "--grpc-restricted-protocol"),
         grpc_host=args.grpc_address or args.host, grpc_port=grpc_port,
-        allow_client_shm=_bool_flag("--allow-client-shm", args.allow_client_shm))
+        allow_client_shm=_bool_flag("--allow-client-shm", args.allow_client_shm),
+        metrics_port=args.metrics_port)
 
 
 def _check_numbers(args: argparse.Namespace) -> None:

@@ -254,6 +254,10 @@ def build_app(state: ServerState, load_in_background: bool = True):
         if load_in_background and state.llm is None and state.engine_config is not None:
             threading.Thread(target=state.load, name="continuum-load", daemon=True).start()
         grpc_server = await _start_grpc(state)
+        if state.config.metrics_port:        # Triton's separate metrics port
+            from prometheus_client import start_http_server
+            start_http_server(state.config.metrics_port, state.config.host,
+                              registry=state.metrics.registry)
         yield
         if grpc_server is not None:
             await asyncio.to_thread(lambda: grpc_server.stop(1.0).wait())

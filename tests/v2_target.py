@@ -140,9 +140,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _continuum_command(repo: Path, http: int, grpc: int, opts: dict) -> list[str]:
+def _continuum_command(repo: Path, http: int, grpc: int, metrics: int,
+                       opts: dict) -> list[str]:
     cmd = [sys.executable, "-m", "api", "serve", "--no-llm", "--model-repository", str(repo),
-           "--port", str(http), "--grpc-port", str(grpc), "--uvicorn-log-level", "warning"]
+           "--port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
+           "--uvicorn-log-level", "warning"]
     if opts.get("control_mode"):
         cmd += ["--model-control-mode", opts["control_mode"]]
     for name in opts.get("load_models", ()):
@@ -195,10 +197,9 @@ def start_v2_server(repo: Path, log_path: Path, timeout: float = 180, **opts) ->
     http, grpc, metrics = _free_port(), _free_port(), _free_port()
     if ON_TRITON:
         cmd, env = _triton_command(repo, http, grpc, metrics, opts)
-        metrics_url = f"http://127.0.0.1:{metrics}/metrics"
     else:
-        cmd, env = _continuum_command(repo, http, grpc, opts), dict(os.environ)
-        metrics_url = f"http://127.0.0.1:{http}/metrics"
+        cmd, env = _continuum_command(repo, http, grpc, metrics, opts), dict(os.environ)
+    metrics_url = f"http://127.0.0.1:{metrics}/metrics"      # Triton's separate port
     log = open(log_path, "wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=log, env=env, cwd=ROOT)
     base = f"http://127.0.0.1:{http}"

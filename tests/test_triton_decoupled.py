@@ -112,3 +112,41 @@ def test_decoupled_over_http(v2_servers):
     assert r.headers["content-type"] == "application/json"
     assert r.json() == {"error": "Unable to parse 'data': attempt to access JSON "
                                  "non-signed-integer as signed-integer"}
+
+
+@pytest.mark.parametrize("model,scale", [("repeat_ens", 1), ("repeat_double", 2)])
+def test_an_ensemble_over_a_decoupled_model_streams_its_responses(v2_servers, model, scale):
+    """An ensemble with a decoupled step is decoupled: each of the step's responses goes on
+    through the steps after it (`repeat_double` doubles each) and is one response of the
+    ensemble, over a gRPC stream and generate_stream; one-response infer is refused as for
+    any decoupled model."""
+    c = grpcclient.InferenceServerClient(v2_servers["main"][1])
+    try:
+        assert c.get_model_config(model).config.model_transaction_policy.decoupled
+        got: queue.Queue = queue.Queue()
+        c.start_stream(callback=lambda result, error: got.put((result, error)))
+        c.async_stream_infer(model, repeat_input([4, 5, 6]), request_id="e",
+                             enable_empty_final_response=True)
+        out = [got.get(timeout=30)]
+        while out[-1][1] is None and not \
+                out[-1][0].get_response().parameters["triton_final_response"].bool_param:
+            out.append(got.get(timeout=30))
+        c.stop_stream()
+    finally:
+        c.close()
+    assert all(e is None for _, e in out)
+    # the final flag rides on the last data response when the decoupled step's final flag
+    # came before it (Triton does this by timing too), or comes alone and empty
+    data = sorted((int(r.as_numpy("OUT")[0]), int(r.as_numpy("IDX")[0]))
+                  for r, _ in out if r.get_response().outputs)
+    assert data == [(4 * scale, 0), (5 * scale, 1), (6 * scale, 2)]
+    assert len(out) in (3, 4)
+    base = v2_servers["main"][0]
+    with httpx.stream("POST", f"{base}/v2/models/{model}/generate_stream",
+                      json={"IN": [7, 8]}) as s:
+        events = [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: ")]
+    assert sorted(e["OUT"] for e in events) == [7 * scale, 8 * scale]
+    r = httpx.post(f"{base}/v2/models/{model}/infer", json={"inputs": [
+        {"name": "IN", "datatype": "INT32", "shape": [1], "data": [1]}]})
+    assert (r.status_code, r.json()) == (501, {"error": "HTTP end point doesn't support models "
+                                                        "with decoupled transaction policy"})

@@ -136,6 +136,7 @@ def repository(root: Path) -> Path:
             'output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] }, '
             '{ name: "BATCH" data_type: TYPE_INT32 dims: [ 1 ] } ] '
             'parameters { key: "delay_ms" value { string_value: "30" } }')
+    decoupled_ensembles(root)
     (root / "wrong_reschedule" / "1").mkdir(parents=True)
     (root / "wrong_reschedule" / "1" / "model.py").symlink_to(
         ROOT / "tests/triton_models/wrong_reschedule_model.py")
@@ -151,6 +152,31 @@ def repository(root: Path) -> Path:
             ROOT / "examples/batch_strategies/volume_batching.py")
         torch_state_model(root)
     return root
+
+
+REPEAT_IO = ('input [ { name: "IN" data_type: TYPE_INT32 dims: [ -1 ] } ] '
+             'output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] }, '
+             '{ name: "IDX" data_type: TYPE_UINT32 dims: [ 1 ] } ]')
+
+
+def decoupled_ensembles(root: Path) -> None:
+    """`double` (OUT = 2 * IN) and two ensembles over the decoupled `repeat`: `repeat_ens`
+    (its one step) and `repeat_double` (repeat, then double on each of its responses)."""
+    (root / "double" / "1").mkdir(parents=True)
+    (root / "double" / "1" / "model.py").symlink_to(ROOT / "tests/triton_models/double_model.py")
+    (root / "double" / "config.pbtxt").write_text(
+        'backend: "python" max_batch_size: 0 input [ { name: "IN" data_type: TYPE_INT32 '
+        'dims: [ 1 ] } ] output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]')
+    repeat = ('{ model_name: "repeat" model_version: -1 input_map { key: "IN" value: "IN" } '
+              'output_map { key: "OUT" value: "%s" } output_map { key: "IDX" value: "IDX" } }')
+    double = ('{ model_name: "double" model_version: -1 input_map { key: "IN" value: "R" } '
+              'output_map { key: "OUT" value: "OUT" } }')
+    for name, steps in (("repeat_ens", repeat % "OUT"),
+                        ("repeat_double", repeat % "R" + ", " + double)):
+        (root / name / "1").mkdir(parents=True)
+        (root / name / "config.pbtxt").write_text(
+            f'platform: "ensemble" max_batch_size: 0 {REPEAT_IO} '
+            f'ensemble_scheduling {{ step [ {steps} ] }}')
 
 
 def start_v2_servers(tmp_path_factory):

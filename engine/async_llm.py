@@ -22,7 +22,6 @@ boundary.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import multiprocessing
 import os
@@ -304,21 +303,10 @@ class EngineCore:
 
 
 def engine_snapshot(engine: LLMEngine, step_cost: bool = True) -> dict:
-    """Scheduler gauges and cumulative counters, for the metrics layer; with `step_cost`, the
-    fitted step-cost model too (a least-squares fit, ~70 us, when no scheduler rule has
-    fitted this step's window already)."""
-    s = engine.scheduler
-    snapshot = {"num_running": s.num_running, "num_waiting": s.num_waiting,
-                "num_swapped": s.num_swapped, "kv_cache_usage": s.kv.usage(),
-                "cpu_kv_cache_usage": s.kv.cpu_pool.usage() if s.kv.cpu_pool is not None
-                else 0.0,
-                "prefill_budget": s.prefill_budget,
-                "counters": dataclasses.asdict(s.counters),
-                "spec_decode": (dataclasses.asdict(s.spec_counters)
-                                if s.config.num_speculative_tokens else None)}
-    if step_cost:
-        snapshot["step_cost"] = s.latency.coefficients()
-    return snapshot
+    """What the metrics layer reads of the engine: the scheduler's snapshot
+    (`Scheduler.snapshot`: request counts, KV usage, prefill budget, counters; with
+    `step_cost`, the fitted step-cost model). The engine adds nothing of its own today."""
+    return engine.scheduler.snapshot(step_cost)
 
 
 def engine_info(engine: LLMEngine) -> dict:

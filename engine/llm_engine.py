@@ -1,14 +1,17 @@
 """`LLMEngine`: the synchronous core. One `step()` = schedule, execute, update, process outputs.
 
-Owns: the scheduler (and through it the KV-cache bookkeeping), the model runner (and the
-physical cache), the output processor, and start-up: resolve device and dtype, find or convert
+Owns: the scheduler (and through it every `Request` and the KV-cache bookkeeping), the model
+runner (and the physical cache, and the speculative proposers), the output processor, the
+grammar compiler and its worker thread, and start-up: resolve device and dtype, find or convert
 the model, size the KV cache in blocks, load weights and tokenizer.
 
 In: `add_request(request_id, prompt_token_ids, SamplingParams)`, `abort_request(ids)`.
 A request with structured outputs whose grammar is not compiled yet waits in the scheduler
-(`grammar_pending`) while a worker thread compiles it, so one slow compile never stalls the
-step loop; a grammar that fails to compile finishes its request with finish_reason "error".
+(WAITING_FOR_GRAMMAR: the scheduler asks `_compile_grammar`, which hands the compile to a worker
+thread), so one slow compile never stalls the step loop; a grammar that fails to compile
+finishes its request with finish_reason "error".
 Out: `step() -> list[RequestOutput]` (deltas), and a `StepStats` per step to each stat logger.
+The engine reads the scheduler and the runner through their calls; it never writes a `Request`.
 Not thread-safe: `AsyncLLM` drives it from one thread.
 """
 
@@ -18,7 +21,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from engine.config import GIB, EngineConfig
 from engine.device import resolve_device, resolve_dtype
@@ -33,8 +36,11 @@ from engine.spec_decode.ngram import NgramProposer
 from engine.structured.grammar import GrammarCompiler, grammar_text
 from engine.outputs import RequestOutput, StepStats
 from scheduler.config import CacheConfig, SchedulerConfig
-from scheduler.request import ParamError, Request, RequestStatus, SamplingParams
-from scheduler.scheduler import Scheduler, SchedulerCounters
+from scheduler.output import ModelRunnerOutput, RequestStepOutput, SchedulerOutput
+from scheduler.request import (ParamError, Request, RequestStatus, SamplingParams,
+                               StructuredOutputs)
+from scheduler.scheduler import Scheduler
+from scheduler.stats import SchedulerCounters
 
 logger = logging.getLogger("continuum.engine")
 
@@ -105,25 +111,24 @@ class LLMEngine:
         num_gpu_blocks = self._num_gpu_blocks(block_bytes)
         num_cpu_blocks = (int(config.swap_space * GIB // block_bytes)
                           if config.preemption_mode in ("swap", "auto") else 0)
+        self.grammars = GrammarCompiler(self.tokenizer, mcfg.vocab_size)
+        self._compile_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         target = config.target_itl_ms
         self.scheduler = Scheduler(
             self._scheduler_config(None if target == "auto" else target),
             CacheConfig(config.block_size, num_gpu_blocks, num_cpu_blocks,
-                        config.enable_prefix_caching))
-        self.grammars = GrammarCompiler(self.tokenizer, mcfg.vocab_size)
-        self._compile_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
-        self._compiling: dict[str, Future] = {}
+                        config.enable_prefix_caching), compile_grammar=self._compile_grammar)
         eos_ids = (self.eos_token_id,) + self.extra_eos_ids
         if self._tp is not None:     # the ranks' runners start with the same cache
             self.runner = TensorParallelRunner(*self._tp, self.model, self.device,
                                                config.block_size, num_gpu_blocks, num_cpu_blocks,
-                                               eos_ids, config.seed, self.grammars)
+                                               eos_ids, config.seed, self.grammars,
+                                               proposer=self._proposer())
         else:
             self.runner = ModelRunner(self.model, self.device, config.block_size,
                                       num_gpu_blocks, num_cpu_blocks, eos_ids, config.seed,
-                                      self.grammars, draft)
+                                      self.grammars, draft, proposer=self._proposer())
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.proposer = self._proposer()
         self.stat_loggers: list[Callable[[StepStats], None]] = []
         if target == "auto":
             self._target_from_unloaded_decode()
@@ -254,8 +259,7 @@ class LLMEngine:
             raise ParamError(f"invalid key in logit_bias: {bad}; maximum value is {vocab - 1}",
                              "logit_bias")
         so = params.structured_outputs
-        compile_ = so is not None and not self.grammars.cached(so)
-        if compile_:
+        if so is not None and not self.grammars.cached(so):
             grammar_text(so)             # a malformed spec fails here; compiling comes later
         if self.extra_eos_ids and not params.ignore_eos:
             params = dataclasses.replace(
@@ -265,33 +269,17 @@ class LLMEngine:
                       priority)
         self.scheduler.add_request(req)
         self.output_processor.add_request(request_id, req.prompt_token_ids, params, arrival)
-        if compile_:
-            req.grammar_pending = True
-            self._compiling[request_id] = self._compile_pool.submit(self.grammars.compile, so)
 
-    def _grammars_ready(self) -> list[RequestOutput]:
-        """Release requests whose grammar compiled; fail those whose grammar did not."""
-        failed = []
-        for rid, fut in list(self._compiling.items()):
-            if not fut.done():
-                continue
-            del self._compiling[rid]
-            req = self.scheduler.requests.get(rid)
-            if fut.exception() is not None:
-                failed.append((rid, str(fut.exception())))
-            elif req is not None:
-                req.grammar_pending = False
-        outputs = []
-        for rid, message in failed:
-            self.scheduler.finish_requests([rid], RequestStatus.FINISHED_ERROR)
-            outputs += self.output_processor.finish([rid], "error", message)
-        return outputs
+    def _compile_grammar(self, so: StructuredOutputs) -> Future | None:
+        """The scheduler's question at admission: None when `so`'s grammar is compiled already,
+        else the future of its compile on the grammar thread (its request waits for it)."""
+        if self.grammars.cached(so):
+            return None
+        return self._compile_pool.submit(self.grammars.compile, so)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Finish requests as aborted (any state); their blocks are free when this returns."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        for rid in ids:
-            self._compiling.pop(rid, None)
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
         for rid in ids:
             self.output_processor.remove(rid)
@@ -300,7 +288,6 @@ class LLMEngine:
         """Abort every unfinished request (a server shutting down); their blocks are free when
         this returns. Returns each request's final output, finish_reason "abort"."""
         ids = list(self.output_processor.requests)
-        self._compiling.clear()
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
         return self.output_processor.finish(ids, "abort")
 
@@ -312,43 +299,30 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, execute, update, process outputs."""
         t0 = time.perf_counter()
-        released = self._grammars_ready() if self._compiling else []
         sched_out = self.scheduler.schedule()
-        if sched_out.is_empty and self._compiling:      # only compiles pending: do not spin
-            wait(list(self._compiling.values()), timeout=0.05, return_when=FIRST_COMPLETED)
         t1 = time.perf_counter()
         try:
             runner_out = self.runner.execute(sched_out)
         except TensorParallelError:  # the ranks are out of step: the engine must stop
             raise
         except Exception as e:       # the step's requests fail; the engine keeps serving
-            logger.exception("model runner failed")
-            return released + self._fail(sched_out, e)
+            return self._fail(sched_out, e)
         t2 = time.perf_counter()
         updates = self.scheduler.update_from_output(sched_out, runner_out)
         t3 = time.perf_counter()
+        outputs = self._process_outputs(updates)
+        self._observe(sched_out, time.perf_counter() - t0)
+        self._record(sched_out, outputs, t0, t3 - t2 + t1 - t0)
+        return outputs
+
+    def _process_outputs(self, updates: list[RequestStepOutput]) -> list[RequestOutput]:
+        """The scheduler's updates as `RequestOutput` deltas; the sequences a stop string ended
+        are finished in the scheduler."""
         outputs, stopped = self.output_processor.process(updates)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED,
                                            include_forks=False)
-        self._observe(sched_out, time.perf_counter() - t0)
-        self._record(sched_out, outputs, t0, t3 - t2 + t1 - t0)
-        if self.proposer is not None:
-            self._propose()
-        return released + outputs
-
-    def _propose(self) -> None:
-        """Drafts for the next step of every running request in decode (none for structured
-        outputs: their grammar would have to vet every draft)."""
-        running = self.scheduler.running
-        propose = self.proposer.propose
-        for req in running:
-            tokens = req.all_token_ids
-            if req.num_computed_tokens == len(tokens) - 1 and req.forked \
-                    and req.sampling_params.structured_outputs is None:
-                req.spec_token_ids = propose(req.request_id, tokens)
-        if self.proposer.num_tracked > 2 * len(running) + 16:
-            self.proposer.forget({r.request_id for r in running})
+        return outputs
 
     def _observe(self, sched_out, seconds: float) -> None:
         """Feed the step's measured cost (and any swap's) to the scheduler's cost models."""
@@ -367,17 +341,19 @@ class LLMEngine:
         drafter = self.runner.drafter
         if drafter is not None:            # the draft's passes: their own cost model
             if drafter.last_passes is not None:
-                self.scheduler.draft_cost.observe(*drafter.last_passes)
+                self.scheduler.observe_draft(*drafter.last_passes)
             seconds -= drafter.last_seconds
         self.scheduler.observe_step(num_decodes, num_prefill, seconds)
 
-    def _fail(self, sched_out, error: Exception) -> list[RequestOutput]:
-        ids = [s.request_id for s in sched_out.scheduled]
-        parents = [self.scheduler.requests[i].parent_id or i for i in ids
-                   if i in self.scheduler.requests]
-        self.scheduler.finish_requests(parents, RequestStatus.FINISHED_ERROR)
-        self.scheduler.kv.reset_prefix_cache()     # blocks cached this step were never written
-        return self.output_processor.finish(parents, "error", f"{type(error).__name__}: {error}")
+    def _fail(self, sched_out: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+        """The runner raised `error`: the step's requests fail with it. The step's update still
+        runs, with no tokens, so that the grammars that failed before it are reported first."""
+        logger.exception("model runner failed")
+        parents = self.scheduler.fail_step(sched_out)
+        failed = self._process_outputs(
+            self.scheduler.update_from_output(sched_out, ModelRunnerOutput()))
+        return failed + self.output_processor.finish(parents, "error",
+                                                     f"{type(error).__name__}: {error}")
 
     def _record(self, sched_out, outputs: list[RequestOutput], t0: float,
                 scheduler_time: float) -> None:

@@ -17,7 +17,10 @@ each matcher consumes its token. A request verifying speculative drafts runs as 
 1 + d tokens, is sampled at every one of them, and keeps the accepted prefix
 (`engine.spec_decode.rejection_sampler`). With a draft model the runner also owns the draft's
 caches (same block ids and layout, so the one block table serves both; swaps and copies are
-mirrored) and lets `engine.spec_decode.draft_model` draft before the target's forward.
+mirrored) and lets `engine.spec_decode.draft_model` draft before the target's forward. With an
+n-gram proposer (`engine.spec_decode.ngram`) it keeps each request's context and, after
+sampling, proposes the drafts of each request that sampled for its next step: they leave in
+`ModelRunnerOutput.draft_token_ids`, for the scheduler to keep on the request.
 """
 
 from __future__ import annotations
@@ -82,15 +85,17 @@ def decode_groups(ctx_lens: list[int], block_size: int) -> list[tuple[int, int]]
 class _RequestState:
     block_table: list[int]
     row: SamplingRow
+    token_ids: list[int] | None = None    # prompt + output, kept only for an n-gram proposer
 
 
 class ModelRunner:
-    """See the module docstring. `eos_token_ids` are masked while `min_tokens` is unmet."""
+    """See the module docstring. `eos_token_ids` are masked while `min_tokens` is unmet;
+    `proposer` is an `engine.spec_decode.ngram.NgramProposer` (method "ngram"), or None."""
 
     def __init__(self, model: LlamaForCausalLM, device: Device, block_size: int,
                  num_gpu_blocks: int, num_cpu_blocks: int, eos_token_ids: tuple[int, ...],
-                 seed: int = 0, grammars=None, draft_model: LlamaForCausalLM | None = None
-                 ) -> None:
+                 seed: int = 0, grammars=None, draft_model: LlamaForCausalLM | None = None,
+                 proposer=None) -> None:
         self.model, self.device, self.block_size = model, device, block_size
         self.kv_cache, self.cpu_cache = self._caches(model, num_gpu_blocks, num_cpu_blocks)
         self.drafter = self.draft_kv_cache = self.draft_cpu_cache = None
@@ -99,6 +104,7 @@ class ModelRunner:
                                               block_size)
             self.draft_kv_cache, self.draft_cpu_cache = self._caches(
                 draft_model, num_gpu_blocks, num_cpu_blocks)
+        self.proposer = proposer
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler(device.torch_device, seed)
         self.kernels = device.kernels(model.dtype)
@@ -157,6 +163,8 @@ class ModelRunner:
             state = _RequestState(list(s.new_block_ids), SamplingRow(
                 s.sampling_params, s.prompt_token_ids, list(s.output_token_ids),
                 s.choice_index, stop_ids, matcher))
+            if self.proposer is not None:
+                state.token_ids = s.prompt_token_ids + s.output_token_ids
             self.states[s.request_id] = state
             return state
         state = self.states[s.request_id]
@@ -214,15 +222,17 @@ class ModelRunner:
         sampled, logprobs = {}, {}
         k = 0
         while k < len(rows_at):
-            s, row = ordered[rows_at[k]], states[rows_at[k]].row
+            s, state = ordered[rows_at[k]], states[rows_at[k]]
+            row = state.row
             n = 1 + s.num_drafts
             drawn = result.token_ids[k:k + n]
             emit = accepted_prefix(s.token_ids[1:], drawn) if s.num_drafts else drawn
             sampled[s.request_id] = emit
             if drafter is not None and s.num_drafts:
-                drafter.verified(s.request_id, s.start_position, len(emit),
-                                 states[rows_at[k]].block_table)
+                drafter.verified(s.request_id, s.start_position, len(emit), state.block_table)
             row.output_token_ids.extend(emit)
+            if state.token_ids is not None:
+                state.token_ids.extend(emit)
             if row.matcher is not None:
                 for tok in emit:
                     row.matcher.consume_token(tok)
@@ -230,7 +240,26 @@ class ModelRunner:
                 logprobs[s.request_id] = [(tok,) + lp for tok, lp
                                           in zip(emit, result.logprobs[k:k + len(emit)])]
             k += n
-        return ModelRunnerOutput(sampled, logprobs or None)
+        return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs or None,
+                                 draft_token_ids=self._propose(sampled, by_id))
+
+    def _propose(self, sampled: dict[str, list[int]], by_id: dict[str, _RequestState]
+                 ) -> dict[str, list[int]] | None:
+        """The n-gram proposer's drafts for the next step of each request that sampled (forked,
+        in decode now unless it just finished), none for structured outputs (their grammar
+        would have to vet every draft); None without a proposer. The proposer forgets the
+        requests this runner no longer holds once it tracks many more than it holds."""
+        proposer = self.proposer
+        if proposer is None:
+            return None
+        drafts = {}
+        for rid in sampled:
+            state = by_id[rid]
+            if state.row.params.structured_outputs is None:
+                drafts[rid] = proposer.propose(rid, state.token_ids)
+        if proposer.num_tracked > 2 * len(self.states) + 16:
+            proposer.forget(set(self.states))
+        return drafts
 
     @staticmethod
     def _sampling_rows(ordered: list[ScheduledRequest], states: list[_RequestState],

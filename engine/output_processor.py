@@ -9,8 +9,9 @@ A step may bring several tokens (accepted speculative drafts); with stop strings
 decoded one at a time and those after the token that completes a stop string are dropped, so
 output and usage end where they would without speculation.
 
-In: the scheduler's `RequestStepOutput`s. Out: `RequestOutput` deltas, and the ids of sequences a
-stop string ended (the engine finishes them in the scheduler).
+In: the scheduler's `RequestStepOutput`s (one with `error` set: the request failed before it ran,
+its grammar did not compile). Out: `RequestOutput` deltas, and the ids of sequences a stop string
+ended (the engine finishes them in the scheduler).
 """
 
 from __future__ import annotations
@@ -88,11 +89,16 @@ class OutputProcessor:
         return choice
 
     def process(self, updates: list[RequestStepOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Returns (outputs, sequence ids ended by a stop string)."""
+        """Returns (outputs, sequence ids ended by a stop string). The final outputs of requests
+        that failed before they ran (`error`) come first, as `finish` makes them."""
         now = time.monotonic()
         by_request: dict[str, list[CompletionOutput]] = {}
         stopped: list[str] = []
+        failed: list[RequestOutput] = []
         for u in updates:
+            if u.error is not None:
+                failed += self.finish([u.request_id], "error", u.error)
+                continue
             rid = u.parent_id or u.request_id
             state = self.requests.get(rid)
             if state is None:
@@ -105,7 +111,7 @@ class OutputProcessor:
             if isinstance(out.stop_reason, str) and not u.finished:   # a stop string hit
                 stopped.append(u.request_id)
             by_request.setdefault(rid, []).append(out)
-        results = []
+        results = failed
         for rid, outs in by_request.items():
             state = self.requests[rid]
             finished = state.finished

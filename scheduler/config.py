@@ -53,7 +53,7 @@ class SchedulerConfig:
         speculative decoding); each draft is a token of the step's budget.
     spec_adaptive: choose each request's drafts per step by measured cost
         (`scheduler.spec_decode`); False = verify every proposed draft.
-    spec_method: "ngram" (drafts proposed before the step, `Request.spec_token_ids`) or
+    spec_method: "ngram" (drafts proposed after the step before, `Request.spec_token_ids`) or
         "draft_model" (the runner drafts during the step: every decoding request may verify up
         to `num_speculative_tokens`).
     """
@@ -117,3 +117,14 @@ class CacheConfig:
             raise ValueError(f"the KV cache needs at least one block, got {self.num_gpu_blocks}")
         if self.num_cpu_blocks < 0:
             raise ValueError(f"--swap-space must be non-negative, got {self.num_cpu_blocks} blocks")
+
+
+def check_cache_fits(config: SchedulerConfig, cache_config: CacheConfig) -> None:
+    """Raises ValueError if one sequence of `max_model_len` tokens (plus lookahead) could not
+    fit in the KV cache: it could then never finish."""
+    capacity = cache_config.num_gpu_blocks * cache_config.block_size
+    if capacity < config.max_model_len + config.num_lookahead_tokens:
+        raise ValueError(
+            f"max_model_len ({config.max_model_len}) is larger than the KV cache can hold "
+            f"({capacity} tokens = {cache_config.num_gpu_blocks} blocks x "
+            f"{cache_config.block_size}); decrease --max-model-len or give the cache more memory")

@@ -2,10 +2,12 @@
 
 Data changes hands once per engine step: the scheduler decides, on the CPU, which requests run
 and how many tokens each computes; the runner turns that into device tensors (flat token batch,
-slot mapping, block tables), runs the forward pass and the sampler, and returns sampled token ids.
-The scheduler then advances each `Request` and reports per-request `RequestStepOutput`s to the
-engine's output processor. The runner keeps its own per-request state (block table, sampling
-parameters) between steps, so after the first step only diffs travel.
+slot mapping, block tables), runs the forward pass and the sampler, and returns sampled token ids
+(and, with an n-gram proposer, the drafts each sampled request proposes for its next step).
+The scheduler then advances each `Request` (the only writer of one) and reports per-request
+`RequestStepOutput`s to the engine's output processor. The runner keeps its own per-request
+state (block table, sampling parameters, context) between steps, so after the first step only
+diffs travel.
 
 Kept small and explicit on purpose: speculative decoding, swap and other devices plug in here.
 """
@@ -76,10 +78,14 @@ class ModelRunnerOutput:
     had its K/V computed in this step (accepted speculative tokens); without speculative
     decoding it holds exactly one token. Requests that did not sample are absent.
     `logprobs[request_id]` is opaque to the scheduler and passed through to the engine.
+    `draft_token_ids[request_id]`: the speculative drafts proposed for the request's next step
+    (possibly empty), for each request that sampled, when the runner has an n-gram proposer;
+    `Scheduler.update_from_output` sets them as the request's `spec_token_ids`.
     """
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, Any] | None = None
+    draft_token_ids: dict[str, list[int]] | None = None
 
 
 @dataclass(slots=True)
@@ -93,6 +99,9 @@ class RequestStepOutput:
     logprobs: Any = None
     parent_id: str | None = None       # set for forked choices (n > 1)
     index: int = 0                     # choice index
+    # Set when the request failed before it ran (its grammar did not compile): why, for the
+    # user. The output processor then ends every choice with finish_reason "error".
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

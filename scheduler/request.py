@@ -3,10 +3,12 @@
 Owns: `Request` — the one object per sequence that holds its token ids, `num_computed_tokens`,
 status, priority and arrival time. Everything the scheduler, the KV-cache manager and the
 engine's output processor need is read from it; nothing is stored twice. Only the scheduler
-mutates it (in `schedule` and `update_from_output`).
+mutates it (`scheduler.scheduler.Scheduler`: its four calls; drafts, too, reach it through
+`update_from_output`).
 
 `SamplingParams` is defined here, beside the request, because the scheduler applies its stop
-conditions (`max_tokens`, `min_tokens`, `ignore_eos`, `stop_token_ids`); the model runner's
+conditions (`max_tokens`, `min_tokens`, `ignore_eos`, `stop_token_ids`: `check_stop`, the one
+place they live) and its length limits at admission (`check_admission`); the model runner's
 sampler reads the rest. It is pure data, validated once in `__post_init__`: a user mistake raises
 `ValueError`, which the API maps to HTTP 400.
 """
@@ -42,13 +44,14 @@ class RequestStatus(enum.IntEnum):
     """Lifecycle of a request. Every status from FINISHED_STOPPED on is final."""
 
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2          # recompute preemption: back in the waiting queue, blocks freed
-    SWAPPED = 3            # swap preemption: blocks in the CPU swap pool
-    FINISHED_STOPPED = 4   # EOS, a stop token id, or a stop string (engine side)
-    FINISHED_LENGTH_CAPPED = 5  # max_tokens or max_model_len reached
-    FINISHED_ABORTED = 6   # client went away, timeout, shutdown
-    FINISHED_ERROR = 7     # the request failed alone (e.g. runner error for it)
+    WAITING_FOR_GRAMMAR = 1  # queued, its structured-output grammar still compiling
+    RUNNING = 2
+    PREEMPTED = 3          # recompute preemption: back in the waiting queue, blocks freed
+    SWAPPED = 4            # swap preemption: blocks in the CPU swap pool
+    FINISHED_STOPPED = 5   # EOS, a stop token id, or a stop string (engine side)
+    FINISHED_LENGTH_CAPPED = 6  # max_tokens or max_model_len reached
+    FINISHED_ABORTED = 7   # client went away, timeout, shutdown
+    FINISHED_ERROR = 8     # the request failed alone (runner error, grammar that did not compile)
 
     @property
     def is_finished(self) -> bool:
@@ -192,7 +195,6 @@ class Request:
     stop_reason: int | str | None = None   # the stop token id (or stop string) that finished it
     num_preemptions: int = 0
     forked: bool = False                   # True once the n-way fork happened (or n == 1)
-    grammar_pending: bool = False          # its structured-output grammar is still compiling
     spec_token_ids: list[int] = field(default_factory=list)  # drafts proposed for the next step
     spec_window: object = None             # scheduler.spec_decode.AcceptanceWindow, once drafted
     seq: int = field(init=False)           # tie-breaker: admission order among equal arrivals
@@ -210,6 +212,11 @@ class Request:
     def num_tokens(self) -> int:
         """Prompt plus output tokens."""
         return len(self.all_token_ids)
+
+    @property
+    def num_seats(self) -> int:
+        """Sequences it occupies in a batch: `n` for a parent not yet forked, else 1."""
+        return 1 if self.forked else self.sampling_params.n
 
     @property
     def num_output_tokens(self) -> int:
@@ -236,3 +243,44 @@ class Request:
         child.num_computed_tokens = self.num_computed_tokens
         child.status = self.status
         return child
+
+
+def check_admission(request: Request, max_model_len: int, max_num_seqs: int) -> None:
+    """Whether `request` can ever run. Raises RequestTooLongError if its prompt (plus
+    `max_tokens`) exceeds `max_model_len`, ValueError if its `n` exceeds `max_num_seqs`."""
+    num_prompt = request.num_prompt_tokens
+    max_tokens = request.sampling_params.max_tokens
+    if num_prompt >= max_model_len:
+        raise RequestTooLongError(
+            f"This model's maximum context length is {max_model_len} tokens. However, "
+            f"your prompt has {num_prompt} tokens, leaving no room for output.")
+    if max_tokens is not None and num_prompt + max_tokens > max_model_len:
+        raise RequestTooLongError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, "
+            f"{max_tokens} in the completion).", "max_tokens")
+    if request.sampling_params.n > max_num_seqs:
+        raise ValueError(f"n ({request.sampling_params.n}) exceeds max_num_seqs "
+                         f"({max_num_seqs})")
+
+
+def check_stop(req: Request, token: int, max_model_len: int) -> RequestStatus:
+    """The one place stop conditions live (stop strings are the detokenizer's, engine side):
+    the status of `req` once `token`, its last token, is appended (RUNNING: it goes on). Called
+    by the scheduler, which sets `stop_reason` through it.
+
+    EOS (unless `ignore_eos`) and `stop_token_ids` count only once `min_tokens` are out;
+    `max_tokens` and `max_model_len` cap the length.
+    """
+    params = req.sampling_params
+    num_out = len(req.all_token_ids) - req.num_prompt_tokens
+    if num_out >= params.min_tokens:
+        if token == req.eos_token_id and not params.ignore_eos:
+            return RequestStatus.FINISHED_STOPPED
+        if token in params.stop_token_ids:
+            req.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+    if (params.max_tokens is not None and num_out >= params.max_tokens) \
+            or len(req.all_token_ids) >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH_CAPPED
+    return RequestStatus.RUNNING

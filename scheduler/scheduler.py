@@ -1,103 +1,99 @@
 """Iteration-level (continuous-batching) scheduler for the LLM engine.
 
-Owns: the waiting queue, the running list, the swapped list, and the KV-cache manager. Its
-interface is four calls (vLLM v1's): `add_request`, `schedule`, `update_from_output`,
-`finish_requests`.
+Owns: every unfinished `Request` (the only code that writes one), the waiting queue
+(`scheduler.waiting`, with the grammar compiles some requests wait for), the running and
+swapped lists, the KV-cache manager, and the measured costs its rules read. Its interface is
+four calls (vLLM v1's): `add_request`, `schedule`, `update_from_output`, `finish_requests`;
+`snapshot` is what the metrics read.
+
+In: `Request`s; each step's `ModelRunnerOutput` (sampled tokens, and the drafts proposed for the
+next step); measured step, swap and draft costs (`observe_*`: the engine feeds them, the
+scheduler stays clock-free). Out: a `SchedulerOutput` per step, and a `RequestStepOutput` per
+request that got tokens in it or failed before it ran.
 
 One rule, no phases (vLLM v1 engine core): each scheduled request's `num_computed_tokens`
 catches up with its token count within the step's budgets (`max_num_seqs`,
-`max_num_batched_tokens`). A prompt longer than the remaining budget is split across steps
-(chunked prefill); prefix-cache hits start a request past its cached prefix; a decode is the
-case where one token is missing. Order within a step: running requests, then swapped ones being
-resumed, then waiting ones — and nothing is resumed or admitted in a step that preempted.
+`max_num_batched_tokens`); `_num_new` computes it for running, swapped and waiting requests
+alike. A prompt longer than the remaining budget is split across steps (chunked prefill);
+prefix-cache hits start a request past its cached prefix; a decode is the case where one token
+is missing. Order within a step: running requests, then swapped ones being resumed, then waiting
+ones — and nothing is resumed or admitted in a step that preempted.
 
-Running, swapped and waiting requests are kept in policy order: `fcfs` by (arrival, admission
-sequence), `priority` by (priority, arrival, sequence), `sjf` by (arrival + aging x job,
-sequence), job = prompt tokens + `max_tokens` (else up to `max_model_len`). That key is linear
-aging (a job's rank improves by one token per `sjf_aging_ms_per_token` it waits) in a form that
-never changes while a request waits, so the heap stays valid. Bound: a request X is never
-passed over by a request that arrived more than aging x job(X) after X. The job is known at
-arrival and is the same when a preempted request is queued again (it recomputes its output as
-prompt); prefix-cache hits are not subtracted. When the KV pool has no room for a
-running request, the *last* request of the running list (lowest priority, then latest arrival)
-is preempted: `swap` moves its blocks to the CPU pool (or falls back to recompute when that is
-full); `recompute` frees them and re-queues the request with its generated tokens kept, to be
-recomputed as prompt; `auto` picks, per preemption, the cheaper of the two by measured cost
-(`scheduler.slo.PreemptionCost`). Because victims come from the back and scheduling goes front
-to back, a victim was never scheduled in the same step.
+Running, swapped and waiting requests are kept in policy order (`scheduler.policy`). When the
+KV pool has no room for a running request, the *last* request of the running list (lowest
+priority, then latest arrival) is preempted: `swap` moves its blocks to the CPU pool (or falls
+back to recompute when that is full); `recompute` frees them and re-queues the request with its
+generated tokens kept, to be recomputed as prompt; `auto` picks, per preemption, the cheaper of
+the two by measured cost (`scheduler.slo.PreemptionCost`). Because victims come from the back
+and scheduling goes front to back, a victim was never scheduled in the same step.
 
 Target ITL (`target_itl_ms`): prefill chunks (steps of more than one token of a request) share
 a per-step prefill budget chosen from the measured step costs (`scheduler.slo`), so that a step
-carrying the current decodes stays within the target; decodes are never held back by it. The
-engine feeds the measurements in (`observe_step`, `observe_swap`); the scheduler stays clock-free.
+carrying the current decodes stays within the target; decodes are never held back by it.
 
 n > 1: the request is computed once up to its last prompt token, then forked into n sequences
 that share its blocks by reference count; each computes the last prompt token itself (so
 each samples from the same logits), copying the shared partial block first (copy-on-write).
 
-Speculative decoding (`scheduler.spec_decode`): a running request in decode carries the drafts
-the engine proposed (`Request.spec_token_ids`); `plan_drafts` chooses how many it verifies this
-step, and it is scheduled for 1 + d tokens, d capped by the step's remaining token budget. Draft
-slots are lookahead: `num_computed_tokens` advances past the drafts only as far as the runner
-accepted them (`update_from_output`), and the whole blocks that held only rejected drafts go
-back to the pool in the same call.
+Speculative decoding (`scheduler.spec_decode`): `update_from_output` keeps the runner's drafts
+on the request (`Request.spec_token_ids`); `plan_drafts` chooses how many a request in decode
+verifies next step: 1 + d tokens, d within the remaining token budget. Draft slots are
+lookahead: `num_computed_tokens` advances past the drafts only as far as the runner accepted
+them, and the whole blocks that held only rejected drafts go back to the pool in the same call.
 
-Structured outputs: a waiting request with `grammar_pending` (its grammar still compiling off
-the step loop, vLLM's WAITING_FOR_FSM) is passed over, keeping its place, until the engine
-clears the flag.
+Structured outputs: a request whose grammar the injected `compile_grammar` is still compiling
+waits as WAITING_FOR_GRAMMAR (others pass it); `schedule` lets it in once compiled, or finishes
+it as FINISHED_ERROR with the compile's message. A step that schedules nothing while grammars
+compile waits up to `GRAMMAR_WAIT_S` for one, so an idle engine loop does not spin.
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
-import heapq
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 
 from kvcache.manager import KVCacheManager
-from scheduler.config import CacheConfig, SchedulerConfig
+from scheduler import stats
+from scheduler.config import CacheConfig, SchedulerConfig, check_cache_fits
 from scheduler.output import ModelRunnerOutput, RequestStepOutput, ScheduledRequest, SchedulerOutput
-from scheduler.request import QueueFullError, Request, RequestStatus, RequestTooLongError
+from scheduler.policy import policy_key
+from scheduler.request import (QueueFullError, Request, RequestStatus, StructuredOutputs,
+                               check_admission, check_stop)
 from scheduler.slo import AdaptivePrefillBudget, LatencyHistory, PreemptionCost
-from scheduler.spec_decode import AcceptanceWindow, DraftCost, SpecDecodeCounters, plan_drafts
+from scheduler.spec_decode import (AcceptanceWindow, DraftCost, SpecDecodeCounters, plan_drafts,
+                                   record_verification)
+from scheduler.stats import SchedulerCounters
+from scheduler.waiting import WaitingQueue
 
 RUNNING = RequestStatus.RUNNING
-
-
-@dataclass
-class SchedulerCounters:
-    """Cumulative counters since start (for Prometheus counters). Tokens and blocks are counts."""
-
-    prefix_cache_queries: int = 0   # prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int = 0      # of those, tokens found cached
-    num_preemptions: int = 0
-    num_preemptions_swap: int = 0       # of those, by the mode actually used
-    num_preemptions_recompute: int = 0
-    swap_out_blocks: int = 0
-    swap_in_blocks: int = 0
+WAITING_FOR_GRAMMAR = RequestStatus.WAITING_FOR_GRAMMAR
+GRAMMAR_WAIT_S = 0.05          # the longest an empty step waits for a compiling grammar
 
 
 class Scheduler:
     """Decides, every engine step, which requests compute how many tokens.
 
+    `compile_grammar(structured_outputs)`, when given, is asked at admission about a request
+    with structured outputs: None if its grammar is ready, else the future of its compile (the
+    request waits for it; see the module docstring).
+
     Raises (at construction): ValueError if one sequence of `max_model_len` tokens could not fit
-    in the KV cache — it could then never finish.
+    in the KV cache (`check_cache_fits`) — it could then never finish.
     """
 
-    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig) -> None:
-        capacity = cache_config.num_gpu_blocks * cache_config.block_size
-        if capacity < config.max_model_len + config.num_lookahead_tokens:
-            raise ValueError(
-                f"max_model_len ({config.max_model_len}) is larger than the KV cache can hold "
-                f"({capacity} tokens = {cache_config.num_gpu_blocks} blocks x "
-                f"{cache_config.block_size}); decrease --max-model-len or give the cache more memory")
+    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig,
+                 compile_grammar: Callable[[StructuredOutputs], Future | None] | None = None
+                 ) -> None:
+        check_cache_fits(config, cache_config)
         self.config = config
         self.cache_config = cache_config
         self.kv = KVCacheManager(cache_config.num_gpu_blocks, cache_config.block_size,
                                  cache_config.enable_prefix_caching, cache_config.num_cpu_blocks)
         self.requests: dict[str, Request] = {}     # every unfinished request, by id
-        self.waiting: list[tuple] = []             # heap of (key, request)
+        self._key = policy_key(config)
+        self.waiting = WaitingQueue(self._key)     # new, preempted, waiting for a grammar
         self.running: list[Request] = []           # policy order
         self.swapped: list[Request] = []           # policy order
         self.counters = SchedulerCounters()
@@ -115,15 +111,8 @@ class Scheduler:
         self.draft_cost = DraftCost()              # a draft model's drafting passes (measured)
         self.spec_pooled = AcceptanceWindow.pooled()   # every request's recent acceptance
         self._drafts: dict[str, int] = {}          # this step's speculative drafts per request
-        if config.policy == "priority":
-            self._key = lambda r: (r.priority, r.arrival_time, r.seq)
-        elif config.policy == "sjf":
-            aging_s, limit = config.sjf_aging_ms_per_token / 1000, config.max_model_len
-            self._key = lambda r: (r.arrival_time + aging_s * (
-                r.num_prompt_tokens + (r.sampling_params.max_tokens or
-                                       limit - r.num_prompt_tokens)), r.seq)
-        else:
-            self._key = lambda r: (r.arrival_time, r.seq)
+        self.compile_grammar = compile_grammar
+        self._failed: list[tuple[str, str]] = []   # (id, why): grammars failed since the update
 
     # ------------------------------------------------------------------ admission
     def add_request(self, request: Request) -> None:
@@ -131,56 +120,46 @@ class Scheduler:
 
         Raises: RequestTooLongError if the prompt (plus `max_tokens`) exceeds `max_model_len`;
         QueueFullError if `max_waiting_requests` are already waiting; ValueError for a duplicate
-        id or `n` above `max_num_seqs`.
+        id or `n` above `max_num_seqs`. Only once admitted is its grammar's compile asked for.
         """
         cfg = self.config
-        num_prompt = request.num_prompt_tokens
-        max_tokens = request.sampling_params.max_tokens
-        if num_prompt >= cfg.max_model_len:
-            raise RequestTooLongError(
-                f"This model's maximum context length is {cfg.max_model_len} tokens. However, "
-                f"your prompt has {num_prompt} tokens, leaving no room for output.")
-        if max_tokens is not None and num_prompt + max_tokens > cfg.max_model_len:
-            raise RequestTooLongError(
-                f"This model's maximum context length is {cfg.max_model_len} tokens. However, you "
-                f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, "
-                f"{max_tokens} in the completion).", "max_tokens")
-        if request.sampling_params.n > cfg.max_num_seqs:
-            raise ValueError(f"n ({request.sampling_params.n}) exceeds max_num_seqs "
-                             f"({cfg.max_num_seqs})")
+        check_admission(request, cfg.max_model_len, cfg.max_num_seqs)
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if len(self.waiting) >= cfg.max_waiting_requests:
             raise QueueFullError(f"the waiting queue is full ({cfg.max_waiting_requests} "
                                  "requests); retry later")
-        request.status = RequestStatus.WAITING
+        so = request.sampling_params.structured_outputs
+        grammar = (self.compile_grammar(so) if so is not None and self.compile_grammar
+                   else None)
         self.requests[request.request_id] = request
         request.arrival_step = self._num_steps
-        heapq.heappush(self.waiting, (self._key(request), request))
+        if grammar is None:
+            request.status = RequestStatus.WAITING
+            self.waiting.push(request)
+        else:
+            request.status = WAITING_FOR_GRAMMAR
+            self.waiting.park(request, grammar)
+
+    def _release_grammars(self) -> None:
+        """Requests whose grammar compiled become WAITING (in the queue, in policy order); those
+        whose grammar failed finish as FINISHED_ERROR, their message kept for the update."""
+        for req, error in self.waiting.compiled():
+            if error is None:
+                req.status = RequestStatus.WAITING
+            else:
+                self._finish(req, RequestStatus.FINISHED_ERROR)
+                self._failed.append((req.request_id, str(error)))
 
     # ------------------------------------------------------------------ schedule
-    def _adaptive_prefill_budget(self) -> int:
-        """This step's prefill tokens under --target-itl-ms (`scheduler.slo`): from the running
-        decodes, keeping the floor once a request with prompt tokens still to compute (waiting,
-        or running with a partial prefill) was added `patience` or more steps ago. A step with
-        no prompt tokens to compute keeps the last budget: refitting the step costs (~0.3 ms)
-        would buy nothing there."""
-        oldest = self._num_steps - self.prefill_budgeter.patience
-        num_decodes, starved, prefilling = 0, False, False
-        for r in self.running:
-            pending = len(r.all_token_ids) - 1 - r.num_computed_tokens
-            if pending == 0:
-                num_decodes += self._seats(r)
-            elif pending > 0:
-                prefilling = True
-                starved = starved or r.arrival_step <= oldest
-        if not (prefilling or self.waiting or self.swapped):
-            return self.prefill_budgeter.last_budget
-        starved = starved or any(r.arrival_step <= oldest for _, r in self.waiting)
-        return self.prefill_budgeter.prefill_budget(num_decodes, starved)
-
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's batch; advances `num_computed_tokens` of every scheduled request."""
+        """Pick this step's batch; advances `num_computed_tokens` of every scheduled request.
+
+        First, requests whose grammar is done compiling leave WAITING_FOR_GRAMMAR; a step that
+        schedules nothing while grammars compile waits up to `GRAMMAR_WAIT_S` for one.
+        """
+        if self.waiting.parked:
+            self._release_grammars()
         cfg = self.config
         out = SchedulerOutput(finished_request_ids=self._finished_ids,
                               num_lookahead_tokens=cfg.num_lookahead_tokens)
@@ -189,35 +168,30 @@ class Scheduler:
         self._prefill_left = budget
         self._num_steps += 1
         if self.prefill_budgeter is not None:
-            self._prefill_left = self._adaptive_prefill_budget()
+            self._prefill_left = self.prefill_budgeter.for_step(
+                self.running, self.waiting, self.swapped, self._num_steps)
         if cfg.num_speculative_tokens:
             self._drafts = plan_drafts(self.running, cfg, self.latency, self.spec_counters,
                                       self.draft_cost, self.spec_pooled)
         budget = self._schedule_running(out, budget)
         if not out.preempted_request_ids and (self.swapped or self.waiting):
-            seats = self._seats_taken()
+            seats = sum(r.num_seats for r in self.running)
             budget, seats = self._resume_swapped(out, budget, seats)
             if not self.swapped:
                 self._admit_waiting(out, budget, seats)
         out.blocks_to_copy = self.kv.take_blocks_to_copy()
+        if not out.scheduled:                  # only compiles pending: do not spin
+            self.waiting.wait_for_grammar(GRAMMAR_WAIT_S)
         return out
 
-    @staticmethod
-    def _seats(req: Request) -> int:
-        """Sequences the request will occupy: n for a parent not yet forked, else 1."""
-        return 1 if req.forked else req.sampling_params.n
-
-    def _seats_taken(self) -> int:
-        return sum(map(self._seats, self.running))
-
-    def _target(self, req: Request) -> int:
-        """Tokens the request must have computed before it can sample (fork point if unforked)."""
-        return req.num_tokens if req.forked else req.num_prompt_tokens - 1
-
     def _num_new(self, req: Request, budget: int) -> int:
-        """Tokens to compute this step within `budget` and the prefill budget; -1 if it must
-        wait (no chunking, or no prefill budget left)."""
-        num_new = self._target(req) - req.num_computed_tokens
+        """The one new-token rule, for running, swapped and waiting requests alike: the tokens
+        `req` computes this step to catch up with its token count (an unforked n > 1 request:
+        with its fork point, all but its last prompt token), within `budget` and, for more than
+        one token, the step's prefill budget. 0: nothing to compute (at its fork point); -1: it
+        must wait (it does not fit and chunking is off, or no budget is left)."""
+        num_new = (len(req.all_token_ids) if req.forked else req.num_prompt_tokens - 1) \
+            - req.num_computed_tokens
         limit = min(budget, self._prefill_left) if num_new > 1 else budget
         if num_new > limit:
             return limit if limit > 0 and self.config.enable_chunked_prefill else -1
@@ -225,19 +199,14 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         kv, running, lookahead = self.kv, self.running, self.config.num_lookahead_tokens
-        chunked, drafts_of = self.config.enable_chunked_prefill, self._drafts
+        drafts_of = self._drafts
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
             if not req.forked and req.num_computed_tokens == req.num_prompt_tokens - 1:
                 self._fork(req)
-            # = self._num_new(req, budget), inlined: this loop runs for every request, every step.
-            num_new = (len(req.all_token_ids) if req.forked else req.num_prompt_tokens - 1) \
-                - req.num_computed_tokens
-            limit = min(budget, self._prefill_left) if num_new > 1 else budget
-            if num_new > limit:
-                num_new = limit if chunked else -1
-            if num_new <= 0:
+            num_new = self._num_new(req, budget)
+            if num_new <= 0:        # nothing to compute, or it waits: the others may still run
                 i += 1
                 continue
             drafts = 0              # speculative drafts ride on a decode, within the budget
@@ -268,7 +237,7 @@ class Scheduler:
         lookahead = self.config.num_lookahead_tokens
         while self.swapped and budget > 0:
             req = self.swapped[0]
-            if seats + self._seats(req) > self.config.max_num_seqs:
+            if seats + req.num_seats > self.config.max_num_seqs:
                 break
             num_new = self._num_new(req, budget)
             if num_new < 0:
@@ -280,20 +249,15 @@ class Scheduler:
             del self.swapped[0]
             out.blocks_to_swap_in.extend(mapping)
             self.counters.swap_in_blocks += len(mapping)
-            seats += self._seats(req)
+            seats += req.num_seats
             self._start_running(out, req, num_new)
             budget -= num_new
         return budget, seats
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, seats: int) -> None:
         kv, cfg = self.kv, self.config
-        deferred = []               # requests whose grammar is still compiling keep their place
-        while self.waiting and budget > 0:
-            req = self.waiting[0][1]
-            if req.grammar_pending:
-                deferred.append(heapq.heappop(self.waiting))
-                continue
-            if seats + self._seats(req) > cfg.max_num_seqs:
+        while budget > 0 and (req := self.waiting.first()) is not None:
+            if seats + req.num_seats > cfg.max_num_seqs:
                 break
             hit_blocks, num_hit = kv.get_computed_blocks(req.request_id, req.all_token_ids,
                                                          req.extra_keys)
@@ -306,14 +270,12 @@ class Scheduler:
             if start is None:
                 req.num_computed_tokens = 0
                 break
-            heapq.heappop(self.waiting)
+            self.waiting.pop()
             self.counters.prefix_cache_queries += req.num_tokens
             self.counters.prefix_cache_hits += num_hit
-            seats += self._seats(req)
+            seats += req.num_seats
             self._start_running(out, req, num_new)
             budget -= num_new
-        for entry in deferred:
-            heapq.heappush(self.waiting, entry)
 
     def _start_running(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
         req.status = RUNNING
@@ -331,12 +293,15 @@ class Scheduler:
         end = start + num_new
         tokens = req.all_token_ids
         out.scheduled.append(ScheduledRequest(
-            req.request_id, tokens[start:end] + req.spec_token_ids[:drafts] if drafts
-            else tokens[start:end], start, table_start,
-            self.kv.block_ids(req.request_id, table_start), is_new, end == len(tokens),
-            req.sampling_params, len(tokens) - req.num_prompt_tokens, req.index,
-            req.prompt_token_ids if is_new else None,
-            req.output_token_ids if is_new else None, drafts))
+            request_id=req.request_id,
+            token_ids=(tokens[start:end] + req.spec_token_ids[:drafts] if drafts
+                       else tokens[start:end]),
+            start_position=start, block_table_start=table_start,
+            new_block_ids=self.kv.block_ids(req.request_id, table_start), is_new=is_new,
+            sample=end == len(tokens), sampling_params=req.sampling_params,
+            output_index=len(tokens) - req.num_prompt_tokens, choice_index=req.index,
+            prompt_token_ids=req.prompt_token_ids if is_new else None,
+            output_token_ids=req.output_token_ids if is_new else None, num_drafts=drafts))
         out.num_scheduled_tokens += num_new + drafts
         out.num_draft_tokens += drafts
         if num_new > 1:
@@ -365,7 +330,7 @@ class Scheduler:
         self.kv.free(rid, keep_hashes=True)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
-        heapq.heappush(self.waiting, (self._key(req), req))
+        self.waiting.push(req)
 
     def _fork(self, parent: Request) -> None:
         """Split an n > 1 request into its n sequences (parent = choice 0)."""
@@ -380,14 +345,20 @@ class Scheduler:
     # ------------------------------------------------------------------ update
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[RequestStepOutput]:
-        """Append sampled tokens, apply stop conditions, free finished requests' blocks.
+        """Append sampled tokens, apply stop conditions, free finished requests' blocks, and
+        keep the drafts proposed for each running request's next step.
 
-        Tokens for requests that were aborted or preempted since `schedule` are dropped.
-        Returns one `RequestStepOutput` per request that received tokens.
+        Tokens and drafts for requests that were aborted or preempted since `schedule` are
+        dropped. Returns a `RequestStepOutput` per request whose grammar failed to compile since
+        the last call (`error` set), then one per request that received tokens.
         """
-        outputs = []
+        outputs = [RequestStepOutput(request_id=rid, new_token_ids=[],
+                                     status=RequestStatus.FINISHED_ERROR, error=why)
+                   for rid, why in self._failed]
+        self._failed = []
         logprobs = runner_output.logprobs or {}
-        requests = self.requests
+        proposed = runner_output.draft_token_ids or {}
+        requests, max_len = self.requests, self.config.max_model_len
         drafted = ({s.request_id: s.num_drafts for s in scheduler_output.scheduled
                     if s.num_drafts} if scheduler_output.num_draft_tokens else None)
         for rid, tokens in runner_output.sampled_token_ids.items():
@@ -396,51 +367,30 @@ class Scheduler:
                 continue
             num_drafts = drafted.get(rid, 0) if drafted else 0
             if num_drafts:
-                self._record_verification(req, num_drafts, len(tokens) - 1)
+                record_verification(req, num_drafts, len(tokens) - 1, self.spec_counters,
+                                    self.spec_pooled)
             if len(tokens) == 1:
                 req.all_token_ids.append(tokens[0])
-                status = self._check_stop(req, tokens[0])
+                status = check_stop(req, tokens[0], max_len)
             else:                   # accepted speculative tokens already have their K/V
                 req.num_computed_tokens += len(tokens) - 1
                 for n, token in enumerate(tokens, 1):
                     req.all_token_ids.append(token)
-                    status = self._check_stop(req, token)
+                    status = check_stop(req, token, max_len)
                     if status is not RUNNING:
                         tokens = tokens[:n]
                         break
             if status is not RUNNING:
                 self._finish(req, status)
-            elif num_drafts:            # rejected drafts' whole blocks go back to the pool
-                self.kv.trim(rid, len(req.all_token_ids))
+            else:
+                if num_drafts:          # rejected drafts' whole blocks go back to the pool
+                    self.kv.trim(rid, len(req.all_token_ids))
+                if rid in proposed:
+                    req.spec_token_ids = proposed[rid]
+            # Positional on purpose: by keyword this costs ~60 us a step at 256 decodes.
             outputs.append(RequestStepOutput(rid, tokens, status, req.stop_reason,
                                              logprobs.get(rid), req.parent_id, req.index))
         return outputs
-
-    def _record_verification(self, req: Request, num_drafts: int, num_accepted: int) -> None:
-        if req.spec_window is None:
-            req.spec_window = AcceptanceWindow()
-        req.spec_window.record(num_drafts, num_accepted)
-        self.spec_counters.record(num_drafts, num_accepted)
-        self.spec_pooled.record(num_drafts, num_accepted)
-
-    def _check_stop(self, req: Request, token: int) -> RequestStatus:
-        """The one place stop conditions live (stop strings are the detokenizer's, engine side).
-
-        EOS (unless `ignore_eos`) and `stop_token_ids` count only once `min_tokens` are out;
-        `max_tokens` and `max_model_len` cap the length.
-        """
-        params = req.sampling_params
-        num_out = len(req.all_token_ids) - req.num_prompt_tokens
-        if num_out >= params.min_tokens:
-            if token == req.eos_token_id and not params.ignore_eos:
-                return RequestStatus.FINISHED_STOPPED
-            if token in params.stop_token_ids:
-                req.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if (params.max_tokens is not None and num_out >= params.max_tokens) \
-                or len(req.all_token_ids) >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        return RUNNING
 
     # ------------------------------------------------------------------ finish
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus,
@@ -464,6 +414,17 @@ class Scheduler:
             self._finish(req, status)
         return [r.request_id for r in targets]
 
+    def fail_step(self, scheduler_output: SchedulerOutput) -> list[str]:
+        """The runner failed `scheduler_output`'s step: finish every request scheduled in it,
+        with all the choices of its parent, as FINISHED_ERROR, and forget the prefix cache
+        (blocks cached this step were never written). Returns the finished (parent) ids."""
+        requests = self.requests
+        parents = [requests[s.request_id].parent_id or s.request_id
+                   for s in scheduler_output.scheduled if s.request_id in requests]
+        self.finish_requests(parents, RequestStatus.FINISHED_ERROR)
+        self.kv.reset_prefix_cache()
+        return parents
+
     def _finish(self, req: Request, status: RequestStatus) -> None:
         prior = req.status
         req.status = status
@@ -472,8 +433,7 @@ class Scheduler:
         elif prior == RequestStatus.SWAPPED:
             self.swapped.remove(req)
         else:
-            self.waiting = [e for e in self.waiting if e[1] is not req]
-            heapq.heapify(self.waiting)
+            self.waiting.remove(req)
         rid = req.request_id
         if self.kv.holds_blocks(rid):
             self.kv.free(rid)
@@ -492,6 +452,10 @@ class Scheduler:
         """The engine's measured time to copy `num_blocks` blocks to or from the swap pool."""
         self.preemption_cost.observe_swap(num_blocks, seconds)
 
+    def observe_draft(self, rows: int, seconds: float) -> None:
+        """The runner's measured drafting passes of a draft model: `rows` rows in `seconds`."""
+        self.draft_cost.observe(rows, seconds)
+
     def set_target_itl(self, target_itl_ms: float) -> None:
         """Turn the adaptive prefill budget on (or move its target), keeping the measurements
         so far. Raises ValueError as `SchedulerConfig` does."""
@@ -509,7 +473,8 @@ class Scheduler:
     # ------------------------------------------------------------------ introspection
     @property
     def num_waiting(self) -> int:
-        """Requests in the waiting queue (new or preempted by recompute)."""
+        """Requests in the waiting queue (new, preempted by recompute, or waiting for their
+        grammar)."""
         return len(self.waiting)
 
     @property
@@ -525,3 +490,18 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         """Whether any request is waiting, running or swapped."""
         return bool(self.requests)
+
+    def snapshot(self, step_cost: bool = True) -> dict:
+        """What the metrics read, as plain data (it crosses the engine's pipe): requests
+        running, waiting (grammar compiles included) and swapped; the fractions of device and
+        CPU KV blocks in use; the prefill budget; the cumulative `counters`; the speculative-
+        decoding counters (None without speculation); with `step_cost`, the fitted step-cost
+        coefficients (a least-squares fit, ~70 us, unless a rule fitted this window already)."""
+        kv = self.kv
+        return stats.snapshot(
+            num_running=len(self.running), num_waiting=len(self.waiting),
+            num_swapped=len(self.swapped), kv_cache_usage=kv.usage(),
+            cpu_kv_cache_usage=kv.cpu_pool.usage() if kv.cpu_pool is not None else 0.0,
+            prefill_budget=self.prefill_budget, counters=self.counters,
+            spec_counters=self.spec_counters if self.config.num_speculative_tokens else None,
+            step_cost=self.latency.coefficients() if step_cost else None)

@@ -4,7 +4,8 @@ clocks, threads or tensors here.
 
 In: `observe_step(num_decodes, num_prefill_tokens, seconds)` after every engine step and
 `observe_swap(num_blocks, seconds)` after every swap (and once at start, a calibration copy).
-Out: `prefill_budget(num_decodes)` (tokens) and `prefer_swap(num_blocks, num_tokens)`.
+Out: `prefill_budget(num_decodes)` (tokens; `for_step` reads the decodes and the starvation
+off the scheduler's lists) and `prefer_swap(num_blocks, num_tokens)`.
 
 Step cost model (`LatencyHistory`, a moving window): a step carrying D decodes and P prefill
 tokens costs  t = base + per_decode * D + per_prefill_token * P  seconds, fitted by least
@@ -234,6 +235,27 @@ class AdaptivePrefillBudget:
             budget = int(slack / per_token + 1e-6) if slack > 0 else 0
         self.last_budget = min(max(budget, self.floor if starved else 0), cap)
         return self.last_budget
+
+    def for_step(self, running, waiting, swapped, step: int) -> int:
+        """The scheduler's step number `step`: its prefill budget from the running decodes (each
+        counts its `num_seats`), with the floor once a request with prompt tokens
+        still to compute (waiting, or running with a partial prefill) was added `patience` or
+        more steps ago. `running` and `swapped` are lists of `scheduler.request.Request`s,
+        `waiting` yields (key, request) pairs. A step with no prompt tokens to compute keeps
+        the last budget: refitting the step costs (~0.3 ms) would buy nothing there."""
+        oldest = step - self.patience
+        num_decodes, starved, prefilling = 0, False, False
+        for r in running:
+            pending = len(r.all_token_ids) - 1 - r.num_computed_tokens
+            if pending == 0:
+                num_decodes += r.num_seats
+            elif pending > 0:
+                prefilling = True
+                starved = starved or r.arrival_step <= oldest
+        if not (prefilling or waiting or swapped):
+            return self.last_budget
+        starved = starved or any(r.arrival_step <= oldest for _, r in waiting)
+        return self.prefill_budget(num_decodes, starved)
 
 
 class PreemptionCost:

@@ -2,9 +2,10 @@
 window, and the per-step choice of how many drafts each request verifies. Pure: no torch, no
 clocks; the engine proposes the drafts (`engine.spec_decode`) and feeds in its step timings.
 
-In: a request's proposed drafts (`Request.spec_token_ids`, set by the engine after each step),
-the step's measured cost model (`scheduler.slo.LatencyHistory`), and after the step how many
-drafts were accepted. Out: k per request for this step, and counters for /metrics.
+In: a request's proposed drafts (`Request.spec_token_ids`: the runner proposes them with each
+step's output, `Scheduler.update_from_output` keeps them), the step's measured cost model
+(`scheduler.slo.LatencyHistory`), and after the step how many drafts were accepted
+(`record_verification`). Out: k per request for this step, and counters for /metrics.
 
 Adaptive speculation (the rule). A request whose drafts are accepted with probability a each
 (i.i.d., the model of Leviathan et al. 2023, "Fast Inference from Transformers via Speculative
@@ -204,6 +205,18 @@ class DraftCost:
         """Mean seconds per drafting row over the window."""
         rows = sum(r for r, _ in self.steps)
         return sum(t for _, t in self.steps) / rows if rows else None
+
+
+def record_verification(req, num_drafts: int, num_accepted: int,
+                        counters: SpecDecodeCounters, pooled: AcceptanceWindow) -> None:
+    """A request (`Request`) verified `num_drafts` drafts and accepted the first
+    `num_accepted`: into its own acceptance window (made on its first verification), the
+    `pooled` window and the cumulative `counters`. Called by the scheduler's update."""
+    if req.spec_window is None:
+        req.spec_window = AcceptanceWindow()
+    req.spec_window.record(num_drafts, num_accepted)
+    counters.record(num_drafts, num_accepted)
+    pooled.record(num_drafts, num_accepted)
 
 
 def plan_drafts(running: list, config, latency, counters: SpecDecodeCounters,

@@ -8,6 +8,9 @@ context back through its block table. That context must equal the request's true
 next token is a deterministic function of the context read back — so a bookkeeping error either
 trips an assertion or changes the output.
 
+With `draft_rng` it proposes drafts, as the engine's n-gram proposer does: for each request that
+sampled, in the step's `ModelRunnerOutput.draft_token_ids` (the scheduler keeps them).
+
 With `cost=StepCost(...)` it also reports a synthetic measured cost of each step (and of each
 swap) to the scheduler, as the engine reports real timings, so the adaptive prefill budget and
 `--preemption-mode auto` can be driven without a clock.
@@ -84,6 +87,7 @@ class FakeRunner:
                 pos = s.start_position + i
                 self.gpu[table[pos // bs]][pos % bs] = (pos, tok)
         sampled: dict[str, list[int]] = {}
+        proposed: dict[str, list[int]] = {}
         for s in out.scheduled:
             if not s.sample:
                 continue
@@ -107,27 +111,24 @@ class FakeRunner:
                     break
                 emitted.append(next_token(context + drafts[:j + 1], s.choice_index))
             sampled[s.request_id] = emitted
+            if self.draft_rng is not None and self.scheduler.config.num_speculative_tokens:
+                proposed[s.request_id] = self._propose(context + emitted, s.choice_index)
         if self.cost is not None:
             self._report_cost(out)
-        return ModelRunnerOutput(sampled_token_ids=sampled)
+        return ModelRunnerOutput(sampled_token_ids=sampled, draft_token_ids=proposed or None)
 
-    def propose(self) -> None:
-        """Drafts for every running request in decode (as the engine's proposer does after
-        each step): a random number of right tokens, then wrong ones."""
+    def _propose(self, context: list[int], choice_index: int) -> list[int]:
+        """Drafts for the next step of a request whose tokens are `context`: a random number
+        of right tokens, then wrong ones."""
         k = self.scheduler.config.num_speculative_tokens
-        if self.draft_rng is None or not k:
-            return
-        for req in self.scheduler.running:
-            if req.num_computed_tokens != req.num_tokens - 1:
-                continue
-            right = self.draft_rng.randint(0, k)
-            context, drafts = list(req.all_token_ids), []
-            for j in range(self.draft_rng.randint(0, k)):
-                tok = next_token(context, req.index)
-                tok = tok if j < right else (tok + 1) % VOCAB
-                drafts.append(tok)
-                context.append(tok)
-            req.spec_token_ids = drafts
+        right = self.draft_rng.randint(0, k)
+        context, drafts = list(context), []
+        for j in range(self.draft_rng.randint(0, k)):
+            tok = next_token(context, choice_index)
+            tok = tok if j < right else (tok + 1) % VOCAB
+            drafts.append(tok)
+            context.append(tok)
+        return drafts
 
     def _report_cost(self, out: SchedulerOutput) -> None:
         blocks = len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
@@ -157,7 +158,6 @@ def run_steps(scheduler: Scheduler, runner: FakeRunner, max_steps: int = 10_000,
         result = runner.execute(out)
         for o in scheduler.update_from_output(out, result):
             outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
-        runner.propose()
         if check:
             check(scheduler, None)
     raise AssertionError(f"requests still unfinished after {max_steps} steps: "

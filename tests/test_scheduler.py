@@ -386,3 +386,59 @@ def test_prefix_cache_off_computes_everything():
     run_steps(s, FakeRunner(s))
     s.add_request(Request("b", system + [3], SamplingParams(max_tokens=1)))
     assert counts(s.schedule()) == {"b": 13}
+
+
+# ----------------------------------------------------------------------------- waiting for a grammar
+def test_a_request_waits_for_its_grammar_then_runs_and_a_failed_grammar_fails_it():
+    from concurrent.futures import Future
+
+    from scheduler.request import StructuredOutputs
+
+    compiles: dict[str, Future] = {}
+
+    def compile_grammar(so):
+        return compiles.setdefault(so.spec, Future())
+
+    s = Scheduler(SchedulerConfig(max_model_len=64), CacheConfig(BS, 32, 0, True),
+                  compile_grammar=compile_grammar)
+    s.add_request(req("ok", structured_outputs=StructuredOutputs("regex", "[a-z]+"),
+                      arrival=0.0))
+    s.add_request(req("bad", base=50, structured_outputs=StructuredOutputs("regex", "("),
+                      arrival=1.0))
+    s.add_request(req("free", base=100, arrival=2.0))
+    assert s.requests["ok"].status == RequestStatus.WAITING_FOR_GRAMMAR
+    out, _ = step(s)
+    assert counts(out) == {"free": 6} and s.num_waiting == 2      # both wait, in the queue
+    compiles["[a-z]+"].set_result(object())
+    compiles["("].set_exception(ValueError("unbalanced parenthesis"))
+    out, updates = step(s)
+    assert counts(out) == {"free": 1, "ok": 6} and "bad" in out.finished_request_ids
+    assert (updates[0].request_id, updates[0].status, updates[0].error) == \
+        ("bad", RequestStatus.FINISHED_ERROR, "unbalanced parenthesis")
+    assert "bad" not in s.requests and s.num_waiting == 0
+    s.finish_requests(list(s.requests), RequestStatus.FINISHED_ABORTED)
+    assert s.kv.num_free_blocks == 32
+
+
+def test_drafts_travel_in_the_runner_output_and_the_scheduler_keeps_them():
+    s = make(num_speculative_tokens=2, spec_adaptive=False)
+    s.add_request(req("a", max_tokens=8))
+    s.add_request(req("b", base=50, max_tokens=1))
+    out = s.schedule()
+    s.update_from_output(out, ModelRunnerOutput({"a": [7], "b": [7]},
+                                                draft_token_ids={"a": [8, 9], "b": [8]}))
+    assert s.requests["a"].spec_token_ids == [8, 9] and "b" not in s.requests   # b finished
+    (sr,) = s.schedule().scheduled
+    assert sr.request_id == "a" and sr.token_ids == [7, 8, 9] and sr.num_drafts == 2
+
+
+def test_snapshot_is_what_the_metrics_read():
+    s = make(num_blocks=16, num_cpu_blocks=4)
+    s.add_request(req("a"))
+    step(s)
+    snap = s.snapshot()
+    assert (snap["num_running"], snap["num_waiting"], snap["num_swapped"]) == (1, 0, 0)
+    assert snap["kv_cache_usage"] == 2 / 16 and snap["cpu_kv_cache_usage"] == 0.0
+    assert snap["counters"]["prefix_cache_queries"] == 6 and snap["spec_decode"] is None
+    assert snap["prefill_budget"] == s.config.max_num_batched_tokens
+    assert "step_cost" in snap and "step_cost" not in s.snapshot(step_cost=False)

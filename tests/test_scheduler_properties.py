@@ -96,7 +96,6 @@ def drive(s, ops, c):
                 check_invariants(s, out)
                 for o in s.update_from_output(out, runner.execute(out)):
                     outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
-                runner.propose()
                 check_invariants(s, None)
     for rid, toks in run_steps(s, runner, max_steps=2000, check=check_invariants).items():
         outputs.setdefault(rid, []).extend(toks)

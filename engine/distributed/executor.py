@@ -145,17 +145,19 @@ def start_tensor_parallel(world_size: int, device, dtype: torch.dtype, model_dir
 
 class TensorParallelRunner(ModelRunner):
     """Rank 0's `ModelRunner`: each step goes to the workers first, then runs here on rank 0's
-    shard. Takes `ModelRunner`'s arguments after the group and the workers; sends them the
-    cache setup and waits until every rank is loaded.
+    shard. Takes `ModelRunner`'s arguments after the group and the workers (an n-gram
+    `proposer` runs on rank 0 only: its drafts are rank 0's output); sends them the cache
+    setup and waits until every rank is loaded.
 
     Any failure of a step (a collective error, a worker gone, or an exception on rank 0 that
     may have left the ranks out of step) raises TensorParallelError: the engine stops."""
 
     def __init__(self, group: TensorParallelGroup, workers: TensorParallelWorkers, model,
                  device, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
-                 eos_token_ids: tuple[int, ...], seed: int = 0, grammars=None) -> None:
+                 eos_token_ids: tuple[int, ...], seed: int = 0, grammars=None,
+                 proposer=None) -> None:
         super().__init__(model, device, block_size, num_gpu_blocks, num_cpu_blocks,
-                         eos_token_ids, seed, grammars)
+                         eos_token_ids, seed, grammars, proposer=proposer)
         self.group, self.workers = group, workers
         workers.send(CacheSpec(block_size, num_gpu_blocks, num_cpu_blocks,
                                tuple(eos_token_ids), seed))

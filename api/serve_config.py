@@ -3,8 +3,8 @@
 Owns: `ServeConfig` (everything a server needs to start, the engine's `EngineConfig` inside)
 and `serve_config(args)`, the one place the serve flags are checked. `continuum serve`
 (api/cli.py) and every Ray Serve replica (api/ray_serve/replica.py) build their server from
-it, through `api/cli.py:build_server`, so a replica refuses what the CLI refuses.
-Flows in: the `serve` namespace of `api.cli.build_parser()`; flows out: a `ServeConfig`.
+it, through `api/launch.py:build_server`, so a replica refuses what the CLI refuses.
+Flows in: the parsed `serve` flags (api/serve_flags.py); flows out: a `ServeConfig`.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.config import EngineConfig
+from engine.profiles import PROFILE_FLAGS, resolve_profile
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,6 @@ class ServeConfig:
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:
     """The `ServeConfig` of parsed `serve` flags. Raises ValueError naming the bad flag."""
-    from api.cli import _bool_flag, _chat_template, engine_config
     from triton_compat.restricted import parse_restrictions
 
     config = engine_config(args)
@@ -119,3 +119,41 @@ def _check_model(args: argparse.Namespace, config: EngineConfig) -> None:
         from engine.models.llama import ModelConfig
         check_tensor_parallel(ModelConfig.from_dir(resolve_model(config.model)),
                               config.tensor_parallel_size, resolve_device(config.device))
+
+
+def engine_config(args: argparse.Namespace):
+    """The frozen `EngineConfig` from parsed `serve` flags. Raises ValueError naming a bad flag."""
+    tuned = resolve_profile(args.tuning_profile, {k: getattr(args, k) for k in PROFILE_FLAGS})
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, seed=args.seed,
+        max_model_len=args.max_model_len, block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory, num_gpu_blocks_override=args.num_gpu_blocks_override,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        enable_prefix_caching=args.enable_prefix_caching,
+        sjf_aging_ms_per_token=args.sjf_aging_ms_per_token,
+        max_waiting_requests=args.max_waiting_requests,
+        speculative_config=args.speculative_config,
+        tensor_parallel_size=args.tensor_parallel_size, **tuned)
+
+
+def _bool_flag(flag: str, value: str) -> bool:
+    """Triton's boolean flag values (true / false / 1 / 0 / on / off). Raises ValueError."""
+    lowered = value.lower()
+    if lowered in ("true", "1", "on", "yes"):
+        return True
+    if lowered in ("false", "0", "off", "no"):
+        return False
+    raise ValueError(f"{flag}: expected true or false, got {value!r}")
+
+
+def _chat_template(value: str | None) -> str | None:
+    """`--chat-template`: a file's text, or the value itself when it is a template (vLLM's
+    rule). Raises ValueError for a path that does not exist."""
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file():
+        return path.read_text()
+    if "{" in value:
+        return value
+    raise ValueError(f"--chat-template {value}: no such file")

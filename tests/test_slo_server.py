@@ -92,7 +92,8 @@ def test_bad_slo_flags_are_one_line_errors(flags, words):
 
 
 def test_tuning_profile_defaults_yield_to_explicit_flags():
-    from api.cli import build_parser, engine_config
+    from api.cli import build_parser
+    from api.serve_config import engine_config
 
     def config(*flags):
         return engine_config(build_parser().parse_args(["serve", *flags]))

@@ -34,10 +34,14 @@ import json
 import os
 import queue
 import threading
+from typing import TYPE_CHECKING
 
-from triton_compat import pb_utils as pb
+from triton_compat import pb_types as pb
 from triton_compat.backends.base import BackendRequest
-from triton_compat.errors import InferError
+from triton_compat.errors import InferError, TritonModelException
+
+if TYPE_CHECKING:
+    from triton_compat.pb_utils import InferenceRequest
 
 ONLY_IN_EXECUTE = "BLS is only supported during the 'execute' function."
 _STATUS_CODES = {400: pb.TritonError.INVALID_ARG, 404: pb.TritonError.NOT_FOUND,
@@ -175,11 +179,11 @@ def _waiting_on(target):
             waiting.discard(id(caller))
 
 
-def _target(request: pb.InferenceRequest, decoupled: bool):
+def _target(request: InferenceRequest, decoupled: bool):
     """(runtime or LLM model, BackendRequest, datatypes, timeout µs). Raises BLSError with
     Triton's texts, or TritonModelException where the python backend raises."""
     if getattr(_current, "phase", None) is not None:
-        raise pb.TritonModelException(ONLY_IN_EXECUTE)
+        raise TritonModelException(ONLY_IN_EXECUTE)
     name, version = request.model_target()
     if _Server.get_repository is None or os.getpid() != _Server.pid:
         raise BLSError(f"Model {name} - BLS is not available here: the model is not running "
@@ -271,7 +275,7 @@ async def _pump(model, backend_request: BackendRequest, datatypes: dict,
         it.put(_error_response(e), True)
 
 
-def run(request: pb.InferenceRequest, decoupled: bool = False):
+def run(request: InferenceRequest, decoupled: bool = False):
     """`InferenceRequest.exec`: an InferenceResponse, or a ResponseIterator with
     `decoupled=True` (returned once the first response is there)."""
     try:
@@ -301,7 +305,7 @@ def _single(response: pb.InferenceResponse, decoupled: bool):
     return it
 
 
-def run_async(request: pb.InferenceRequest, decoupled: bool = False) -> asyncio.Future:
+def run_async(request: InferenceRequest, decoupled: bool = False) -> asyncio.Future:
     """`InferenceRequest.async_exec`: a future on the running loop (started at once) of what
     `run` returns. Raises RuntimeError when no loop runs in this thread."""
     loop = asyncio.get_running_loop()
@@ -331,7 +335,7 @@ def run_async(request: pb.InferenceRequest, decoupled: bool = False) -> asyncio.
 def _repository():
     repository = _Server.get_repository() if _Server.get_repository else None
     if repository is None:
-        raise pb.TritonModelException("the model repository is not available")
+        raise TritonModelException("the model repository is not available")
     return repository
 
 
@@ -341,12 +345,12 @@ def load_model(model_name: str, config: str = "", files: dict | None = None) -> 
     mode none, unknown model, load failure, `files`)."""
     name = model_name
     if files:
-        raise pb.TritonModelException("load_model: 'files' (override model files) is not "
+        raise TritonModelException("load_model: 'files' (override model files) is not "
                                       "supported; put the files in the model repository")
     try:
         _repository().load(name, config or None)
     except InferError as e:
-        raise pb.TritonModelException(e.message) from None
+        raise TritonModelException(e.message) from None
 
 
 def unload_model(model_name: str, unload_dependents: bool = False) -> None:
@@ -354,7 +358,7 @@ def unload_model(model_name: str, unload_dependents: bool = False) -> None:
     try:
         _repository().unload(model_name)
     except InferError as e:
-        raise pb.TritonModelException(e.message) from None
+        raise TritonModelException(e.message) from None
 
 
 def is_model_ready(model_name: str, model_version: str = "") -> bool:
@@ -363,5 +367,5 @@ def is_model_ready(model_name: str, model_version: str = "") -> bool:
     try:
         _repository().runtime(model_name, model_version or None)
         return True
-    except (InferError, pb.TritonModelException):
+    except (InferError, TritonModelException):
         return False

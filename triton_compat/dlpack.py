@@ -16,6 +16,8 @@ import ctypes
 
 import numpy as np
 
+from triton_compat.errors import TritonModelException
+
 KDL_CPU, KDL_CUDA, KDL_CUDA_HOST = 1, 2, 3      # DLDeviceType
 KDL_BFLOAT = 4                                    # DLDataTypeCode
 
@@ -49,7 +51,6 @@ _capsule_valid.restype, _capsule_valid.argtypes = ctypes.c_int, [ctypes.py_objec
 
 
 def _error(message: str) -> Exception:
-    from triton_compat.pb_utils import TritonModelException
     return TritonModelException(message)
 
 

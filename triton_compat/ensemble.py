@@ -22,7 +22,7 @@ import time
 from concurrent.futures import Future
 
 from triton_compat.backends import BackendRequest
-from triton_compat.errors import InferError
+from triton_compat.errors import DECOUPLED_HTTP, InferError
 from triton_compat.runtime import ModelRuntime, settle
 from triton_compat.stats import ModelStats
 from triton_compat.validate import Signature, check_inputs, check_outputs
@@ -64,7 +64,6 @@ class EnsembleRuntime:
         run on their own models. Raises InferError(400) for a bad request, 501 for one-response
         inference of a decoupled ensemble."""
         if self.decoupled and request.deliver is None:
-            from triton_compat.runtime import DECOUPLED_HTTP
             raise InferError(DECOUPLED_HTTP, 501)
         wanted = check_outputs(self.signature, request.outputs or None)
         batch_size = check_inputs(self.signature, request.inputs, datatypes or {}, request.id)

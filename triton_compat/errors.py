@@ -9,6 +9,9 @@ UNSUPPORTED 501, UNAVAILABLE 503, INTERNAL 500); gRPC maps the same codes one to
 
 from __future__ import annotations
 
+# HTTP infer on a decoupled model (Triton's text; 501)
+DECOUPLED_HTTP = "HTTP end point doesn't support models with decoupled transaction policy"
+
 
 class InferError(Exception):
     """An error answered to one request. `status`: HTTP status code; `code`: Triton's error
@@ -26,3 +29,8 @@ class InferError(Exception):
 
     def __str__(self) -> str:
         return self.message
+
+
+class TritonModelException(Exception):
+    """`pb_utils.TritonModelException`: raised by python models, and by the python backend's
+    API (triton_compat.pb_utils, bls, dlpack) where Triton's bindings raise."""

@@ -23,8 +23,7 @@ from typing import AsyncIterator, Callable
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
-from triton_compat.errors import InferError
-from triton_compat.runtime import DECOUPLED_HTTP
+from triton_compat.errors import DECOUPLED_HTTP, InferError
 from triton_compat.validate import Signature, check_inputs
 from triton_compat.stats import ModelStats
 

@@ -19,7 +19,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from triton_compat.config import ConfigError, LoadError, load_config, select_versions
+from triton_compat.config import ConfigError, LoadError, select_versions
+from triton_compat.config_loader import load_config
 from triton_compat.ensemble import EnsembleRuntime
 from triton_compat.errors import InferError
 from triton_compat.runtime import ModelRuntime

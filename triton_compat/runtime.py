@@ -25,9 +25,10 @@ import numpy as np
 
 from scheduler.dynamic_batcher import Pending, QueueFullError, RequestQueue, decide
 from triton_compat import batch_strategy
-from triton_compat.backends import BackendRequest, create_instance
+from triton_compat.backends import BackendRequest
+from triton_compat.backends.factory import create_instance
 from triton_compat.config import batcher_config
-from triton_compat.errors import InferError
+from triton_compat.errors import DECOUPLED_HTTP, InferError
 from triton_compat.sequence.spec import sequence_params
 from triton_compat.stats import ModelStats
 from triton_compat.validate import Signature, check_inputs, check_outputs, check_result
@@ -35,7 +36,6 @@ from triton_compat.validate import Signature, check_inputs, check_outputs, check
 
 logger = logging.getLogger("continuum.triton")
 # Triton's text for one-response inference of a decoupled model (http_server.cc)
-DECOUPLED_HTTP = "HTTP end point doesn't support models with decoupled transaction policy"
 # Triton core's text (infer_request.cc) for a request a model asked to run again when the model
 # is not an iterative sequence model
 RESCHEDULE_REFUSED = ("Request is released with TRITONSERVER_REQUEST_RELEASE_RESCHEDULE, while "

@@ -1,7 +1,7 @@
-"""Data-parallel flags of `continuum serve` and the Ray Serve options they become.
+"""The data-parallel flags of `continuum serve` (api/serve_flags.py) as the Ray Serve options they
+become.
 
-Owns: the `--data-parallel-backend` flag group (`add_data_parallel_flags`), the frozen
-`DataParallelConfig` built from parsed flags (a bad combination raises ValueError, which the CLI
+Owns: the frozen `DataParallelConfig` built from parsed flags (a bad combination raises ValueError, which the CLI
 prints as one line and exits 2), `replica_config` (how a replica rebuilds the same server from
 the same argv: the CLI's own checked `ServeConfig`, api/serve_config.py), and `argv_from_dict` (the `args:` of a Ray Serve config file → that argv).
 
@@ -17,43 +17,13 @@ import argparse
 import math
 from dataclasses import dataclass
 
-ROUTERS = ("prefix-aware", "power-of-two", "random")
+from api.serve_config import serve_config
+from api.serve_flags import ROUTERS, serve_parser
+
 SHUTDOWN_MARGIN_S = 15.0     # past --shutdown-timeout: abort grace + engine stop (seconds)
 HEALTH_CHECK_PERIOD_S = 5.0
 HEALTH_CHECK_TIMEOUT_S = 10.0
 INGRESS_MAX_ONGOING = 10_000  # the ingress only forwards; replicas bound the real work
-
-
-def add_data_parallel_flags(p: argparse.ArgumentParser) -> None:
-    """Add the "Data parallel (Ray Serve)" flag group to the `serve` parser."""
-    g = p.add_argument_group("Data parallel (Ray Serve)")
-    g.add_argument("--data-parallel-backend", default="none", choices=["none", "ray"],
-                   help="ray: run --num-replicas full servers (engine, OpenAI API, v2 HTTP) as "
-                        "Ray Serve replicas behind one ingress on --host/--port (default: none)")
-    g.add_argument("--num-replicas", default=None, metavar="N|auto",
-                   help="replicas, or auto: Ray Serve autoscales between --min-replicas and "
-                        "--max-replicas (default: 1)")
-    g.add_argument("--min-replicas", type=int, default=None,
-                   help="with --num-replicas auto: fewest replicas (default: 1)")
-    g.add_argument("--max-replicas", type=int, default=None,
-                   help="with --num-replicas auto: most replicas (default: 4)")
-    g.add_argument("--target-ongoing-requests", type=float, default=None,
-                   help="with --num-replicas auto: requests in flight per replica that "
-                        "autoscaling aims at (default: 16)")
-    g.add_argument("--request-router", default="prefix-aware", choices=ROUTERS,
-                   help="prefix-aware: requests sharing a prompt prefix go to the replica that "
-                        "served it while queue lengths differ by at most "
-                        "--router-imbalanced-threshold, else the least loaded; power-of-two: "
-                        "Ray Serve's default; random: a random replica (default: "
-                        "%(default)s)")
-    g.add_argument("--router-imbalanced-threshold", type=float, default=8.0,
-                   help="prefix-aware: queue-length difference past which the least loaded "
-                        "replica wins over prefix affinity (default: %(default)s)")
-    g.add_argument("--replica-num-cpus", type=float, default=1.0,
-                   help="Ray CPUs per replica; also its torch threads (OMP_NUM_THREADS, "
-                        "rounded up) unless OMP_NUM_THREADS is set (default: %(default)s)")
-    g.add_argument("--ray-address", default=None, metavar="HOST:PORT",
-                   help="Ray cluster to join (default: start a local one on 127.0.0.1)")
 
 
 _DP_ONLY = ("num_replicas", "min_replicas", "max_replicas", "target_ongoing_requests",
@@ -198,14 +168,10 @@ def argv_from_dict(flags: dict) -> list[str]:
 def replica_args(argv: list[str]) -> argparse.Namespace:
     """The parsed `serve` flags of argv (after `serve`). argparse errors raise SystemExit(2)
     after printing the usage line."""
-    from api.cli import build_parser
-
-    return build_parser().parse_args(["serve", *argv])
+    return serve_parser().parse_args(argv)
 
 
 def replica_config(argv: list[str]):
     """The `ServeConfig` a replica serves for `continuum serve ARGV`, checked as the CLI checks
     it (api/serve_config.py). Raises ValueError naming a bad flag."""
-    from api.serve_config import serve_config
-
     return serve_config(replica_args(argv))

@@ -65,11 +65,11 @@ class ResponseHead:
 
 def _build_server(argv: list[str], host: str, port: int):
     """(uvicorn `Server`, `ServerState`) of `continuum serve ARGV` on host:port, as
-    `api.cli.serve` builds them, from the same checked `ServeConfig`, without gRPC (only this
+    `api.launch.serve` builds them, from the same checked `ServeConfig`, without gRPC (only this
     replica reaches it). Raises ValueError for a bad flag."""
     import dataclasses
 
-    from api.cli import build_server
+    from api.launch import build_server
 
     config = dataclasses.replace(replica_config(argv), host=host, port=port, grpc_port=0)
     return build_server(config)

@@ -188,6 +188,24 @@ def test_bls_failures_are_error_responses(server, mode, words):
     assert_live(client)
 
 
+def test_an_exception_in_execute_is_the_requests_error_with_its_traceback(server):
+    """A model whose `execute` raises fails its requests with the python backend's text: the
+    instance's name, the exception as pybind11 prints it and the model's frames, innermost
+    first; over HTTP a 500."""
+    client, _ = server
+    x = np.zeros(16, np.int32)
+    with pytest.raises(InferenceServerException) as e:
+        bls_sync(client, "raise", x, x)
+    assert e.value.status() == "500"
+    head, _, frames = e.value.message().partition("\n\nAt:\n")
+    assert head == ("Failed to process the request(s) for model 'bls_sync_0', message: "
+                    "ValueError: refused on purpose")
+    lines = frames.splitlines()
+    assert [line.rsplit(": ", 1)[1] for line in lines] == ["refuse", "run", "execute"]
+    assert all(line.startswith("  ") and "/bls_sync/1/model.py(" in line for line in lines)
+    assert_live(client)
+
+
 def test_async_execute_overlaps_a_decoupled_models_requests(server):
     """`a` waits until `b` has arrived and `b` until `a` has: on the model's one instance both
     finish only if `b`'s execution starts while `a`'s coroutine still waits."""

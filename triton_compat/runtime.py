@@ -111,9 +111,9 @@ class ModelRuntime:
         self.instances = []
         try:
             for group in config.instance_group:
-                for i in range(group.count):
-                    self.instances.append(create_instance(config, model_dir, version,
-                                                          f"{group.name}_{i}"))
+                for i in range(group.count):   # Triton's names: the group's, "_i" only if several
+                    name = f"{group.name}_{i}" if group.count > 1 else group.name
+                    self.instances.append(create_instance(config, model_dir, version, name))
         except Exception:
             for inst in self.instances:
                 inst.close()

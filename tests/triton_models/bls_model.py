@@ -10,6 +10,8 @@
   text (the streamed deltas joined), COUNT the responses.
 - "loading": the model loading API: COUNT = is_model_ready("simple") + 2 *
   is_model_ready("no_such_model"); ERROR = the message of `load_model("auto_conflict")`.
+- "raise": `execute` raises ValueError("refused on purpose") (from `refuse`, so the error's
+  traceback has two frames of this file).
 ERROR is '' when the call succeeded.
 """
 
@@ -28,10 +30,15 @@ class TritonPythonModel:
         self.name = args["model_name"]
 
     def execute(self, requests):
-        return [self.run(r) for r in requests]
+        responses = []
+        for request in requests:  # a loop, not a comprehension: the same frames on 3.11 and 3.12
+            responses.append(self.run(request))
+        return responses
 
     def run(self, request):
         mode = pb_utils.get_input_tensor_by_name(request, "MODE").as_numpy()[0].decode()
+        if mode == "raise":
+            self.refuse()
         x = pb_utils.get_input_tensor_by_name(request, "INPUT0").as_numpy()
         y = pb_utils.get_input_tensor_by_name(request, "INPUT1").as_numpy()
         out0, out1, count, error, text = x * 0, x * 0, 0, "", ""
@@ -95,3 +102,6 @@ class TritonPythonModel:
             _tensor("OUTPUT0", out0), _tensor("OUTPUT1", out1), _tensor("COUNT", [count]),
             _tensor("ERROR", [error.encode()], np.object_),
             _tensor("TEXT", [text.encode()], np.object_)])
+
+    def refuse(self):
+        raise ValueError("refused on purpose")

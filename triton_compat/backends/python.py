@@ -26,6 +26,7 @@ import logging
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 from triton_compat import bls, pb_utils as pb
@@ -33,6 +34,8 @@ from triton_compat.backends import python_import
 from triton_compat.backends.base import Backend, BackendRequest, ExecTimes
 from triton_compat.config import config_to_json
 from triton_compat.errors import InferError
+
+_OWN_CODE = str(Path(__file__).resolve().parent.parent)    # triton_compat/
 
 logger = logging.getLogger("continuum.triton.python_model")
 _ERROR_STATUS = {pb.TritonError.INVALID_ARG: 400, pb.TritonError.NOT_FOUND: 404,
@@ -57,6 +60,20 @@ class _Answer:
         with self.cond:
             self.cond.wait_for(lambda: self.done)
         return self.result
+
+
+def exception_text(e: BaseException) -> str:
+    """pybind11's `error_already_set::what()` of an exception a model raised, as Triton's stub
+    reports it: "Type: words", then "\n\nAt:\n" and the frames, innermost first, each
+    "  file(line): function\n". Only the model's frames: Triton's stub calls `execute` from
+    C++, so no frame of the server appears there either."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if not f.filename.startswith(_OWN_CODE)]
+    text = f"{type(e).__name__}: {e}"
+    if frames:
+        text += "\n\nAt:\n" + "".join(f"  {f.filename}({f.lineno}): {f.name}\n"
+                                     for f in reversed(frames))
+    return text
 
 
 class PythonBackend(Backend):
@@ -152,9 +169,11 @@ class PythonBackend(Backend):
             r.parameters, r.flags, sender, cancelled, self.name)
 
     def _failure(self, e: Exception) -> InferError:
+        """The error of an `execute` that raised, in the python backend's words: the instance's
+        name and pybind11's text of the exception (src/pb_stub.cc, ProcessRequests)."""
         logger.error("python model '%s' failed: %s: %s", self.name, type(e).__name__, e)
-        return InferError(f"Failed to process the request(s) for model '{self.name}', "
-                          f"message: {type(e).__name__}: {e}", 500)
+        return InferError(f"Failed to process the request(s) for model '{self.instance_name}', "
+                          f"message: {exception_text(e)}", 500)
 
     def _close(self, sender, r: BackendRequest, error) -> object:
         """A decoupled request after `execute`: on an error, the error if its sender was still
@@ -286,5 +305,4 @@ class PythonBackend(Backend):
 
 
 def _format(e: BaseException) -> list[str]:
-    import traceback
     return traceback.format_exception(type(e), e, e.__traceback__)

@@ -12,6 +12,7 @@ Start-up: the server listens at once; the engine loads in the background (`/heal
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import threading
@@ -39,6 +40,15 @@ from scheduler.request import ParamError, QueueFullError, SamplingParams
 
 logger = logging.getLogger("continuum.api")
 VERSION = "0.1.0"
+
+
+def freeze_heap() -> None:
+    """Collect, then move every object alive (imports, models, tokenizer: ~0.5 M objects with
+    torch) to the collector's permanent generation (`gc.freeze`): a full collection then scans
+    only what requests allocate. Measured: one over the start-up heap took 230 ms, a stall of
+    every request on the serving thread. Called when a load finishes (start-up, in a thread)."""
+    gc.collect()
+    gc.freeze()
 
 
 @dataclass
@@ -116,6 +126,7 @@ class ServerState:
                     self.served_model_name, lambda: self.llm if self.ready else None,
                     lambda: self.tokenizer)
             self.repository = repository
+            freeze_heap()
             logger.info("v2 models (repository %s): %s", self.config.model_repository,
                         ", ".join(f"{m['name']} {m.get('state', '')}"
                                   for m in self.repository.index()) or "none")
@@ -147,6 +158,7 @@ class ServerState:
                     pass
 
             asyncio.run(warm_up())
+            freeze_heap()
             self.ready = True
             logger.info("ready in %.1f s (%s, %s on %s). Point the OpenAI SDK at "
                         "base_url=%r, model=%r", time.perf_counter() - t0,

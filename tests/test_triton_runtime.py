@@ -235,7 +235,7 @@ def test_an_output_unlike_its_config_is_sent_as_the_model_made_it(tmp_path):
 def test_only_a_model_cheaper_than_a_thread_hop_runs_on_the_event_loop(tmp_path, monkeypatch):
     """HTTP infer runs a model measured cheaper than INLINE_MAX_US on the event loop (no
     hand-off to its instance's thread); a slow model never blocks the loop, and a cheap model
-    that turns slow stops running there after one execution.
+    that turns slow stops running there after one execution, for good after a second.
 
     INLINE_MAX_US (200 µs) is about one thread hop on a fast host; a slow or busy host runs
     this test's 'fast' python model in about that time, so the test raises the bound to 5 ms
@@ -301,9 +301,13 @@ def test_only_a_model_cheaper_than_a_thread_hop_runs_on_the_event_loop(tmp_path,
             assert value == 5 and ticks >= 5
         assert not slow.runs_inline and handed_off["slow"] == 3
         assert await infer("fast", 1100) == 1100      # 100 ms once, on the loop
-        assert not fast.runs_inline and fast.inline_banned   # then on its thread for good
+        assert not fast.runs_inline and not fast.inline_banned  # on its thread for a while
         value, ticks = await ticks_during(infer("fast", 1100))
         assert value == 1100 and ticks >= 20 and handed_off["fast"] == before + 1
+        assert fast.inline_banned                     # slow twice: on its thread for good
+        for v in range(50):
+            assert await infer("fast", v) == v
+        assert not fast.runs_inline and handed_off["fast"] == before + 51
 
     try:
         asyncio.run(scenario())

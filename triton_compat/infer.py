@@ -140,8 +140,9 @@ def tensor_bytes(datatype: str, array: np.ndarray) -> bytes:
 class Inference:
     """One inference in flight: shared-memory regions held, the request submitted to its
     model's runtime (`future`; `inline` as `ModelRuntime.submit`, None: a loop thread, which
-    runs a cheap model (`runs_inline`) at once, or at the end of its pass when `busy()`:
-    `later.call_soon`, by default the running asyncio loop's). `finish(outputs)` builds the response outputs; `release()`
+    runs a cheap model (`runs_inline`) at once, or, when the model has a dynamic batcher and
+    `busy()`, at the end of its pass: `later.call_soon`, by default the running asyncio
+    loop's). `finish(outputs)` builds the response outputs; `release()`
     gives the regions back (always, in a `finally`).
 
     Raises InferError with the status Triton gives: 400 bad input or region use, 404 unknown
@@ -153,7 +154,9 @@ class Inference:
         defer = None
         if inline is None:                  # a loop thread: only a model cheaper than a hop
             inline = self.rt.runs_inline
-            if inline and busy is not None and busy():    # others arriving: batch them
+            # others arriving to a model with a dynamic batcher: let them queue, one batch.
+            # Without one (Triton's default scheduler) each runs alone anyway: run it now.
+            if inline and self.rt.batcher.dynamic and busy is not None and busy():
                 inline, defer = False, later or asyncio.get_running_loop()
         self.shm, self.request, self.held = shm, request, []
         try:

@@ -78,6 +78,7 @@ class InferenceRequest:
         self._correlation_id, self._parameters = correlation_id, params
         self.preferred_memory, self._trace = preferred_memory, trace or InferenceTrace()
         self._sender, self._release_flags = None, TRITONSERVER_REQUEST_RELEASE_ALL
+        self._make_sender = None
         self._cancelled = lambda: False
 
     @classmethod
@@ -96,6 +97,7 @@ class InferenceRequest:
         request._correlation_id, request._parameters = correlation_id, parameters
         request.preferred_memory, request._trace = None, _NO_TRACE
         request._sender, request._release_flags = sender, TRITONSERVER_REQUEST_RELEASE_ALL
+        request._make_sender = None       # the backend's, to make `sender` on first use
         request._cancelled = is_cancelled or _never
         return request
 
@@ -137,15 +139,12 @@ class InferenceRequest:
 
     def get_response_sender(self) -> InferenceResponseSender:
         """The request's response sender. Raises TritonModelException for a BLS request."""
+        if self._sender is None and self._make_sender is not None:
+            self._sender = self._make_sender()
         if self._sender is None:
             raise TritonModelException("Unable to get the response sender of a request that "
                                        "was not received by `execute`")
-        self._sender_taken = True
         return self._sender
-
-    def sender_taken(self) -> bool:
-        """Whether the model asked for the response sender (for the python backend)."""
-        return getattr(self, "_sender_taken", False)
 
     def is_cancelled(self) -> bool:
         """Whether the client cancelled the request: the server must mark the request

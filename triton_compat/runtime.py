@@ -45,9 +45,13 @@ RESCHEDULE_REFUSED = ("Request is released with TRITONSERVER_REQUEST_RELEASE_RES
 # `simple`: two thread hand-offs ≈ 100–150 µs of latency against ≈ 30 µs of execute).
 INLINE_MAX_US = 200.0
 EXEC_EWMA_WEIGHT = 0.2       # weight of the newest execution in `exec_us`
-# A model one of whose executions took this long (µs) never runs on the event loop again: its
-# cost varies with its input, and one slow execution there would stall every other request.
+# A model two of whose executions within INLINE_BAN_WINDOW took this long (µs) never runs on
+# the event loop again: its cost varies with its input, and a slow execution there stalls every
+# other request. One alone only lifts the average (`exec_us`) over INLINE_MAX_US for a while: a
+# cheap model sees such a stall now and then from its host (preemption, a garbage collection),
+# and banning it for one halved `simple`'s throughput for good.
 INLINE_BAN_US = 5_000.0
+INLINE_BAN_WINDOW = 100      # executions
 
 
 def settle(future: Future, result) -> None:
@@ -72,11 +76,20 @@ def _bounded(fn, timeout_s: float) -> bool:
     return not thread.is_alive()
 
 
-def _mark_cancelled(future: Future, request: BackendRequest) -> None:
-    """A request whose caller cancelled its future (the HTTP client went away) is cancelled
-    for the model too (`InferenceRequest.is_cancelled()`)."""
-    if future.cancelled():
-        request.cancelled = True
+class _Settled:
+    """A request's future is done: it leaves `inflight`, and if its caller cancelled it (the
+    HTTP client went away) the request is cancelled for the model too
+    (`InferenceRequest.is_cancelled()`). One callback object for both: it runs per request."""
+
+    __slots__ = ("inflight", "request")
+
+    def __init__(self, inflight: set, request: BackendRequest) -> None:
+        self.inflight, self.request = inflight, request
+
+    def __call__(self, future: Future) -> None:
+        self.inflight.discard(future)
+        if future.cancelled():
+            self.request.cancelled = True
 
 
 def _now_us() -> int:
@@ -127,7 +140,9 @@ class ModelRuntime:
         self._done: dict[int, list] = {}             # preserve_ordering: finished, not released
         self.stopping = False
         self.exec_us: float | None = None     # moving average of execute wall time, µs
-        self.inline_banned = False            # an execution once took over INLINE_BAN_US
+        self.inline_banned = False            # two executions took over INLINE_BAN_US
+        self._executions = 0                  # executions so far
+        self._slow_at = -INLINE_BAN_WINDOW - 1   # `_executions` at the last slow one
         self._drain_pending = False           # a `_drain` is queued on the event loop
         self.inflight: set[Future] = set()    # futures of requests not answered yet
         self.thread = threading.Thread(target=self._loop, name=f"batcher-{config.name}",
@@ -138,8 +153,9 @@ class ModelRuntime:
     def runs_inline(self) -> bool:
         """Whether an event-loop caller should pass `submit(inline=True)`: the model is not
         decoupled (its execute may send responses over time), has run, its executions average
-        at most INLINE_MAX_US and none has ever taken INLINE_BAN_US. False until the first
-        execution has been timed, so a slow model never blocks the loop by default."""
+        at most INLINE_MAX_US and no two within INLINE_BAN_WINDOW took INLINE_BAN_US. False
+        until the first execution has been timed, so a slow model never blocks the loop by
+        default."""
         return self.exec_us is not None and self.exec_us <= INLINE_MAX_US and \
             not self.decoupled and not self.inline_banned
 
@@ -209,9 +225,8 @@ class ModelRuntime:
         timeout = self.queue.timeout_us(level, timeout_us) if self.batcher.dynamic else 0
         item = Pending(Job(request, future, time.perf_counter_ns()), now, batch_size, shape_key,
                        level, now + timeout if timeout else None)
-        future.add_done_callback(lambda f: _mark_cancelled(f, request))
         self.inflight.add(future)
-        future.add_done_callback(self.inflight.discard)
+        future.add_done_callback(_Settled(self.inflight, request))
         with self.cond:
             if self.stopping:
                 raise InferError(f"model '{self.config.name}' is being unloaded", 503)
@@ -346,7 +361,11 @@ class ModelRuntime:
         took = (end - start) / 1000
         self.exec_us = took if self.exec_us is None else \
             self.exec_us + EXEC_EWMA_WEIGHT * (took - self.exec_us)
-        self.inline_banned = self.inline_banned or took > INLINE_BAN_US
+        self._executions += 1
+        if took > INLINE_BAN_US:
+            if self._executions - self._slow_at <= INLINE_BAN_WINDOW:
+                self.inline_banned = True
+            self._slow_at = self._executions
         return self._complete(instance, list(zip(jobs, results)), seq, chain)
 
     def _complete(self, instance, ready: list[tuple[Job, object]], seq: int,

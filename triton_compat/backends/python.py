@@ -145,28 +145,41 @@ class PythonBackend(Backend):
         return results, ExecTimes(t1 - t0, t2 - t1, time.perf_counter_ns() - t2)
 
     def _request(self, r: BackendRequest, answer: _Answer) -> pb.InferenceRequest:
-        """The request `execute` sees, with its sender."""
+        """The request `execute` sees, with its sender: made now for a decoupled model, on
+        the model's first `get_response_sender()` for any other (most never ask)."""
         def cancelled() -> bool:
             return getattr(r, "cancelled", False)
 
+        sender = None
         if self.decoupled:
             def deliver(response, final: bool) -> None:
                 if final:
                     with self._lock:
                         self._open.pop(id(r), None)
                 r.deliver(None if response is None else self._result(response, r), final)
-        else:
-            def deliver(response, final: bool) -> None:
-                if response is not None:
-                    answer.set(self._result(response, r))
 
-        sender = answer.sender = pb.InferenceResponseSender(deliver, self.decoupled, cancelled)
-        if self.decoupled:
+            sender = answer.sender = pb.InferenceResponseSender(deliver, True, cancelled)
             with self._lock:
                 self._open[id(r)] = (sender, r)
-        return pb.InferenceRequest.incoming(
+        request = pb.InferenceRequest.incoming(
             [pb.Tensor.wrap(n, a) for n, a in r.inputs.items()], r.id, r.outputs, r.correlation_id,
             r.parameters, r.flags, sender, cancelled, self.name)
+        if not self.decoupled:
+            request._make_sender = lambda: self._sender(r, answer, cancelled)
+        return request
+
+    def _sender(self, r: BackendRequest, answer: _Answer, cancelled) -> pb.InferenceResponseSender:
+        """A non-decoupled request's sender, made when the model first asks for it: its one
+        response is the request's answer; after `execute` returned one it sends no more."""
+        def deliver(response, final: bool) -> None:
+            if response is not None:
+                answer.set(self._result(response, r))
+
+        with answer.cond:
+            answer.sender = pb.InferenceResponseSender(deliver, False, cancelled)
+            if answer.done:                 # answered by the list `execute` returned
+                answer.sender.claim(True, True)
+        return answer.sender
 
     def _failure(self, e: Exception) -> InferError:
         """The error of an `execute` that raised, in the python backend's words: the instance's
@@ -201,11 +214,12 @@ class PythonBackend(Backend):
                 results.append(answer.result)
             elif error is not None:    # a failed execution answers, and never runs again
                 r.reschedule = False
-                sender.close()
+                if sender is not None:
+                    sender.close()
                 results.append(error)
             elif r.reschedule:
                 results.append({})
-            elif not p.sender_taken() or sender.is_closed():
+            elif sender is None or sender.is_closed():
                 results.append(InferError(f"python model '{self.name}' returned no response "
                                           "for a request and sent none", 500))
             else:                  # the model holds the sender: its answer comes later
@@ -223,10 +237,12 @@ class PythonBackend(Backend):
                     raise pb.TritonModelException(
                         "Expected a None object in the execute function return list for "
                         f"reschduled request, found type '{type(response)}'.")
-                answer.sender.claim(True, True)
+                with answer.cond:     # the sender, if the model made one, closes with this
+                    if answer.sender is not None:
+                        answer.sender.claim(True, True)
+                    answer.result, answer.done = self._result(response, r), True
             except pb.TritonModelException as e:
                 return self._failure(e)
-            answer.set(self._result(response, r))
         return None
 
     def _result(self, response, request: BackendRequest):

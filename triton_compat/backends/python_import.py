@@ -126,6 +126,8 @@ def _drop_last(items: list, value) -> None:
 def forget_lazy(model_dir: str) -> None:
     """Drop from `sys.modules` the siblings the model in `model_dir` imported after its load
     (its own references stay valid), so another model's same-named import finds its own."""
+    if model_dir not in _lazy:       # after every execution: most models import nothing late
+        return
     with _lock:
         names = _lazy.pop(model_dir, None)
     for n in names or ():

@@ -67,8 +67,8 @@ def load_config(model_dir: Path, override: str | None = None) -> mc.ModelConfig:
     if not config.HasField("version_policy"):
         config.version_policy.latest.num_versions = 1
     if config.backend != "ensemble" and not config.instance_group:
-        group = config.instance_group.add()
-        group.count, group.kind = 1, mc.ModelInstanceGroup.KIND_CPU
+        group = config.instance_group.add()     # Triton's: named as the model (instance `<m>_0`)
+        group.name, group.count, group.kind = config.name, 1, mc.ModelInstanceGroup.KIND_CPU
     for i, group in enumerate(config.instance_group):
         if not group.name:                 # Triton's default: instances `<model>_<i>_<j>`
             group.name = f"{config.name}_{i}"

@@ -124,9 +124,9 @@ class ModelRuntime:
         self.instances = []
         try:
             for group in config.instance_group:
-                for i in range(group.count):   # Triton's names: the group's, "_i" only if several
-                    name = f"{group.name}_{i}" if group.count > 1 else group.name
-                    self.instances.append(create_instance(config, model_dir, version, name))
+                for i in range(group.count):   # Triton's names: `<group>_<i>`
+                    self.instances.append(create_instance(config, model_dir, version,
+                                                          f"{group.name}_{i}"))
         except Exception:
             for inst in self.instances:
                 inst.close()

@@ -85,9 +85,10 @@ class InferenceRequest:
     def incoming(cls, inputs: list[Tensor], request_id: str, requested_output_names: list[str],
                  correlation_id, parameters: dict, flags: int,
                  sender: InferenceResponseSender | None, is_cancelled=None,
-                 model_name: str = "") -> "InferenceRequest":
+                 model_name: str = "", make_sender=None) -> "InferenceRequest":
         """A request of the batch `execute` receives (built by the python backend, on every
-        execution: no argument checks)."""
+        execution: no argument checks). `make_sender()`, when `sender` is None, makes it on
+        the model's first `get_response_sender()`."""
         request = cls.__new__(cls)
         timeout = parameters.get("timeout", 0)
         request._inputs, request._id, request._outputs = inputs, request_id, \
@@ -97,7 +98,7 @@ class InferenceRequest:
         request._correlation_id, request._parameters = correlation_id, parameters
         request.preferred_memory, request._trace = None, _NO_TRACE
         request._sender, request._release_flags = sender, TRITONSERVER_REQUEST_RELEASE_ALL
-        request._make_sender = None       # the backend's, to make `sender` on first use
+        request._make_sender = make_sender
         request._cancelled = is_cancelled or _never
         return request
 

@@ -141,8 +141,7 @@ class ModelRuntime:
         self.stopping = False
         self.exec_us: float | None = None     # moving average of execute wall time, µs
         self.inline_banned = False            # two executions took over INLINE_BAN_US
-        self._executions = 0                  # executions so far
-        self._slow_at = -INLINE_BAN_WINDOW - 1   # `_executions` at the last slow one
+        self._slow_at = -INLINE_BAN_WINDOW - 1   # stats.execution_count at the last slow one
         self._drain_pending = False           # a `_drain` is queued on the event loop
         self.inflight: set[Future] = set()    # futures of requests not answered yet
         self.thread = threading.Thread(target=self._loop, name=f"batcher-{config.name}",
@@ -361,11 +360,11 @@ class ModelRuntime:
         took = (end - start) / 1000
         self.exec_us = took if self.exec_us is None else \
             self.exec_us + EXEC_EWMA_WEIGHT * (took - self.exec_us)
-        self._executions += 1
-        if took > INLINE_BAN_US:
-            if self._executions - self._slow_at <= INLINE_BAN_WINDOW:
+        if took > INLINE_BAN_US:                   # counted just above, in record_execution
+            count = self.stats.execution_count
+            if count - self._slow_at <= INLINE_BAN_WINDOW:
                 self.inline_banned = True
-            self._slow_at = self._executions
+            self._slow_at = count
         return self._complete(instance, list(zip(jobs, results)), seq, chain)
 
     def _complete(self, instance, ready: list[tuple[Job, object]], seq: int,

@@ -161,12 +161,10 @@ class PythonBackend(Backend):
             sender = answer.sender = pb.InferenceResponseSender(deliver, True, cancelled)
             with self._lock:
                 self._open[id(r)] = (sender, r)
-        request = pb.InferenceRequest.incoming(
+        return pb.InferenceRequest.incoming(
             [pb.Tensor.wrap(n, a) for n, a in r.inputs.items()], r.id, r.outputs, r.correlation_id,
-            r.parameters, r.flags, sender, cancelled, self.name)
-        if not self.decoupled:
-            request._make_sender = lambda: self._sender(r, answer, cancelled)
-        return request
+            r.parameters, r.flags, sender, cancelled, self.name,
+            None if self.decoupled else lambda: self._sender(r, answer, cancelled))
 
     def _sender(self, r: BackendRequest, answer: _Answer, cancelled) -> pb.InferenceResponseSender:
         """A non-decoupled request's sender, made when the model first asks for it: its one

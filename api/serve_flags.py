@@ -38,6 +38,10 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                    help="max tokens per sequence, prompt + output (default: the model's limit)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and KV-cache dtype; auto = float32 on CPU (default: auto)")
+    p.add_argument("--quantization", "-q", default=None, choices=["gguf", "int8", "none"],
+                   help="weights served quantized by the CPU kernels: gguf (the GGUF file's "
+                        "blocks), int8 (per-channel int8 made at load), none (the --dtype "
+                        "weights); default: gguf for a .gguf model on the CPU, else none")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or npu (default: auto)")
     p.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling (default: 0)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")

@@ -29,6 +29,8 @@ class EngineConfig:
         measured at start; the step's prefill budget follows it (`scheduler.slo`).
     speculative_config: None = off; a `SpeculativeConfig`, or its JSON text / dict
         (`--speculative-config`, vLLM's keys), parsed here.
+    quantization: `--quantization` (`engine.quant.resolve_quantization`): None = gguf for a
+        GGUF model on a CPU with the kernels, else none; "gguf", "int8" or "none".
     tensor_parallel_size: ranks the model is split over (`engine.distributed`); each rank holds
         `kv_cache_memory` / `swap_space` of its own KV heads (per-device sizes, as in vLLM).
     """
@@ -53,6 +55,7 @@ class EngineConfig:
     target_itl_ms: float | str | None = None
     speculative_config: SpeculativeConfig | dict | str | None = None
     tensor_parallel_size: int = 1
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, (str, dict)):
@@ -91,6 +94,9 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 and spec is not None and spec.method == "draft_model":
             raise ValueError("--speculative-config: method draft_model is not supported with "
                              "--tensor-parallel-size > 1 (use method ngram)")
+        if self.quantization not in (None, "gguf", "int8", "none"):
+            raise ValueError("--quantization must be gguf, int8 or none, "
+                             f"got {self.quantization!r}")
         if self.max_waiting_requests < 1:
             raise ValueError("--max-waiting-requests must be at least 1, "
                              f"got {self.max_waiting_requests}")

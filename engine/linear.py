@@ -13,6 +13,8 @@ Paths:
 - `kernel`: Continuum's bfloat16-weight GEMM with float32 arithmetic (engine/kernels/gemm.c), for
   bfloat16 where oneDNN has no bfloat16 matmul (AVX2-only hosts).
 - `torch`: `F.linear` (CUDA, NPU, no oneDNN, no C compiler).
+- `quant`: a weight kept quantized (`engine.quant.QuantWeight`: GGUF blocks or int8), read in
+  its block format by engine/kernels/quant.c; chosen by the weight, not by `linear_path`.
 
 Measured on an AVX2-only host (AMD EPYC, 2 threads), the model's 30 layers of linears, ms:
 rows 1 / 16 / 64 / 1024 — float32 oneDNN 24.6 / 45.1 / 114 / 1394; bfloat16 kernel
@@ -28,10 +30,10 @@ import torch
 import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
-PATHS = ("onednn", "kernel", "torch")
+PATHS = ("onednn", "kernel", "torch", "quant")
 # As the engine's ready log says them.
 LINEAR_PATH_NAMES = {"onednn": "oneDNN prepacked", "kernel": "bfloat16-weight GEMM kernel",
-                     "torch": "torch F.linear"}
+                     "torch": "torch F.linear", "quant": "quantized kernels"}
 
 
 def _onednn_supports(dtype: torch.dtype) -> bool:
@@ -76,18 +78,31 @@ def linear_path(device_kind: str, dtype: torch.dtype, kernels) -> str:
 class Linear:
     """`y = x @ weight.T (+ bias)` for `x [M, in]` on `path` (see the module docstring).
 
-    `weight [out, in]`, `bias [out]` or None, both in the model dtype; `kernels` is required for
-    path "kernel". Raises ValueError for an unknown path."""
+    `weight [out, in]` in the model dtype, or quantized: a `QuantWeight`, or a list of them
+    stacked along `out` (kept as separate products when their block types differ); `bias [out]`
+    or None. `kernels` is required for path "kernel" and quantized weights. Raises ValueError
+    for an unknown path."""
 
     PACK_BATCH_HINT = 64
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+    def __init__(self, weight, bias: torch.Tensor | None = None,
                  path: str = "torch", kernels=None) -> None:
-        if path not in PATHS or (path == "kernel" and kernels is None):
+        from engine.quant.formats import QuantWeight
+        if isinstance(weight, (QuantWeight, list)):
+            path = "quant"
+        if path not in PATHS or (path in ("kernel", "quant") and kernels is None):
             raise ValueError(f"linear path {path!r} (kernels: {kernels is not None})")
         self.path, self.kernels = path, kernels
-        self.out_features = weight.shape[0]
         self.weight, self.bias, self.packed = weight, bias, None
+        if path == "quant":
+            parts = weight if isinstance(weight, list) else [weight]
+            merged = QuantWeight.cat(parts) if len(parts) > 1 else parts[0]
+            self.parts = [merged] if merged is not None else parts
+            self.out_features = sum(p.shape[0] for p in parts)
+            self.weight = None
+            self.bias = None if bias is None else bias.float().contiguous()
+            return
+        self.out_features = weight.shape[0]
         if path == "onednn":
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.PACK_BATCH_HINT)
         elif path == "kernel":
@@ -97,6 +112,12 @@ class Linear:
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """`x [M, in]` → `[M, out]` in `out_dtype` (default: x's dtype)."""
+        if self.path == "quant":
+            if len(self.parts) == 1:
+                return self.kernels.quant_linear(x, self.parts[0], self.bias, out_dtype)
+            y = torch.cat([self.kernels.quant_linear(x, p, None, out_dtype) for p in self.parts],
+                          dim=-1)
+            return y if self.bias is None else (y + self.bias).to(y.dtype)
         if self.path == "kernel":
             return self.kernels.linear(x, self.packed, self.out_features, self.bias,
                                        out_dtype or x.dtype)

@@ -31,6 +31,7 @@ from engine.linear import LINEAR_PATH_NAMES
 from engine.loader import resolve_model
 from engine.model_runner import ModelRunner
 from engine.models.llama import ModelConfig, load_model
+from engine.quant import resolve_quantization
 from engine.output_processor import OutputProcessor
 from engine.spec_decode.ngram import NgramProposer
 from engine.structured.grammar import GrammarCompiler, grammar_text
@@ -63,6 +64,8 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model_dir = resolve_model(config.model)
         self.model_config = mcfg = ModelConfig.from_dir(self.model_dir)
+        self.quant = resolve_quantization(config.quantization, config.model, self.device.kind,
+                                          self.device.kernels(self.dtype) is not None)
         self.max_model_len = self._max_model_len(mcfg)
         self.runner = None
         self._tp = self._start_tensor_parallel(mcfg) if config.tensor_parallel_size > 1 else None
@@ -77,7 +80,8 @@ class LLMEngine:
         check_tensor_parallel(mcfg, self.config.tensor_parallel_size, self.device)
         self.device.kernels(self.dtype)          # compiled once, before the ranks load it
         return start_tensor_parallel(self.config.tensor_parallel_size, self.device, self.dtype,
-                                     str(self.model_dir), self.max_model_len, self._rank_died)
+                                     str(self.model_dir), self.max_model_len, self._rank_died,
+                                     self.quant)
 
     def _rank_died(self, message: str) -> None:
         logger.error("%s; the engine stops", message)
@@ -99,7 +103,7 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         group = self._tp[0] if self._tp is not None else None
         self.model = load_model(self.model_dir, self.device, self.dtype, self.max_model_len,
-                                tp=group)
+                                tp=group, quant=self.quant)
         eos = self.tokenizer.eos_token_id
         self.eos_token_id = eos if eos is not None else (mcfg.eos_token_ids or (None,))[0]
         self.extra_eos_ids = tuple(t for t in mcfg.eos_token_ids if t != self.eos_token_id)
@@ -147,8 +151,14 @@ class LLMEngine:
                     self.max_model_len,
                     f"compiled CPU kernels ({self.runner.kernels.isa})"
                     if self.runner.kernels is not None else "torch",
-                    LINEAR_PATH_NAMES[self.model.linear_path],
+                    self._linear_description(),
                     self.device.cpu_isa() or "n/a")
+
+    def _linear_description(self) -> str:
+        """The ready log's linear path: e.g. `gguf Q4_1/Q8_0 kernels (avx512)` quantized."""
+        if self.model.quant_types:
+            return self.quant.describe(self.model.quant_types, self.device.cpu_isa())
+        return LINEAR_PATH_NAMES[self.model.linear_path]
 
     def _proposer(self) -> NgramProposer | None:
         spec = self.config.speculative_config
@@ -185,7 +195,9 @@ class LLMEngine:
                              f"{dcfg.max_position_embeddings} positions, fewer than max_model_len "
                              f"{self.max_model_len}")
         dtype = self.dtype if spec.dtype == "auto" else resolve_dtype(spec.dtype, self.device)
-        return load_model(draft_dir, self.device, dtype, self.max_model_len)
+        quant = resolve_quantization(None, spec.model, self.device.kind,
+                                     self.device.kernels(dtype) is not None)
+        return load_model(draft_dir, self.device, dtype, self.max_model_len, quant=quant)
 
     def _scheduler_config(self, target_itl_ms: float | None) -> SchedulerConfig:
         config = self.config

@@ -33,6 +33,36 @@ def tokenizer(model_dir):
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
+KERNEL_BUILDS = {"native": ["-march=native"], "avx2": ["-march=x86-64-v3"],
+                 "portable": ["-march=x86-64-v2"]}
+
+
+@pytest.fixture(scope="session", params=list(KERNEL_BUILDS))
+def lib(request, tmp_path_factory):
+    """The CPU kernels built three ways: this machine's (-march=native: AVX-512 where it has
+    it), AVX2 + FMA (-march=x86-64-v3; skipped without AVX2) and portable (-march=x86-64-v2, the
+    generic C loops); skipped without a C compiler."""
+    import ctypes
+    import platform
+
+    from engine import kernels
+    from engine.kernels.isa import LEVELS, host_isa
+
+    compiler = kernels.find_compiler()
+    if compiler is None:
+        pytest.skip("no C compiler")
+    if platform.machine() != "x86_64":
+        if request.param != "native":
+            pytest.skip("-march=x86-64-v* builds are for x86_64")
+        flags = kernels.BASE_CFLAGS
+    else:
+        flags = kernels.BASE_CFLAGS + KERNEL_BUILDS[request.param]
+    if request.param == "avx2" and LEVELS.index(host_isa()) < LEVELS.index("avx2"):
+        pytest.skip("this CPU has no AVX2 + FMA")
+    path = kernels.build(compiler, flags, tmp_path_factory.mktemp(request.param))
+    return kernels.CpuKernels(ctypes.CDLL(str(path)))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -12,27 +12,7 @@ from engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk, paged
 
 COMPILER = kernels.find_compiler()
 pytestmark = pytest.mark.skipif(COMPILER is None, reason="no C compiler")
-BUILDS = {"native": ["-march=native"], "avx2": ["-march=x86-64-v3"],
-          "portable": ["-march=x86-64-v2"]}
-
-
-@pytest.fixture(scope="module", params=list(BUILDS))
-def lib(request, tmp_path_factory):
-    import ctypes
-    import platform
-
-    from engine.kernels.isa import LEVELS, host_isa
-
-    if platform.machine() != "x86_64":
-        if request.param != "native":
-            pytest.skip("-march=x86-64-v* builds are for x86_64")
-        flags = kernels.BASE_CFLAGS
-    else:
-        flags = kernels.BASE_CFLAGS + BUILDS[request.param]
-    if request.param == "avx2" and LEVELS.index(host_isa()) < LEVELS.index("avx2"):
-        pytest.skip("this CPU has no AVX2 + FMA")
-    path = kernels.build(COMPILER, flags, tmp_path_factory.mktemp(request.param))
-    return kernels.CpuKernels(ctypes.CDLL(str(path)))
+# the `lib` fixture (one build per ISA: native, avx2, portable) is in conftest.py
 
 
 def test_each_build_runs_the_inner_loops_of_its_isa(lib, request):

@@ -50,7 +50,8 @@ class TensorParallelWorkers:
     control plane's time (pickling and writing each step)."""
 
     def __init__(self, world_size: int, device: str, dtype: str, model_dir: str,
-                 max_model_len: int, on_death: Callable[[str], None] | None = None) -> None:
+                 max_model_len: int, on_death: Callable[[str], None] | None = None,
+                 quant=None) -> None:
         self.port = _free_port()
         self.on_death = on_death
         self.failure: str | None = None
@@ -63,7 +64,8 @@ class TensorParallelWorkers:
                                     stdin=subprocess.PIPE)
             self.procs.append(proc)
             self._write(proc, pickle.dumps(WorkerSpec(
-                rank, world_size, self.port, device, dtype, model_dir, max_model_len, threads)))
+                rank, world_size, self.port, device, dtype, model_dir, max_model_len, threads,
+                quant)))
             threading.Thread(target=self._watch, args=(rank, proc), daemon=True,
                              name=f"continuum-tp-monitor-{rank}").start()
 
@@ -123,15 +125,15 @@ class TensorParallelWorkers:
 
 
 def start_tensor_parallel(world_size: int, device, dtype: torch.dtype, model_dir: str,
-                          max_model_len: int, on_death: Callable[[str], None] | None = None
-                          ) -> tuple[TensorParallelGroup, TensorParallelWorkers]:
+                          max_model_len: int, on_death: Callable[[str], None] | None = None,
+                          quant=None) -> tuple[TensorParallelGroup, TensorParallelWorkers]:
     """Start ranks 1..N-1 and join the group as rank 0 (`device`: `engine.device.Device`).
     Sets this process's torch threads to its share of the cores. Raises TensorParallelError
     when the group cannot form (a worker died at start, or the rendezvous timed out)."""
     torch.set_num_threads(threads_per_rank(world_size))
     dtype_name = str(dtype).removeprefix("torch.")
     workers = TensorParallelWorkers(world_size, device.kind, dtype_name, model_dir,
-                                    max_model_len, on_death)
+                                    max_model_len, on_death, quant)
     try:
         group = TensorParallelGroup.init(device.dist_backend, 0, world_size, workers.port)
     except Exception as e:           # torch's DistStoreError / RuntimeError

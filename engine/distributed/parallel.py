@@ -23,6 +23,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from engine.quant.formats import QuantWeight
+
 # How long a collective (or the start-up rendezvous) may wait for the other ranks. Steps meet
 # in collectives only while running (the control plane is a pipe), so this bounds a forward
 # pass, not idle time. A dead rank fails a collective at once (its sockets close); this catches
@@ -102,8 +104,10 @@ def vocab_shard(vocab_size: int, rank: int, world_size: int) -> tuple[int, int]:
     return rank * rows, rows
 
 
-def shard_weights(cfg, weights: dict[str, torch.Tensor], rank: int, world_size: int):
-    """Rank's shard of HF-named Llama weights (see the module docstring).
+def shard_weights(cfg, weights: dict, rank: int, world_size: int):
+    """Rank's shard of HF-named Llama weights (see the module docstring): float tensors, or
+    `engine.quant.QuantWeight`s sharded along whole rows / blocks (a row-parallel weight whose
+    split falls inside a block is dequantized).
 
     Returns (local `ModelConfig`: num_heads, num_kv_heads, intermediate_size divided by
     `world_size`; `{name: tensor}` with the same names). Norm weights are replicated. Raises
@@ -111,14 +115,23 @@ def shard_weights(cfg, weights: dict[str, torch.Tensor], rank: int, world_size: 
     check_tensor_parallel(cfg, world_size)
     d, r, n = cfg.head_dim, rank, world_size
 
-    def rows(t: torch.Tensor, per: int) -> torch.Tensor:
+    def rows(t, per: int):
+        if isinstance(t, QuantWeight):            # whole rows of blocks
+            return t.rows(r * per, per)
         return t[r * per:(r + 1) * per].contiguous()
 
-    def cols(t: torch.Tensor, per: int) -> torch.Tensor:
+    def cols(t, per: int):
+        if isinstance(t, QuantWeight):            # whole blocks, else dequantized
+            part = t.cols(r * per, per)
+            if part is not None:
+                return part
+            t = t.dequantize()
         return t[:, r * per:(r + 1) * per].contiguous()
 
-    def vocab_rows(t: torch.Tensor) -> torch.Tensor:
+    def vocab_rows(t):
         start, count = vocab_shard(cfg.vocab_size, r, n)
+        if isinstance(t, QuantWeight):
+            return t.rows(start, count)
         part = t[start:start + count]
         if part.shape[0] < count:
             part = torch.cat([part, part.new_zeros(count - part.shape[0], part.shape[1])])

@@ -31,6 +31,7 @@ class WorkerSpec:
     model_dir: str             # the resolved HF-format directory
     max_model_len: int         # tokens: the rotary table's length
     num_threads: int           # torch intra-op threads of this rank
+    quant: object = None       # `engine.quant.Quantization` as rank 0 resolved it
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ def run(spec: WorkerSpec, stream) -> None:
     group = TensorParallelGroup.init(device.dist_backend, spec.rank, spec.world_size, spec.port)
     try:
         model = load_model(Path(spec.model_dir), device, DTYPES[spec.dtype], spec.max_model_len,
-                           tp=group)
+                           tp=group, quant=spec.quant)
         cache: CacheSpec = pickle.load(stream)
         runner = ModelRunner(model, device, cache.block_size, cache.num_gpu_blocks,
                              cache.num_cpu_blocks, cache.eos_token_ids, cache.seed)

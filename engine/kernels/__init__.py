@@ -1,4 +1,4 @@
-"""CPU kernels in C (`cpu_kernels.c`, `gemm.c`), compiled on first use and called via ctypes.
+"""CPU kernels in C (`cpu_kernels.c`, `gemm.c`, `quant.c`), compiled on first use and called via ctypes.
 
 Owns: building the shared library with the system C compiler (`cc -O3 -march=... -fopenmp`,
 about two seconds; `-march` from `isa.cpu_isa()`: the host's own, or `x86-64-v3` under
@@ -6,7 +6,8 @@ about two seconds; `-march` from `isa.cpu_isa()`: the host's own, or `x86-64-v3`
 and this CPU's feature flags, so an edit or another machine rebuilds; loading it after torch so
 that its OpenMP runtime is torch's; and the typed Python entry points: `cache_write` and
 `paged_decode` (attention), `add_rms_norm`, `silu_and_mul` and `rotary` (fused elementwise ops,
-vLLM's), `pack_linear` and `linear` (bfloat16-weight GEMM for hosts without oneDNN bfloat16).
+vLLM's), `pack_linear` and `linear` (bfloat16-weight GEMM for hosts without oneDNN bfloat16),
+`quant_linear` and `quant_embed` (GGUF blocks and int8 read in place; `engine.quant`).
 
 `load()` returns None — and the engine keeps its pure-torch attention — when there is no
 compiler, the build fails (logged once), `CONTINUUM_CPU_KERNELS=0` is set, or the dtype is
@@ -31,8 +32,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "cpu_kernels.c", HERE / "gemm.c"]
-HEADERS = [HERE / "common.h"]
+SOURCES = [HERE / "cpu_kernels.c", HERE / "gemm.c", HERE / "quant.c"]
+HEADERS = [HERE / "common.h", HERE / "vec.h"]
 BASE_CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
 
 
@@ -56,6 +57,8 @@ _PLAIN = {
     "gemm_pack_bf16": ([_P, _I64, _I64, _P, _I], None),
     "gemm_bf16w": ([_P, _I64, _I, _P, _P, _P, _I64, _I, _I64, _I64, _I64, _I], _I),
     "kernels_isa": ([], ctypes.c_char_p),
+    "quant_linear": ([_I, _P, _I64, _P, _P, _P, _I64, _I, _P, _I64, _I, _I64, _I64, _I64, _I], _I),
+    "quant_embed": ([_I, _P, _I64, _P, _P, _I64, _I64, _I64, _P, _I], _I),
 }
 NR = 16    # output columns per packed weight panel (gemm.c)
 
@@ -171,6 +174,49 @@ class CpuKernels:
             int(out_dtype == torch.float32), m, n, k, torch.get_num_threads())
         if rc:
             raise MemoryError(f"linear: cannot allocate {m} x {k} float32 for the input")
+        return out
+
+    def quant_linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None,
+                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """`x [M, K]` (float32 or bfloat16; rows may be strided, columns contiguous) times the
+        transpose of `weight` (an `engine.quant.QuantWeight` `[N, K]` read in its block format),
+        plus `bias [N]` float32: a new `[M, N]` of `out_dtype` (default x's: float32 or
+        bfloat16). float32 arithmetic (quant.c). Raises MemoryError, ValueError (no kernel for
+        the weight's type)."""
+        m, k = x.shape
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        out_dtype = out_dtype or x.dtype
+        n = weight.shape[0]
+        out = torch.empty((m, n), dtype=out_dtype)
+        scale = weight.scale
+        rc = self._fn["quant_linear"](
+            weight.qtype, weight.data.data_ptr(), weight.data.shape[1],
+            None if scale is None else scale.data_ptr(), None if bias is None else bias.data_ptr(),
+            x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16), out.data_ptr(), n,
+            int(out_dtype == torch.float32), m, n, k, torch.get_num_threads())
+        if rc == -2:
+            raise ValueError(f"quant_linear: no kernel for {weight.type_name}")
+        if rc:
+            raise MemoryError(f"quant_linear: cannot allocate {m} x {k} float32 for the input")
+        return out
+
+    def quant_embed(self, weight, ids: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids [T] int64` of the quantized table `weight` (`engine.quant.QuantWeight`
+        `[N, K]`), dequantized: a new `[T, K]` of `out_dtype` (float32 or bfloat16). Raises
+        IndexError for an id outside [0, N), ValueError (no kernel for the type)."""
+        ids = ids.contiguous()
+        n, k = weight.shape
+        out = torch.empty((ids.shape[0], k), dtype=out_dtype)
+        scale = weight.scale
+        rc = self._fn["quant_embed"](
+            weight.qtype, weight.data.data_ptr(), weight.data.shape[1],
+            None if scale is None else scale.data_ptr(), ids.data_ptr(), ids.shape[0], n, k,
+            out.data_ptr(), int(out_dtype == torch.float32))
+        if rc == -3:
+            raise IndexError(f"quant_embed: a token id is outside [0, {n})")
+        if rc:
+            raise ValueError(f"quant_embed: no kernel for {weight.type_name}")
         return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -29,6 +29,8 @@ from engine.distributed.parallel import TensorParallelGroup, shard_weights, voca
 from engine.linear import Linear
 from engine.device import Device
 from engine.loader import ModelLoadError, check_architecture
+from engine.quant import Quantization
+from engine.quant.formats import QuantWeight, quantize_int8
 
 
 @dataclass(frozen=True)
@@ -127,16 +129,29 @@ class LlamaForCausalLM:
             cfg, weights = shard_weights(cfg, weights, tp.rank, tp.world_size)
             self.vocab_start = vocab_shard(cfg.vocab_size, tp.rank, tp.world_size)[0]
         self.cfg, self.device, self.dtype = cfg, device, dtype
-        self.linear_path = linear_path
+        self.linear_path, self.kernels = linear_path, kernels
         lin = partial(Linear, path=linear_path, kernels=kernels)
 
-        def w(name: str) -> torch.Tensor:
+        def get(name: str):
             if name not in weights:
                 raise ModelLoadError(f"weight {name!r} is missing from the checkpoint")
-            return weights[name].to(device=device, dtype=dtype)
+            return weights[name]
 
-        self.embed = w("model.embed_tokens.weight")
-        self.lm_head = lin(self.embed if cfg.tie_word_embeddings else w("lm_head.weight"))
+        def w(name: str) -> torch.Tensor:        # a float tensor (norms, biases)
+            t = get(name)
+            t = t.dequantize() if isinstance(t, QuantWeight) else t
+            return t.to(device=device, dtype=dtype)
+
+        def proj(names: list[str], bias: torch.Tensor | None = None) -> Linear:
+            """One linear over the stacked weights `names`: quantized where all of them are."""
+            parts = [get(n) for n in names]
+            if all(isinstance(p, QuantWeight) for p in parts):
+                return lin(parts if len(parts) > 1 else parts[0], bias)
+            return lin(torch.cat([w(n) for n in names]), bias)
+
+        embed = get("model.embed_tokens.weight")
+        self.embed = embed if isinstance(embed, QuantWeight) else w("model.embed_tokens.weight")
+        self.lm_head = (lin(self.embed) if cfg.tie_word_embeddings else proj(["lm_head.weight"]))
         self.norm = w("model.norm.weight")
         self.layers = []
         for i in range(cfg.num_layers):
@@ -146,12 +161,17 @@ class LlamaForCausalLM:
                      if cfg.qkv_bias else None)
             self.layers.append((
                 w(p + "input_layernorm.weight"),
-                lin(torch.cat([w(attn + f"{x}_proj.weight") for x in "qkv"]), qkv_b),
-                lin(w(attn + "o_proj.weight")),
+                proj([attn + f"{x}_proj.weight" for x in "qkv"], qkv_b),
+                proj([attn + "o_proj.weight"]),
                 w(p + "post_attention_layernorm.weight"),
-                lin(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])),
-                lin(w(p + "mlp.down_proj.weight")),
+                proj([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                proj([p + "mlp.down_proj.weight"]),
             ))
+        quantized = sorted({q.type_name for layer in self.layers for lin_ in layer[1:]
+                            if isinstance(lin_, Linear) and lin_.path == "quant"
+                            for q in lin_.parts} | ({self.embed.type_name} if isinstance(
+                                self.embed, QuantWeight) else set()))
+        self.quant_types = quantized                            # e.g. ["Q4_1", "Q8_0"]
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(cfg))
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos = emb.cos().to(device=device, dtype=dtype)     # [max_positions, head_dim]
@@ -242,11 +262,17 @@ class LlamaForCausalLM:
         the ids in its vocabulary shard, zeroes the others' and the ranks sum (exact: one
         non-zero term per row)."""
         if self.tp is None:
-            return self.embed[input_ids]
+            return self._lookup(input_ids)
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.embed.shape[0])
-        x = self.embed[local.clamp(0, self.embed.shape[0] - 1)]
+        x = self._lookup(local.clamp(0, self.embed.shape[0] - 1))
         return self.tp.all_reduce(x.masked_fill_(outside[:, None], 0))
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embedding rows of `ids` (a copy), dequantized from a quantized table."""
+        if isinstance(self.embed, QuantWeight):
+            return self.kernels.quant_embed(self.embed, ids, self.dtype)
+        return self.embed[ids]
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         """A row-parallel projection's partial sums, summed over the ranks (identity alone)."""
@@ -254,19 +280,43 @@ class LlamaForCausalLM:
 
 
 def load_model(model_dir: Path, device: Device, dtype: torch.dtype,
-               max_positions: int, tp: TensorParallelGroup | None = None) -> LlamaForCausalLM:
-    """Read `config.json` and every `*.safetensors` in `model_dir` and build the model on
-    `device` (`engine.device.Device`, which picks the linear path for `dtype`); with `tp`, this
-    rank's shard of it.
+               max_positions: int, tp: TensorParallelGroup | None = None,
+               quant: Quantization | None = None) -> LlamaForCausalLM:
+    """Read `config.json` and the weights and build the model on `device`
+    (`engine.device.Device`, which picks the linear path for `dtype`); with `tp`, this rank's
+    shard of it. Weights: every `*.safetensors` in `model_dir`, or with `quant` "gguf" the GGUF
+    file's tensors in their block format (`engine.quant.gguf_weights`); "int8" quantizes the
+    linear weights and the embedding per output channel at load.
 
     Raises: ModelLoadError (missing or unreadable weights), UnsupportedArchitectureError,
     ValueError (a dtype this device cannot run, one line).
     """
+    quant = quant or Quantization()
     kernels = device.kernels(dtype)
     path = device.linear_path(dtype)
     cfg = ModelConfig.from_dir(model_dir)
+    if quant.method == "gguf":
+        from engine.quant.gguf_weights import read_gguf_weights
+        weights, _ = read_gguf_weights(Path(quant.gguf), cfg.num_heads, cfg.num_kv_heads)
+    else:
+        weights = _read_safetensors(Path(model_dir))
+    if quant.method == "int8":
+        weights = {k: quantize_int8(v) if _is_int8_target(k, v) else v
+                   for k, v in weights.items()}
+    return LlamaForCausalLM(cfg, weights, device.torch_device, dtype, max_positions, path,
+                            kernels, tp)
+
+
+def _is_int8_target(name: str, t: torch.Tensor) -> bool:
+    """The tensors `--quantization int8` quantizes: projections, LM head, embedding."""
+    return t.dim() == 2 and name.endswith(("_proj.weight", "lm_head.weight",
+                                           "embed_tokens.weight"))
+
+
+def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of every `*.safetensors` in `model_dir`. Raises ModelLoadError."""
     weights: dict[str, torch.Tensor] = {}
-    files = sorted(Path(model_dir).glob("*.safetensors"))
+    files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{model_dir}: no *.safetensors weights")
     for f in files:
@@ -276,5 +326,4 @@ def load_model(model_dir: Path, device: Device, dtype: torch.dtype,
                     weights[name] = st.get_tensor(name)
         except Exception as e:   # safetensors raises its own error types
             raise ModelLoadError(f"{f}: cannot read weights: {e}") from e
-    return LlamaForCausalLM(cfg, weights, device.torch_device, dtype, max_positions, path,
-                            kernels, tp)
+    return weights

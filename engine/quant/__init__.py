@@ -1,0 +1,67 @@
+"""Quantized weights on the CPU: GGUF blocks served as they are, and int8 weight-only.
+
+Owns: the `--quantization` choice (`resolve_quantization`), the weight formats
+(`engine.quant.formats`: `QuantWeight`, `quantize_int8`) and reading a GGUF file's tensors in
+their block format under HF names (`engine.quant.gguf_weights`). The kernels that read the blocks
+are `engine/kernels/quant.c`; `engine.linear.Linear` runs them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+METHODS = ("gguf", "int8", "none")
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """How the model's weights are served: `method` "gguf" (the GGUF file's blocks, read by
+    the kernels), "int8" (per-channel int8 made at load) or "none" (the model dtype); `gguf` the
+    GGUF file for "gguf"."""
+
+    method: str = "none"
+    gguf: str | None = None
+
+    def describe(self, types: list[str], isa: str | None) -> str:
+        """The ready log's linear path, e.g. `gguf Q4_1/Q8_0 kernels (avx512)`."""
+        return f"{self.method} {'/'.join(types)} kernels ({isa})"
+
+
+def gguf_file(model: str | None) -> Path | None:
+    """The GGUF file `model` (the `MODEL` argument) names: the embedded model's for None, the
+    path for a `.gguf` file, else None (an HF directory)."""
+    if model is None:
+        from engine.loader import embedded_gguf_path
+        return embedded_gguf_path()
+    path = Path(model).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
+def resolve_quantization(requested: str | None, model: str | None, device_kind: str,
+                         have_kernels: bool) -> Quantization:
+    """`--quantization` (None = the default) for `model` on a device of `device_kind` with or
+    without the CPU kernels (`engine.kernels`).
+
+    Default: "gguf" for a GGUF model on a CPU with the kernels, else "none" (vLLM's default of
+    the checkpoint's own format; a GGUF elsewhere is served dequantized). Raises ValueError,
+    one line naming the flag: an unknown method, "gguf" for a model that is not a GGUF file,
+    "gguf" / "int8" off the CPU or without the kernels."""
+    if requested is not None and requested not in METHODS:
+        raise ValueError(f"--quantization must be one of {', '.join(METHODS)}, got {requested!r}")
+    gguf = gguf_file(model)
+    cpu = device_kind == "cpu" and have_kernels
+    if requested is None:
+        return Quantization("gguf", str(gguf)) if gguf is not None and cpu else Quantization()
+    if requested == "none":
+        return Quantization()
+    if not cpu:
+        raise ValueError(f"--quantization {requested} runs on the CPU kernels only "
+                         f"({device_kind}{'' if have_kernels else ', no C compiler'}); "
+                         "drop the flag to serve the dequantized model")
+    if requested == "gguf":
+        if gguf is None:
+            raise ValueError(f"--quantization gguf needs a .gguf model; {model!r} is not one "
+                             "(use --quantization int8 for an HF checkpoint)")
+        return Quantization("gguf", str(gguf))
+    return Quantization("int8")

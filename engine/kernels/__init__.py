@@ -1,4 +1,4 @@
-"""CPU kernels in C (`cpu_kernels.c`, `gemm.c`, `quant.c`), compiled on first use and called via ctypes.
+"""CPU kernels in C (`cpu_kernels.c`, `gemm.c`, `quant.c` + `quant_panel.c`), compiled on first use and called via ctypes.
 
 Owns: building the shared library with the system C compiler (`cc -O3 -march=... -fopenmp`,
 about two seconds; `-march` from `isa.cpu_isa()`: the host's own, or `x86-64-v3` under
@@ -32,8 +32,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "cpu_kernels.c", HERE / "gemm.c", HERE / "quant.c"]
-HEADERS = [HERE / "common.h", HERE / "vec.h"]
+SOURCES = [HERE / "cpu_kernels.c", HERE / "gemm.c", HERE / "quant.c", HERE / "quant_panel.c"]
+HEADERS = [HERE / "common.h", HERE / "vec.h", HERE / "quant_blocks.h"]
 BASE_CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
 
 

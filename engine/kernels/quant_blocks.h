@@ -1,0 +1,256 @@
+/*
+ * Quantized weight blocks, as the CPU kernels read them (quant.c, quant_panel.c): GGUF's Q8_0,
+ * Q4_0, Q4_1, Q4_K and Q6_K (llama.cpp's layouts, ggml-common.h, and its dequantize_row_*
+ * formulas, ggml-quants.c) and Continuum's int8 weight-only "I8" (32 int8 a block, one float32
+ * scale per output row). A block is dequantized to float32 exactly as ggml does (d * q,
+ * d * q + m, d * sc * q ...: a product, then a sum, never fused), by
+ *   dq_T   (plain C the compiler vectorizes) into a float buffer, any type;
+ *   dqv_T  straight into QK / VL vectors (the 32-value types, per ISA);
+ *   dqb_T  straight into 32 bfloat16, rounded to nearest even (AVX512-BF16 hosts).
+ */
+#ifndef CONTINUUM_KERNELS_QUANT_BLOCKS_H
+#define CONTINUUM_KERNELS_QUANT_BLOCKS_H
+
+#include "vec.h"
+
+#if HAVE_AVX512
+/* The block loops vectorize at the vector width of V (16 lanes): at GCC's default 256-bit
+ * preference a block went to the stack as two 8-lane stores and came back as one 16-lane load,
+ * which store forwarding cannot serve (Q8_0 ran at a seventh of Q4_1's rate). */
+#pragma GCC target("prefer-vector-width=512")
+#endif
+
+#define QK 32
+#define QK_K 256
+/* GGML type ids (ggml.h's enum ggml_type); I8 is ggml's id for plain int8. */
+enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14, T_I8 = 24 };
+
+#if !HAVE_VEC   /* the same loops in GCC's portable vectors */
+typedef float V __attribute__((vector_size(16)));
+#define VL 4
+INLINE V vload_f32(const float *p) { V v; memcpy(&v, p, sizeof v); return v; }
+INLINE V vfma(V a, V b, V c) { return a * b + c; }
+INLINE V vadd(V a, V b) { return a + b; }
+INLINE V vmul(V a, V b) { return a * b; }
+INLINE V vset1(float x) { return (V){x, x, x, x}; }
+INLINE void vstore(float *p, V a) { memcpy(p, &a, sizeof a); }
+INLINE V vzero(void) { return (V){0}; }
+INLINE float vsum(V a) { float s = 0.f; for (int i = 0; i < VL; i++) s += a[i]; return s; }
+#endif
+
+INLINE float f16(const uint8_t *p) {          /* IEEE half, little-endian, to float32 */
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    uint32_t u;
+    if (exp == 0x1f) u = sign | 0x7f800000u | (man << 13);                /* inf / NaN */
+    else if (exp) u = sign | ((exp + 112) << 23) | (man << 13);           /* normal */
+    else if (!man) u = sign;                                              /* zero */
+    else {                                                                 /* subnormal */
+        float f = (float)man * (1.f / 16777216.f);
+        memcpy(&u, &f, 4);
+        u |= sign;
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+#endif
+}
+
+/* Dequantize one block into y[QK or QK_K] float32 (ggml's dequantize_row_* for one block). The
+ * loops are written so the compiler vectorizes them at the build's -march. */
+INLINE void dq_q8_0(const uint8_t *b, float *y) {       /* {f16 d; int8 q[32]} 34 B */
+    const float d = f16(b);
+    const int8_t *q = (const int8_t *)(b + 2);
+    for (int i = 0; i < QK; i++) y[i] = d * q[i];
+}
+INLINE void dq_q4_0(const uint8_t *b, float *y) {       /* {f16 d; u8 q[16]} 18 B */
+    const float d = f16(b);
+    const uint8_t *q = b + 2;
+    for (int j = 0; j < QK / 2; j++) {
+        y[j] = d * (float)((q[j] & 15) - 8);
+        y[j + QK / 2] = d * (float)((q[j] >> 4) - 8);
+    }
+}
+INLINE void dq_q4_1(const uint8_t *b, float *y) {       /* {f16 d, m; u8 q[16]} 20 B */
+    const float d = f16(b), m = f16(b + 2);
+    const uint8_t *q = b + 4;
+    for (int j = 0; j < QK / 2; j++) {
+        const float lo = d * (float)(q[j] & 15), hi = d * (float)(q[j] >> 4);
+        y[j] = lo + m;
+        y[j + QK / 2] = hi + m;
+    }
+}
+INLINE void dq_i8(const uint8_t *b, float *y) {         /* {int8 q[32]} 32 B; row scale after */
+    const int8_t *q = (const int8_t *)b;
+    for (int i = 0; i < QK; i++) y[i] = (float)q[i];
+}
+/* Q4_K: {f16 d, dmin; u8 scales[12] (8 pairs of 6-bit scale / min); u8 q[128]} 144 B; eight
+ * sub-blocks of 32, value = d * sc * q - dmin * m. */
+INLINE void dq_q4_k(const uint8_t *b, float *y) {
+    const float d = f16(b), dmin = f16(b + 2);
+    const uint8_t *s = b + 4, *q = b + 16;
+    for (int j = 0; j < 4; j++) {                      /* 64 values: two sub-blocks */
+        uint8_t sc[2], mn[2];
+        for (int h = 0; h < 2; h++) {
+            const int i = 2 * j + h;
+            if (i < 4) { sc[h] = s[i] & 63; mn[h] = s[i + 4] & 63; }
+            else {
+                sc[h] = (s[i + 4] & 0xF) | ((s[i - 4] >> 6) << 4);
+                mn[h] = (s[i + 4] >> 4) | ((s[i] >> 6) << 4);
+            }
+        }
+        const float d1 = d * sc[0], m1 = dmin * mn[0], d2 = d * sc[1], m2 = dmin * mn[1];
+        for (int l = 0; l < 32; l++) {
+            const float lo = d1 * (float)(q[l] & 15), hi = d2 * (float)(q[l] >> 4);
+            y[64 * j + l] = lo - m1;
+            y[64 * j + 32 + l] = hi - m2;
+        }
+        q += 32;
+    }
+}
+/* Q6_K: {u8 ql[128] (low 4 bits); u8 qh[64] (high 2 bits); int8 scales[16]; f16 d} 210 B;
+ * sixteen sub-blocks of 16, value = d * sc * (q - 32). */
+INLINE void dq_q6_k(const uint8_t *b, float *y) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    const float d = f16(b + 208);
+    for (int n = 0; n < 2; n++) {                      /* 128 values per half */
+        float ds[8];
+        for (int i = 0; i < 8; i++) ds[i] = d * sc[i];
+        for (int l = 0; l < 32; l++) {
+            const int is = l / 16;
+            const int q1 = ((ql[l] & 15) | (((qh[l] >> 0) & 3) << 4)) - 32;
+            const int q2 = ((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4)) - 32;
+            const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+            const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+            y[l] = ds[is] * (float)q1;
+            y[l + 32] = ds[is + 2] * (float)q2;
+            y[l + 64] = ds[is + 4] * (float)q3;
+            y[l + 96] = ds[is + 6] * (float)q4;
+        }
+        y += 128; ql += 64; qh += 32; sc += 8;
+    }
+}
+
+/* The 32-value blocks straight into QK / VL vectors, no trip through memory (the same
+ * arithmetic as dq_*: d * q, d * q + m as a product then a sum, never fused). */
+#define NV (QK / VL)
+#if HAVE_AVX512
+INLINE __m512i lo_nibbles(__m128i raw) {
+    return _mm512_cvtepu8_epi32(_mm_and_si128(raw, _mm_set1_epi8(15)));
+}
+INLINE __m512i hi_nibbles(__m128i raw) {
+    return _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(15)));
+}
+INLINE void dqv_q8_0(const uint8_t *b, V *out) {
+    const V d = vset1(f16(b));
+    out[0] = vmul(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const void *)(b + 2)))));
+    out[1] = vmul(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const void *)(b + 18)))));
+}
+INLINE void dqv_i8(const uint8_t *b, V *out) {
+    out[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const void *)b)));
+    out[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const void *)(b + 16))));
+}
+INLINE void dqv_q4_0(const uint8_t *b, V *out) {
+    const V d = vset1(f16(b));
+    const __m128i raw = _mm_loadu_si128((const void *)(b + 2));
+    const __m512i eight = _mm512_set1_epi32(8);
+    out[0] = vmul(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(lo_nibbles(raw), eight)));
+    out[1] = vmul(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(hi_nibbles(raw), eight)));
+}
+INLINE void dqv_q4_1(const uint8_t *b, V *out) {
+    const V d = vset1(f16(b)), m = vset1(f16(b + 2));
+    const __m128i raw = _mm_loadu_si128((const void *)(b + 4));
+    out[0] = vadd(vmul(d, _mm512_cvtepi32_ps(lo_nibbles(raw))), m);
+    out[1] = vadd(vmul(d, _mm512_cvtepi32_ps(hi_nibbles(raw))), m);
+}
+#elif HAVE_AVX2
+INLINE void nibbles(const uint8_t *p, __m256i q[4]) {  /* 32 values: low then high nibbles */
+    const __m128i raw = _mm_loadu_si128((const void *)p), mask = _mm_set1_epi8(15);
+    const __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+    q[0] = _mm256_cvtepu8_epi32(lo);
+    q[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8));
+    q[2] = _mm256_cvtepu8_epi32(hi);
+    q[3] = _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8));
+}
+INLINE __m256i int8x8(const uint8_t *p) {
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const void *)p));
+}
+INLINE void dqv_q8_0(const uint8_t *b, V *out) {
+    const V d = vset1(f16(b));
+    for (int j = 0; j < 4; j++) out[j] = vmul(d, _mm256_cvtepi32_ps(int8x8(b + 2 + 8 * j)));
+}
+INLINE void dqv_i8(const uint8_t *b, V *out) {
+    for (int j = 0; j < 4; j++) out[j] = _mm256_cvtepi32_ps(int8x8(b + 8 * j));
+}
+INLINE void dqv_q4_0(const uint8_t *b, V *out) {
+    const V d = vset1(f16(b));
+    __m256i q[4];
+    nibbles(b + 2, q);
+    for (int j = 0; j < 4; j++)
+        out[j] = vmul(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[j], _mm256_set1_epi32(8))));
+}
+INLINE void dqv_q4_1(const uint8_t *b, V *out) {
+    const V d = vset1(f16(b)), m = vset1(f16(b + 2));
+    __m256i q[4];
+    nibbles(b + 4, q);
+    for (int j = 0; j < 4; j++) out[j] = vadd(vmul(d, _mm256_cvtepi32_ps(q[j])), m);
+}
+#else
+#define DEFINE_DQV(T)                                                                         \
+INLINE void dqv_##T(const uint8_t *b, V *out) {                                              \
+    float buf[QK];                                                                            \
+    dq_##T(b, buf);                                                                           \
+    memcpy(out, buf, sizeof buf);                                                             \
+}
+DEFINE_DQV(q8_0)
+DEFINE_DQV(i8)
+DEFINE_DQV(q4_0)
+DEFINE_DQV(q4_1)
+#endif
+
+#if defined(__AVX512BF16__) && HAVE_AVX512
+#define HAVE_BF16_DOT 1
+/* A 32-value block straight to 32 bfloat16 (lane i = value i), rounded to nearest even. */
+#define DEFINE_DQB_VIA_FLOAT(T)                                                               \
+INLINE __m512i dqb_##T(const uint8_t *b) {                                                    \
+    V v[NV];                                                                                  \
+    dqv_##T(b, v);                                                                            \
+    return (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]);                                          \
+}
+DEFINE_DQB_VIA_FLOAT(q8_0)
+DEFINE_DQB_VIA_FLOAT(q4_0)
+DEFINE_DQB_VIA_FLOAT(q4_1)
+DEFINE_DQB_VIA_FLOAT(i8)
+
+#else
+#define HAVE_BF16_DOT 0
+#endif
+
+/* Dequantize W rows [r0, r1) (nb blocks each, from w) into dst [(r1 - r0)][ld] float32. */
+typedef void (*dq_rows_fn)(const uint8_t *, int64_t, int64_t, int64_t, int64_t, float *,
+                           int64_t);
+
+/* y[r, n] = v (* row_scale[n]) (+ bias[n]), stored as float32 or bfloat16. */
+INLINE void store_out(void *y, int64_t ldy, int y_f32, int64_t r, int64_t n, float v,
+                      const float *row_scale, const float *bias) {
+    if (row_scale) v *= row_scale[n];
+    if (bias) v += bias[n];
+    if (y_f32) ((float *)y)[r * ldy + n] = v;
+    else ((uint16_t *)y)[r * ldy + n] = store_bf16(v);
+}
+
+/* quant_panel.c: the M > MR nest over W rows [n0, n1), at most quant_panel_rows() of them;
+ * tmp: quant_panel_scratch(kp, qk) floats per thread. */
+int quant_panel_rows(void);
+size_t quant_panel_scratch(int64_t kp, int qk);
+void quant_panel(dq_rows_fn dq, int bf16, const uint8_t *w, int64_t row_bytes, int64_t n0,
+                 int64_t n1, int64_t nb, int qk, int bytes, const void *xc, int64_t m,
+                 float *tmp, void *y, int64_t ldy, int y_f32, const float *row_scale,
+                 const float *bias);
+
+#endif

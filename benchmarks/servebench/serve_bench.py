@@ -45,7 +45,7 @@ from benchmarks.servebench.bench_metrics import (  # noqa: E402
 # ----------------------------------------------------------------------------- one request
 async def send_request(session: aiohttp.ClientSession, url: str, model: str, endpoint: str,
                        req: SampleRequest, ignore_eos: bool, timeout: float,
-                       tokenizer) -> RequestResult:
+                       tokenizer, extra_body: dict | None = None) -> RequestResult:
     """Stream one request; time the chunks that carry tokens.
 
     The client is aiohttp, as in vLLM's `bench serve`: it spends about half the CPU per streamed
@@ -59,6 +59,7 @@ async def send_request(session: aiohttp.ClientSession, url: str, model: str, end
         body["prompt"] = req.prompt
     if ignore_eos:
         body["ignore_eos"] = True
+    body.update(extra_body or {})
     result = RequestResult(success=False, prompt_len=req.prompt_len)
     text, usage_tokens = [], None
     start = last = time.perf_counter()
@@ -107,8 +108,8 @@ async def send_request(session: aiohttp.ClientSession, url: str, model: str, end
 async def run_point(base_url: str, model: str, endpoint: str, requests: list[SampleRequest],
                     request_rate: float, burstiness: float, max_concurrency: int | None,
                     ignore_eos: bool, request_timeout: float, max_duration: float, seed: int,
-                    tokenizer, progress: bool = True,
-                    api_key: str | None = None) -> tuple[list[RequestResult], float]:
+                    tokenizer, progress: bool = True, api_key: str | None = None,
+                    extra_body: dict | None = None) -> tuple[list[RequestResult], float]:
     """Send every request once with the given arrival process; returns results and duration."""
     from tqdm.asyncio import tqdm
 
@@ -121,11 +122,11 @@ async def run_point(base_url: str, model: str, endpoint: str, requests: list[Sam
     async def limited(client, req):
         if limit is None:
             r = await send_request(client, url, model, endpoint, req, ignore_eos,
-                                   request_timeout, tokenizer)
+                                   request_timeout, tokenizer, extra_body)
         else:
             async with limit:
                 r = await send_request(client, url, model, endpoint, req, ignore_eos,
-                                       request_timeout, tokenizer)
+                                       request_timeout, tokenizer, extra_body)
         bar.update(1)
         return r
 
@@ -180,6 +181,8 @@ def add_arguments(p: argparse.ArgumentParser, with_base_url: bool = True) -> Non
     p.add_argument("--max-concurrency", default=None,
                    help="in-flight request bound; a comma list runs a sweep, e.g. 1,4,16,64")
     p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM extension)")
+    p.add_argument("--extra-body", type=json.loads, default=None, metavar="JSON",
+                   help='fields added to every request body, e.g. \'{"min_tokens": 128}\'')
     p.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
                    help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:5000")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
@@ -234,7 +237,8 @@ def run(args) -> list[dict]:
         per_request, duration = asyncio.run(run_point(
             args.base_url, model, args.endpoint, requests, args.request_rate, args.burstiness,
             conc, args.ignore_eos, args.request_timeout, args.max_duration, seed,
-            tokenizer, progress=not args.no_progress, api_key=args.api_key))
+            tokenizer, progress=not args.no_progress, api_key=args.api_key,
+            extra_body=getattr(args, "extra_body", None)))
         metrics = calculate_metrics(per_request, duration, goodput_slos=slos or None)
         metrics.update({"backend": "openai", "base_url": args.base_url, "model_id": model,
                         "endpoint": args.endpoint, "dataset_name": args.dataset_name,

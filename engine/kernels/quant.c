@@ -176,9 +176,22 @@ DEFINE_ROW_TILE_BF16(i8, QK, QK, dqb_i8(wrow + b * QK))
 DEFINE_ROW_TILE_BF16(q4_k, QK_K, 144, DQB_FROM_BUF(q4_k, 144))
 DEFINE_ROW_TILE_BF16(q6_k, QK_K, 210, DQB_FROM_BUF(q6_k, 210))
 #define MID(T) mid_m_##T
+/* dqb_rows_fn of the 32-value types: the panels' bfloat16 pack */
+#define DEFINE_DQB_ROWS(T, BYTES)                                                             \
+static void dqb_rows_##T(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,        \
+                         uint16_t *dst) {                                                     \
+    for (int64_t n = r0; n < r1; n++)                                                         \
+        _mm512_storeu_si512(dst + (n - r0) * QK, dqb_##T(w + n * row_bytes));                 \
+}
+DEFINE_DQB_ROWS(q8_0, 34)
+DEFINE_DQB_ROWS(q4_0, 18)
+DEFINE_DQB_ROWS(q4_1, 20)
+DEFINE_DQB_ROWS(i8, QK)
+#define DQB(T) dqb_rows_##T
 #else
 #define MB 0
 #define MID(T) NULL
+#define DQB(T) NULL
 #endif
 
 typedef void (*small_m_fn)(const uint8_t *, int64_t, int64_t, int64_t, const float *, int64_t,
@@ -190,16 +203,17 @@ typedef struct {
     dq_rows_fn dq;        /* rows dequantized to float32 */
     small_m_fn small;     /* M <= MR, float32 x */
     mid_m_fn mid;         /* MR < M <= MB, bfloat16 x (NULL without AVX512-BF16) */
+    dqb_rows_fn dqb;      /* a block column to bfloat16 (NULL: 256-value types, no BF16) */
 } qkernels;
 
 static int kernels_for(int type, qkernels *k) {
     switch (type) {
-    case T_Q8_0: *k = (qkernels){dq_rows_q8_0, small_m_q8_0, MID(q8_0)}; return 1;
-    case T_Q4_0: *k = (qkernels){dq_rows_q4_0, small_m_q4_0, MID(q4_0)}; return 1;
-    case T_Q4_1: *k = (qkernels){dq_rows_q4_1, small_m_q4_1, MID(q4_1)}; return 1;
-    case T_I8: *k = (qkernels){dq_rows_i8, small_m_i8, MID(i8)}; return 1;
-    case T_Q4_K: *k = (qkernels){dq_rows_q4_k, small_m_q4_k, MID(q4_k)}; return 1;
-    case T_Q6_K: *k = (qkernels){dq_rows_q6_k, small_m_q6_k, MID(q6_k)}; return 1;
+    case T_Q8_0: *k = (qkernels){dq_rows_q8_0, small_m_q8_0, MID(q8_0), DQB(q8_0)}; return 1;
+    case T_Q4_0: *k = (qkernels){dq_rows_q4_0, small_m_q4_0, MID(q4_0), DQB(q4_0)}; return 1;
+    case T_Q4_1: *k = (qkernels){dq_rows_q4_1, small_m_q4_1, MID(q4_1), DQB(q4_1)}; return 1;
+    case T_I8: *k = (qkernels){dq_rows_i8, small_m_i8, MID(i8), DQB(i8)}; return 1;
+    case T_Q4_K: *k = (qkernels){dq_rows_q4_k, small_m_q4_k, MID(q4_k), NULL}; return 1;
+    case T_Q6_K: *k = (qkernels){dq_rows_q6_k, small_m_q6_k, MID(q6_k), NULL}; return 1;
     default: return 0;
     }
 }
@@ -290,7 +304,7 @@ int quant_linear(int type, const uint8_t *w, int64_t row_bytes, const float *row
                 fused_chunk(&kn, nest, w, row_bytes, n0, n1, nb, xc, kp, m, y, ldy, y_f32,
                             row_scale, bias);
             else if (tmp)
-                quant_panel(kn.dq, nest == NEST_PANEL_BF16, w, row_bytes, n0, n1, nb, qk,
+                quant_panel(kn.dq, kn.dqb, nest == NEST_PANEL_BF16, w, row_bytes, n0, n1, nb, qk,
                             bytes, xc, m, tmp, y, ldy, y_f32, row_scale, bias);
         }
         free(tmp);

@@ -148,8 +148,9 @@ INLINE __m512i hi_nibbles(__m128i raw) {
 }
 INLINE void dqv_q8_0(const uint8_t *b, V *out) {
     const V d = vset1(f16(b));
-    out[0] = vmul(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const void *)(b + 2)))));
-    out[1] = vmul(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const void *)(b + 18)))));
+    for (int j = 0; j < 2; j++)
+        out[j] = vmul(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128((const void *)(b + 2 + 16 * j)))));
 }
 INLINE void dqv_i8(const uint8_t *b, V *out) {
     out[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const void *)b)));
@@ -234,6 +235,8 @@ DEFINE_DQB_VIA_FLOAT(i8)
 /* Dequantize W rows [r0, r1) (nb blocks each, from w) into dst [(r1 - r0)][ld] float32. */
 typedef void (*dq_rows_fn)(const uint8_t *, int64_t, int64_t, int64_t, int64_t, float *,
                            int64_t);
+/* One 32-value block (at w) of W rows [r0, r1) into dst [(r1 - r0)][32] bfloat16 (dqb_T). */
+typedef void (*dqb_rows_fn)(const uint8_t *, int64_t, int64_t, int64_t, uint16_t *);
 
 /* y[r, n] = v (* row_scale[n]) (+ bias[n]), stored as float32 or bfloat16. */
 INLINE void store_out(void *y, int64_t ldy, int y_f32, int64_t r, int64_t n, float v,
@@ -248,9 +251,9 @@ INLINE void store_out(void *y, int64_t ldy, int y_f32, int64_t r, int64_t n, flo
  * tmp: quant_panel_scratch(kp, qk) floats per thread. */
 int quant_panel_rows(void);
 size_t quant_panel_scratch(int64_t kp, int qk);
-void quant_panel(dq_rows_fn dq, int bf16, const uint8_t *w, int64_t row_bytes, int64_t n0,
-                 int64_t n1, int64_t nb, int qk, int bytes, const void *xc, int64_t m,
-                 float *tmp, void *y, int64_t ldy, int y_f32, const float *row_scale,
-                 const float *bias);
+void quant_panel(dq_rows_fn dq, dqb_rows_fn dqb, int bf16, const uint8_t *w,
+                 int64_t row_bytes, int64_t n0, int64_t n1, int64_t nb, int qk, int bytes,
+                 const void *xc, int64_t m, float *tmp, void *y, int64_t ldy, int y_f32,
+                 const float *row_scale, const float *bias);
 
 #endif

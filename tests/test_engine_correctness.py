@@ -221,7 +221,8 @@ def test_slo_options_are_exact(options, prompts, assert_greedy):
         assert eng.scheduler.prefill_budgeter.prefill_budget(0, starved=True) == 32
 
 
-@pytest.mark.parametrize("quantization", ["none", "gguf"])
+@pytest.mark.parametrize("quantization", [
+    "none", pytest.param("gguf", marks=pytest.mark.extended)])    # gguf: its second variant
 def test_bfloat16_engine_follows_float32_greedy(prompts, reference, quantization):
     """bfloat16 serves on every host (weights in bfloat16: on AVX2-only ones through the
     bfloat16-weight GEMM kernel, `CONTINUUM_CPU_ISA=avx2` in CI; or the GGUF blocks with

@@ -54,9 +54,10 @@ def assert_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias, rel: f
 
 
 @pytest.mark.parametrize("name", GGUF_TYPES)
-@pytest.mark.parametrize("m", [1, 3, 4, 5, 9, 33])
+@pytest.mark.parametrize("m", [1, 3, 5, 33])
 def test_blocks_match_gguf_py(lib, name, m):
-    """Both nests (M <= 4 fused, M > 4 panels), tails of rows and columns, strided x, bias."""
+    """Every nest (1 and 3 rows fused, 5 and 33 in panels: 33 = tiles of 12, 12, 8 and 1 rows;
+    37 W rows leave a partial panel), strided x, bias."""
     k = 512 if KERNEL_TYPES[TYPE_IDS[name]][1] == 256 else 96
     w = random_blocks(name, 37, k, seed=m)
     wide = torch.randn(m, k + 8)

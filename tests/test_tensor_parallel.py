@@ -122,6 +122,7 @@ def test_three_ranks_match_one_rank_with_chunked_prefill(single_rank):
     everything, expected = single_rank
     eng = engine(tensor_parallel_size=3, max_num_batched_tokens=64)
     assert eng.model.cfg.num_kv_heads == 1 and eng.runner.kv_cache.shape[2] == 1
+    assert eng.model.quant_types == ["Q4_1", "Q8_0"]      # each rank's shard of the blocks
     assert run(eng, everything) == expected
 
 

@@ -25,59 +25,40 @@
 #define PF 8           /* blocks ahead a W row is prefetched in the fused nests */
 #endif
 
-/* Block size in values and bytes of a type; 0 for a type with no kernel. */
-int quant_block_info(int type, int *values, int *bytes) {
-    switch (type) {
-    case T_Q8_0: *values = QK; *bytes = 34; return 1;
-    case T_Q4_0: *values = QK; *bytes = 18; return 1;
-    case T_Q4_1: *values = QK; *bytes = 20; return 1;
-    case T_I8: *values = QK; *bytes = QK; return 1;
-    case T_Q4_K: *values = QK_K; *bytes = 144; return 1;
-    case T_Q6_K: *values = QK_K; *bytes = 210; return 1;
-    default: return 0;
-    }
-}
-
-/* Dequantize W rows [r0, r1) (nb blocks each) into dst [(r1 - r0)][ld] float32. Each block
- * goes through a local buffer: dst may alias w as far as the compiler knows (uint8_t aliases
- * everything), which would keep the block's loop from vectorizing. */
+/* Dequantize W rows [r0, r1) (nb blocks each) into dst [(r1 - r0)][ld] float32, a block at a
+ * time through dqv_T's vectors. */
 #define DEFINE_DQ_ROWS(T, QKT, BYTES)                                                         \
 static void dq_rows_##T(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,         \
                         int64_t nb, float *dst, int64_t ld) {                                 \
-    float buf[QKT] __attribute__((aligned(64)));                                              \
     for (int64_t n = r0; n < r1; n++)                                                         \
         for (int64_t b = 0; b < nb; b++) {                                                    \
-            dq_##T(w + n * row_bytes + b * BYTES, buf);                                       \
-            memcpy(dst + (n - r0) * ld + b * QKT, buf, sizeof buf);                           \
+            V v[QKT / VL];                                                                    \
+            dqv_##T(w + n * row_bytes + b * BYTES, v);                                        \
+            for (int j = 0; j < QKT / VL; j++)                                                \
+                vstore(dst + (n - r0) * ld + b * QKT + j * VL, v[j]);                         \
         }                                                                                     \
 }
 
 /* out[r] = dot(dequant(W row), x row r) for r < mr (mr <= MR, a constant once inlined): each
- * block dequantized into buf (registers / L1) and used at once by every row of x. */
+ * block dequantized into vectors (dqv_T) and used at once by every row of x; two accumulators
+ * a row, so two FMA chains run. */
 #define DEFINE_ROW_TILE(T, QKT, BYTES)                                                        \
 INLINE void row_tile_##T(const uint8_t *wrow, int64_t nb, const float *x, int64_t ldx,        \
                          const int mr, float *out) {                                          \
     V acc[MR][2];                                                                             \
-    float buf[QKT] __attribute__((aligned(64)));                                              \
     for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = vzero();                             \
     for (int64_t b = 0; b < nb; b++) {                                                        \
         __builtin_prefetch(wrow + (b + PF) * BYTES, 0, 0);                                    \
-        dq_##T(wrow + b * BYTES, buf);                                                        \
+        V v[QKT / VL];                                                                        \
+        dqv_##T(wrow + b * BYTES, v);                                                         \
         const float *xb = x + b * QKT;                                                        \
-        for (int i = 0; i < QKT; i += 2 * VL) {                                               \
-            const V w0 = vload_f32(buf + i), w1 = vload_f32(buf + i + VL);                    \
-            for (int r = 0; r < mr; r++) {                                                    \
-                acc[r][0] = vfma(w0, vload_f32(xb + r * ldx + i), acc[r][0]);                 \
-                acc[r][1] = vfma(w1, vload_f32(xb + r * ldx + i + VL), acc[r][1]);            \
-            }                                                                                 \
-        }                                                                                     \
+        for (int j = 0; j < QKT / VL; j++)                                                    \
+            for (int r = 0; r < mr; r++)                                                      \
+                acc[r][j & 1] = vfma(v[j], vload_f32(xb + r * ldx + j * VL), acc[r][j & 1]);  \
     }                                                                                         \
     for (int r = 0; r < mr; r++) out[r] = vsum(vadd(acc[r][0], acc[r][1]));                   \
 }                                                                                             \
-DEFINE_SMALL_M(T)
-
-/* The M <= MR nest over n W rows: out [n][MR]. */
-#define DEFINE_SMALL_M(T)                                                                     \
+/* The M <= MR nest over n W rows: out [n][MR]. */                                            \
 static void small_m_##T(const uint8_t *w, int64_t row_bytes, int64_t n, int64_t nb,          \
                         const float *x, int64_t ldx, int mr, float *out /* [n][MR] */) {      \
     for (int64_t j = 0; j < n; j++) {                                                         \
@@ -91,90 +72,50 @@ static void small_m_##T(const uint8_t *w, int64_t row_bytes, int64_t n, int64_t 
     }                                                                                         \
 }
 
-/* The 32-value types: each block dequantized into NV vectors by dqv_*. */
-#define DEFINE_DQ_ROWS32(T, BYTES)                                                            \
-static void dq_rows_##T(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t r1,         \
-                        int64_t nb, float *dst, int64_t ld) {                                 \
-    for (int64_t n = r0; n < r1; n++)                                                         \
-        for (int64_t b = 0; b < nb; b++) {                                                    \
-            V v[NV];                                                                          \
-            dqv_##T(w + n * row_bytes + b * BYTES, v);                                        \
-            for (int j = 0; j < NV; j++) vstore(dst + (n - r0) * ld + b * QK + j * VL, v[j]); \
-        }                                                                                     \
-}
-#define DEFINE_ROW_TILE32(T, BYTES)                                                           \
-INLINE void row_tile_##T(const uint8_t *wrow, int64_t nb, const float *x, int64_t ldx,        \
-                         const int mr, float *out) {                                          \
-    V acc[MR][2];                                                                             \
-    for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = vzero();                             \
-    for (int64_t b = 0; b < nb; b++) {                                                        \
-        __builtin_prefetch(wrow + (b + PF) * BYTES, 0, 0);                                    \
-        V v[NV];                                                                              \
-        dqv_##T(wrow + b * BYTES, v);                                                         \
-        const float *xb = x + b * QK;                                                         \
-        for (int j = 0; j < NV; j++)                                                          \
-            for (int r = 0; r < mr; r++)                                                      \
-                acc[r][j & 1] = vfma(v[j], vload_f32(xb + r * ldx + j * VL), acc[r][j & 1]);  \
-    }                                                                                         \
-    for (int r = 0; r < mr; r++) out[r] = vsum(vadd(acc[r][0], acc[r][1]));                   \
-}                                                                                             \
-DEFINE_SMALL_M(T)
-
-DEFINE_DQ_ROWS32(q8_0, 34)
-DEFINE_DQ_ROWS32(q4_0, 18)
-DEFINE_DQ_ROWS32(q4_1, 20)
-DEFINE_DQ_ROWS32(i8, QK)
-DEFINE_DQ_ROWS(q4_k, QK_K, 144)
-DEFINE_DQ_ROWS(q6_k, QK_K, 210)
-DEFINE_ROW_TILE32(q8_0, 34)
-DEFINE_ROW_TILE32(q4_0, 18)
-DEFINE_ROW_TILE32(q4_1, 20)
-DEFINE_ROW_TILE32(i8, QK)
-DEFINE_ROW_TILE(q4_k, QK_K, 144)
-DEFINE_ROW_TILE(q6_k, QK_K, 210)
+#define DEFINE_FUSED(T, QKT, BYTES) DEFINE_DQ_ROWS(T, QKT, BYTES) DEFINE_ROW_TILE(T, QKT, BYTES)
+DEFINE_FUSED(q8_0, QK, 34)
+DEFINE_FUSED(q4_0, QK, 18)
+DEFINE_FUSED(q4_1, QK, 20)
+DEFINE_FUSED(i8, QK, QK)
+DEFINE_FUSED(q4_k, QK_K, 144)
+DEFINE_FUSED(q6_k, QK_K, 210)
 
 #if HAVE_BF16_DOT
 #define MB 8          /* rows of x up to which a bfloat16 x takes the fused bfloat16 nest
                          (at 9 to 16 rows it measured no faster than the panels) */
-/* out[r] = dot(bfloat16(dequant(W row)), x row r) for r < h (MB, a constant once
- * inlined): each 32 values of a block are made bfloat16 (as the bfloat16 model's weights are)
- * by DQB32 and multiplied with vdpbf16ps. x bfloat16 block-major [nb][h][QKT] (rows past m
- * zero): a block's h rows are at constant offsets from one pointer. */
-#define DEFINE_ROW_TILE_BF16(T, QKT, BYTES, DQB32)                                            \
+/* out[r] = dot(bfloat16(dequant(W row)), x row r) for r < MB: each block dequantized into
+ * vectors (dqv_T), rounded to bfloat16 32 values at a time (as the bfloat16 model's weights
+ * are) and multiplied with vdpbf16ps. x bfloat16 block-major [nb][MB][QKT] (rows past m zero):
+ * a block's rows are at constant offsets from one pointer. */
+#define DEFINE_MID(T, QKT, BYTES)                                                             \
 INLINE void row_tile_bf16_##T(const uint8_t *wrow, int64_t nb, const uint16_t *x,             \
-                              int64_t kp, const int h, float *out) {                          \
+                              float *out) {                                                   \
     __m512 acc[MB];                                                                           \
-    float buf[QKT] __attribute__((aligned(64)));                                              \
-    (void)buf; (void)kp;                                                                      \
-    for (int r = 0; r < h; r++) acc[r] = _mm512_setzero_ps();                                 \
+    for (int r = 0; r < MB; r++) acc[r] = _mm512_setzero_ps();                                \
     for (int64_t b = 0; b < nb; b++) {                                                        \
         __builtin_prefetch(wrow + (b + PF) * BYTES, 0, 0);                                    \
-        for (int i = 0; i < QKT; i += 32) {                                                   \
-            const __m512bh wv = (__m512bh)DQB32;                                              \
-            const uint16_t *xb = x + (b * h) * QKT + i;                                       \
-            for (int r = 0; r < h; r++)                                                       \
+        V v[QKT / VL];                                                                        \
+        dqv_##T(wrow + b * BYTES, v);                                                         \
+        for (int j = 0; j < QKT / VL; j += 2) {                                               \
+            const __m512bh wv = _mm512_cvtne2ps_pbh(v[j + 1], v[j]);                          \
+            const uint16_t *xb = x + (b * MB) * QKT + j * VL;                                 \
+            for (int r = 0; r < MB; r++)                                                      \
                 acc[r] = _mm512_dpbf16_ps(acc[r], wv,   /* x last: a memory operand */        \
                                           (__m512bh)_mm512_loadu_si512(xb + r * QKT));        \
         }                                                                                     \
     }                                                                                         \
-    for (int r = 0; r < h; r++) out[r] = _mm512_reduce_add_ps(acc[r]);                        \
+    for (int r = 0; r < MB; r++) out[r] = _mm512_reduce_add_ps(acc[r]);                       \
 }                                                                                             \
 static void mid_m_##T(const uint8_t *w, int64_t row_bytes, int64_t n, int64_t nb,            \
-                      const uint16_t *x, int64_t kp, int h, float *out /* [n][MB] */) {       \
-    (void)h;                                                                                  \
-    for (int64_t j = 0; j < n; j++)                                                           \
-        row_tile_bf16_##T(w + j * row_bytes, nb, x, kp, MB, out + j * MB);                    \
+                      const uint16_t *x, float *out /* [n][MB] */) {                          \
+    for (int64_t j = 0; j < n; j++) row_tile_bf16_##T(w + j * row_bytes, nb, x, out + j * MB); \
 }
-/* the 256-value types: the block to float32 once (into buf), then 32 at a time */
-#define DQB_FROM_BUF(T, BYTES) ({                                                             \
-    if (i == 0) dq_##T(wrow + b * BYTES, buf);                                                \
-    (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(buf + i + 16), _mm512_load_ps(buf + i)); })
-DEFINE_ROW_TILE_BF16(q8_0, QK, 34, dqb_q8_0(wrow + b * 34))
-DEFINE_ROW_TILE_BF16(q4_0, QK, 18, dqb_q4_0(wrow + b * 18))
-DEFINE_ROW_TILE_BF16(q4_1, QK, 20, dqb_q4_1(wrow + b * 20))
-DEFINE_ROW_TILE_BF16(i8, QK, QK, dqb_i8(wrow + b * QK))
-DEFINE_ROW_TILE_BF16(q4_k, QK_K, 144, DQB_FROM_BUF(q4_k, 144))
-DEFINE_ROW_TILE_BF16(q6_k, QK_K, 210, DQB_FROM_BUF(q6_k, 210))
+DEFINE_MID(q8_0, QK, 34)
+DEFINE_MID(q4_0, QK, 18)
+DEFINE_MID(q4_1, QK, 20)
+DEFINE_MID(i8, QK, QK)
+DEFINE_MID(q4_k, QK_K, 144)
+DEFINE_MID(q6_k, QK_K, 210)
 #define MID(T) mid_m_##T
 /* dqb_rows_fn of the 32-value types: the panels' bfloat16 pack */
 #define DEFINE_DQB_ROWS(T, BYTES)                                                             \
@@ -196,24 +137,29 @@ DEFINE_DQB_ROWS(i8, QK)
 
 typedef void (*small_m_fn)(const uint8_t *, int64_t, int64_t, int64_t, const float *, int64_t,
                            int, float *);
-typedef void (*mid_m_fn)(const uint8_t *, int64_t, int64_t, int64_t, const uint16_t *, int64_t,
-                         int, float *);
-/* The loop nests of one block type. */
+typedef void (*mid_m_fn)(const uint8_t *, int64_t, int64_t, int64_t, const uint16_t *,
+                         float *);
+/* A block type: its size, and its loop nests. */
 typedef struct {
+    int qk, bytes;        /* values and bytes a block */
     dq_rows_fn dq;        /* rows dequantized to float32 */
     small_m_fn small;     /* M <= MR, float32 x */
     mid_m_fn mid;         /* MR < M <= MB, bfloat16 x (NULL without AVX512-BF16) */
     dqb_rows_fn dqb;      /* a block column to bfloat16 (NULL: 256-value types, no BF16) */
 } qkernels;
 
+#define QKERNELS(T, QKT, BYTES, DQB_FN)                                                       \
+    (qkernels){QKT, BYTES, dq_rows_##T, small_m_##T, MID(T), DQB_FN}
+
+/* The table entry of a GGML type id; 0 for a type with no kernel. */
 static int kernels_for(int type, qkernels *k) {
     switch (type) {
-    case T_Q8_0: *k = (qkernels){dq_rows_q8_0, small_m_q8_0, MID(q8_0), DQB(q8_0)}; return 1;
-    case T_Q4_0: *k = (qkernels){dq_rows_q4_0, small_m_q4_0, MID(q4_0), DQB(q4_0)}; return 1;
-    case T_Q4_1: *k = (qkernels){dq_rows_q4_1, small_m_q4_1, MID(q4_1), DQB(q4_1)}; return 1;
-    case T_I8: *k = (qkernels){dq_rows_i8, small_m_i8, MID(i8), DQB(i8)}; return 1;
-    case T_Q4_K: *k = (qkernels){dq_rows_q4_k, small_m_q4_k, MID(q4_k), NULL}; return 1;
-    case T_Q6_K: *k = (qkernels){dq_rows_q6_k, small_m_q6_k, MID(q6_k), NULL}; return 1;
+    case T_Q8_0: *k = QKERNELS(q8_0, QK, 34, DQB(q8_0)); return 1;
+    case T_Q4_0: *k = QKERNELS(q4_0, QK, 18, DQB(q4_0)); return 1;
+    case T_Q4_1: *k = QKERNELS(q4_1, QK, 20, DQB(q4_1)); return 1;
+    case T_I8: *k = QKERNELS(i8, QK, QK, DQB(i8)); return 1;
+    case T_Q4_K: *k = QKERNELS(q4_k, QK_K, 144, NULL); return 1;
+    case T_Q6_K: *k = QKERNELS(q6_k, QK_K, 210, NULL); return 1;
     default: return 0;
     }
 }
@@ -263,7 +209,7 @@ static void fused_chunk(const qkernels *kn, int nest, const uint8_t *w, int64_t 
     float out[NC * (MB > MR ? MB : MR)];
     if (nest == NEST_SMALL) kn->small(w + n0 * row_bytes, row_bytes, n1 - n0, nb, xc, kp,
                                       (int)m, out);
-    else kn->mid(w + n0 * row_bytes, row_bytes, n1 - n0, nb, xc, kp, MB, out);
+    else kn->mid(w + n0 * row_bytes, row_bytes, n1 - n0, nb, xc, out);
     for (int64_t j = 0; j < n1 - n0; j++)
         for (int64_t r = 0; r < m; r++)
             store_out(y, ldy, y_f32, r, n0 + j, out[j * width + r], row_scale, bias);
@@ -277,8 +223,8 @@ int quant_linear(int type, const uint8_t *w, int64_t row_bytes, const float *row
                  const float *bias, const void *x, int64_t x_stride, int x_bf16, void *y,
                  int64_t ldy, int y_f32, int64_t m, int64_t n, int64_t k, int num_threads) {
     qkernels kn;
-    int qk, bytes;
-    if (!kernels_for(type, &kn) || !quant_block_info(type, &qk, &bytes)) return -2;
+    if (!kernels_for(type, &kn)) return -2;
+    const int qk = kn.qk, bytes = kn.bytes;
     const int64_t nb = (k + qk - 1) / qk, kp = nb * qk;
     const int nest = choose_nest(m, x_bf16);
     const int as_bf16 = nest == NEST_MID_BF16 || nest == NEST_PANEL_BF16;
@@ -319,8 +265,8 @@ int quant_linear(int type, const uint8_t *w, int64_t row_bytes, const float *row
 int quant_embed(int type, const uint8_t *w, int64_t row_bytes, const float *row_scale,
                 const int64_t *ids, int64_t t, int64_t n, int64_t k, void *out, int out_f32) {
     qkernels kn;
-    int qk, bytes;
-    if (!kernels_for(type, &kn) || !quant_block_info(type, &qk, &bytes)) return -2;
+    if (!kernels_for(type, &kn)) return -2;
+    const int qk = kn.qk;
     const int64_t nb = (k + qk - 1) / qk;
     float *row = malloc(sizeof(float) * (size_t)(nb * qk));
     if (!row) return -1;

@@ -5,7 +5,7 @@
  * scale per output row). A block is dequantized to float32 exactly as ggml does (d * q,
  * d * q + m, d * sc * q ...: a product, then a sum, never fused), by
  *   dq_T   (plain C the compiler vectorizes) into a float buffer, any type;
- *   dqv_T  straight into QK / VL vectors (the 32-value types, per ISA);
+ *   dqv_T  into QK / VL vectors (the 32-value types straight from registers, per ISA);
  *   dqb_T  straight into 32 bfloat16, rounded to nearest even (AVX512-BF16 hosts).
  */
 #ifndef CONTINUUM_KERNELS_QUANT_BLOCKS_H
@@ -201,18 +201,23 @@ INLINE void dqv_q4_1(const uint8_t *b, V *out) {
     nibbles(b + 4, q);
     for (int j = 0; j < 4; j++) out[j] = vadd(vmul(d, _mm256_cvtepi32_ps(q[j])), m);
 }
-#else
-#define DEFINE_DQV(T)                                                                         \
+#endif
+/* dqv_T through dq_T and a buffer: the 256-value types everywhere (16 / 32 vectors, which the
+ * compiler keeps in L1 as it kept the buffer), and every type in the generic build. */
+#define DEFINE_DQV(T, QKT)                                                                    \
 INLINE void dqv_##T(const uint8_t *b, V *out) {                                              \
-    float buf[QK];                                                                            \
+    float buf[QKT] __attribute__((aligned(64)));                                              \
     dq_##T(b, buf);                                                                           \
     memcpy(out, buf, sizeof buf);                                                             \
 }
-DEFINE_DQV(q8_0)
-DEFINE_DQV(i8)
-DEFINE_DQV(q4_0)
-DEFINE_DQV(q4_1)
+#if !HAVE_AVX512 && !HAVE_AVX2
+DEFINE_DQV(q8_0, QK)
+DEFINE_DQV(i8, QK)
+DEFINE_DQV(q4_0, QK)
+DEFINE_DQV(q4_1, QK)
 #endif
+DEFINE_DQV(q4_k, QK_K)
+DEFINE_DQV(q6_k, QK_K)
 
 #if defined(__AVX512BF16__) && HAVE_AVX512
 #define HAVE_BF16_DOT 1

@@ -113,12 +113,11 @@ def _check_model(args: argparse.Namespace, config: EngineConfig) -> None:
         raise ValueError(f"model {args.model!r} is not a local path "
                          "(Continuum never downloads weights)")
     if args.quantization not in (None, "none"):
-        from engine.device import resolve_device
+        from engine.device import resolve_device, resolve_dtype
         from engine.quant import resolve_quantization
         device = resolve_device(args.device)
-        from engine.device import resolve_dtype
-        resolve_quantization(args.quantization, args.model, device.kind,
-                             device.kernels(resolve_dtype(args.dtype, device)) is not None)
+        resolve_quantization(args.quantization, args.model, device,
+                             resolve_dtype(args.dtype, device))
     if config.tensor_parallel_size > 1:
         from engine.device import resolve_device
         from engine.distributed.parallel import check_tensor_parallel

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from engine.profiles import TUNING_PROFILES
+from engine.quant import METHODS as QUANTIZATION_METHODS
 from scheduler.config import POLICIES, PREEMPTION_MODES
 
 ROUTERS = ("prefix-aware", "power-of-two", "random")
@@ -38,7 +39,7 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                    help="max tokens per sequence, prompt + output (default: the model's limit)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and KV-cache dtype; auto = float32 on CPU (default: auto)")
-    p.add_argument("--quantization", "-q", default=None, choices=["gguf", "int8", "none"],
+    p.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
                    help="weights served quantized by the CPU kernels: gguf (the GGUF file's "
                         "blocks), int8 (per-channel int8 made at load), none (the --dtype "
                         "weights); default: gguf for a .gguf model on the CPU, else none")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.quant import METHODS as QUANTIZATION_METHODS
 from scheduler.config import check_policy, check_preemption_mode
 from scheduler.spec_decode import SpeculativeConfig
 
@@ -94,8 +95,8 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 and spec is not None and spec.method == "draft_model":
             raise ValueError("--speculative-config: method draft_model is not supported with "
                              "--tensor-parallel-size > 1 (use method ngram)")
-        if self.quantization not in (None, "gguf", "int8", "none"):
-            raise ValueError("--quantization must be gguf, int8 or none, "
+        if self.quantization not in (None, *QUANTIZATION_METHODS):
+            raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_METHODS)}, "
                              f"got {self.quantization!r}")
         if self.max_waiting_requests < 1:
             raise ValueError("--max-waiting-requests must be at least 1, "

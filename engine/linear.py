@@ -93,15 +93,15 @@ class Linear:
         if path not in PATHS or (path in ("kernel", "quant") and kernels is None):
             raise ValueError(f"linear path {path!r} (kernels: {kernels is not None})")
         self.path, self.kernels = path, kernels
-        self.weight, self.bias, self.packed = weight, bias, None
-        if path == "quant":
+        if path == "quant":             # kept as blocks; the bias in float32, as quant.c adds it
             parts = weight if isinstance(weight, list) else [weight]
             merged = QuantWeight.cat(parts) if len(parts) > 1 else parts[0]
             self.parts = [merged] if merged is not None else parts
             self.out_features = sum(p.shape[0] for p in parts)
-            self.weight = None
+            self.weight, self.packed = None, None
             self.bias = None if bias is None else bias.float().contiguous()
             return
+        self.weight, self.bias, self.packed = weight, bias, None
         self.out_features = weight.shape[0]
         if path == "onednn":
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.PACK_BATCH_HINT)

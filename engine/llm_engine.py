@@ -64,8 +64,8 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model_dir = resolve_model(config.model)
         self.model_config = mcfg = ModelConfig.from_dir(self.model_dir)
-        self.quant = resolve_quantization(config.quantization, config.model, self.device.kind,
-                                          self.device.kernels(self.dtype) is not None)
+        self.quant = resolve_quantization(config.quantization, config.model, self.device,
+                                          self.dtype)
         self.max_model_len = self._max_model_len(mcfg)
         self.runner = None
         self._tp = self._start_tensor_parallel(mcfg) if config.tensor_parallel_size > 1 else None
@@ -195,9 +195,8 @@ class LLMEngine:
                              f"{dcfg.max_position_embeddings} positions, fewer than max_model_len "
                              f"{self.max_model_len}")
         dtype = self.dtype if spec.dtype == "auto" else resolve_dtype(spec.dtype, self.device)
-        quant = resolve_quantization(None, spec.model, self.device.kind,
-                                     self.device.kernels(dtype) is not None)
-        return load_model(draft_dir, self.device, dtype, self.max_model_len, quant=quant)
+        return load_model(draft_dir, self.device, dtype, self.max_model_len,
+                          quant=resolve_quantization(None, spec.model, self.device, dtype))
 
     def _scheduler_config(self, target_itl_ms: float | None) -> SchedulerConfig:
         config = self.config

@@ -238,7 +238,7 @@ def run(args) -> list[dict]:
             args.base_url, model, args.endpoint, requests, args.request_rate, args.burstiness,
             conc, args.ignore_eos, args.request_timeout, args.max_duration, seed,
             tokenizer, progress=not args.no_progress, api_key=args.api_key,
-            extra_body=getattr(args, "extra_body", None)))
+            extra_body=args.extra_body))
         metrics = calculate_metrics(per_request, duration, goodput_slos=slos or None)
         metrics.update({"backend": "openai", "base_url": args.base_url, "model_id": model,
                         "endpoint": args.endpoint, "dataset_name": args.dataset_name,

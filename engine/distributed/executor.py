@@ -25,6 +25,7 @@ import torch
 from engine.distributed.parallel import TensorParallelError, TensorParallelGroup
 from engine.distributed.worker import CacheSpec, WorkerSpec
 from engine.model_runner import ModelRunner
+from engine.quant import Quantization
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("continuum.tp")
@@ -51,7 +52,7 @@ class TensorParallelWorkers:
 
     def __init__(self, world_size: int, device: str, dtype: str, model_dir: str,
                  max_model_len: int, on_death: Callable[[str], None] | None = None,
-                 quant=None) -> None:
+                 quant: Quantization | None = None) -> None:
         self.port = _free_port()
         self.on_death = on_death
         self.failure: str | None = None
@@ -126,7 +127,8 @@ class TensorParallelWorkers:
 
 def start_tensor_parallel(world_size: int, device, dtype: torch.dtype, model_dir: str,
                           max_model_len: int, on_death: Callable[[str], None] | None = None,
-                          quant=None) -> tuple[TensorParallelGroup, TensorParallelWorkers]:
+                          quant: Quantization | None = None
+                          ) -> tuple[TensorParallelGroup, TensorParallelWorkers]:
     """Start ranks 1..N-1 and join the group as rank 0 (`device`: `engine.device.Device`).
     Sets this process's torch threads to its share of the cores. Raises TensorParallelError
     when the group cannot form (a worker died at start, or the rendezvous timed out)."""

@@ -16,6 +16,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.quant import Quantization
+
 logger = logging.getLogger("continuum.tp")
 
 
@@ -31,7 +33,7 @@ class WorkerSpec:
     model_dir: str             # the resolved HF-format directory
     max_model_len: int         # tokens: the rotary table's length
     num_threads: int           # torch intra-op threads of this rank
-    quant: object = None       # `engine.quant.Quantization` as rank 0 resolved it
+    quant: Quantization | None = None    # `--quantization` as rank 0 resolved it
 
 
 @dataclass(frozen=True)

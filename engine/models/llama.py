@@ -142,15 +142,22 @@ class LlamaForCausalLM:
             t = t.dequantize() if isinstance(t, QuantWeight) else t
             return t.to(device=device, dtype=dtype)
 
+        served = set()                                  # block types kept quantized
+
         def proj(names: list[str], bias: torch.Tensor | None = None) -> Linear:
             """One linear over the stacked weights `names`: quantized where all of them are."""
             parts = [get(n) for n in names]
             if all(isinstance(p, QuantWeight) for p in parts):
+                served.update(p.type_name for p in parts)
                 return lin(parts if len(parts) > 1 else parts[0], bias)
             return lin(torch.cat([w(n) for n in names]), bias)
 
         embed = get("model.embed_tokens.weight")
-        self.embed = embed if isinstance(embed, QuantWeight) else w("model.embed_tokens.weight")
+        if isinstance(embed, QuantWeight):
+            served.add(embed.type_name)
+            self.embed = embed
+        else:
+            self.embed = w("model.embed_tokens.weight")
         self.lm_head = (lin(self.embed) if cfg.tie_word_embeddings else proj(["lm_head.weight"]))
         self.norm = w("model.norm.weight")
         self.layers = []
@@ -167,11 +174,7 @@ class LlamaForCausalLM:
                 proj([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
                 proj([p + "mlp.down_proj.weight"]),
             ))
-        quantized = sorted({q.type_name for layer in self.layers for lin_ in layer[1:]
-                            if isinstance(lin_, Linear) and lin_.path == "quant"
-                            for q in lin_.parts} | ({self.embed.type_name} if isinstance(
-                                self.embed, QuantWeight) else set()))
-        self.quant_types = quantized                            # e.g. ["Q4_1", "Q8_0"]
+        self.quant_types = sorted(served)                       # e.g. ["Q4_1", "Q8_0"]
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(cfg))
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos = emb.cos().to(device=device, dtype=dtype)     # [max_positions, head_dim]

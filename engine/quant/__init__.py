@@ -38,10 +38,10 @@ def gguf_file(model: str | None) -> Path | None:
     return path if path.is_file() and path.suffix == ".gguf" else None
 
 
-def resolve_quantization(requested: str | None, model: str | None, device_kind: str,
-                         have_kernels: bool) -> Quantization:
-    """`--quantization` (None = the default) for `model` on a device of `device_kind` with or
-    without the CPU kernels (`engine.kernels`).
+def resolve_quantization(requested: str | None, model: str | None, device,
+                         dtype) -> Quantization:
+    """`--quantization` (None = the default) for `model` on `device` (`engine.device.Device`)
+    at `dtype` (`torch.dtype`): the block kernels need the CPU and its compiled kernels.
 
     Default: "gguf" for a GGUF model on a CPU with the kernels, else "none" (vLLM's default of
     the checkpoint's own format; a GGUF elsewhere is served dequantized). Raises ValueError,
@@ -49,15 +49,16 @@ def resolve_quantization(requested: str | None, model: str | None, device_kind: 
     "gguf" / "int8" off the CPU or without the kernels."""
     if requested is not None and requested not in METHODS:
         raise ValueError(f"--quantization must be one of {', '.join(METHODS)}, got {requested!r}")
-    gguf = gguf_file(model)
-    cpu = device_kind == "cpu" and have_kernels
-    if requested is None:
-        return Quantization("gguf", str(gguf)) if gguf is not None and cpu else Quantization()
     if requested == "none":
         return Quantization()
+    have_kernels = device.kernels(dtype) is not None
+    cpu = device.kind == "cpu" and have_kernels
+    gguf = gguf_file(model)
+    if requested is None:
+        return Quantization("gguf", str(gguf)) if gguf is not None and cpu else Quantization()
     if not cpu:
         raise ValueError(f"--quantization {requested} runs on the CPU kernels only "
-                         f"({device_kind}{'' if have_kernels else ', no C compiler'}); "
+                         f"({device.kind}{'' if have_kernels else ', no C compiler'}); "
                          "drop the flag to serve the dequantized model")
     if requested == "gguf":
         if gguf is None:

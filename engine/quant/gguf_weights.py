@@ -89,16 +89,17 @@ def read_gguf_weights(path: Path, num_heads: int, num_kv_heads: int,
             continue
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))     # ggml's ne is reversed
         qtype = int(t.tensor_type)
-        heads = (num_heads if ".q_proj." in name else num_kv_heads if ".k_proj." in name
-                 else 0)
+        # llama.cpp permutes Q / K rows for the `llama` architecture only
+        heads = 0 if arch != "llama" else (num_heads if ".q_proj." in name else
+                                           num_kv_heads if ".k_proj." in name else 0)
         if qtype in _FLOAT_TYPES or qtype == _BF16:
             value = _float_tensor(t, shape)
-            if heads and arch == "llama":
+            if heads:
                 value = torch.from_numpy(_unpermute_rows(value.numpy(), heads))
             out[name] = value
             continue
         raw = np.asarray(t.data).reshape(shape[0], -1)             # [N, row_bytes] uint8
-        if heads and arch == "llama":
+        if heads:
             raw = _unpermute_rows(raw, heads)
         if qtype in keep and len(shape) == 2:
             out[name] = QuantWeight(qtype, torch.from_numpy(np.ascontiguousarray(raw)), shape)

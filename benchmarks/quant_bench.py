@@ -124,6 +124,8 @@ def workload(base: str, tokenizer: str, concurrency: int, prompts: int, args,
 
 def bench_server(name: str, base: str, pid: int, tokenizer: str, args,
                  extra_body: dict | None = None) -> dict:
+    """Workload A at each concurrency against the server at `base` (session `pid`): its points
+    (`workload`) and its resident memory (MiB) after the last one."""
     points = [workload(base, tokenizer, c, args.c1_prompts if c == 1 else args.num_prompts,
                        args, extra_body) for c in args.concurrency]
     rss = session_rss_mib(pid)
@@ -132,6 +134,9 @@ def bench_server(name: str, base: str, pid: int, tokenizer: str, args,
 
 
 def llama_cpp(args, gguf: str, tokenizer: str) -> dict:
+    """`bench_server` on llama-cpp-python's OpenAI server (`args.llama_python`) serving `gguf`
+    with 2 threads; `min_tokens` stands in for ignore_eos. Raises RuntimeError if it does not
+    start within 300 s."""
     port = free_port()
     cmd = [args.llama_python, "-m", "llama_cpp.server", "--model", gguf, "--n_threads", "2",
            "--n_threads_batch", "2", "--n_ctx", str(args.llama_n_ctx), "--host", "127.0.0.1",

@@ -39,10 +39,12 @@ class QuantWeight:
 
     @property
     def type_name(self) -> str:
+        """The block type's name, e.g. "Q4_1" (the id as text for a type without a kernel)."""
         return KERNEL_TYPES[self.qtype][0] if self.qtype in KERNEL_TYPES else str(self.qtype)
 
     @property
     def block_values(self) -> int:
+        """Weights per block along K (32, or 256 for Q4_K / Q6_K)."""
         return KERNEL_TYPES[self.qtype][1]
 
     @property

@@ -112,12 +112,12 @@ def _check_model(args: argparse.Namespace, config: EngineConfig) -> None:
     if args.model is not None and not Path(args.model).exists():
         raise ValueError(f"model {args.model!r} is not a local path "
                          "(Continuum never downloads weights)")
-    if args.quantization not in (None, "none"):
+    if args.quantization not in (None, "none") or args.activation_quantization != "none":
         from engine.device import resolve_device, resolve_dtype
         from engine.quant import resolve_quantization
         device = resolve_device(args.device)
         resolve_quantization(args.quantization, args.model, device,
-                             resolve_dtype(args.dtype, device))
+                             resolve_dtype(args.dtype, device), args.activation_quantization)
     if config.tensor_parallel_size > 1:
         from engine.device import resolve_device
         from engine.distributed.parallel import check_tensor_parallel
@@ -139,7 +139,8 @@ def engine_config(args: argparse.Namespace):
         sjf_aging_ms_per_token=args.sjf_aging_ms_per_token,
         max_waiting_requests=args.max_waiting_requests,
         speculative_config=args.speculative_config,
-        tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization, **tuned)
+        tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
+        activation_quantization=args.activation_quantization, **tuned)
 
 
 def _bool_flag(flag: str, value: str) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from engine.profiles import TUNING_PROFILES
+from engine.quant import ACTIVATION_METHODS
 from engine.quant import METHODS as QUANTIZATION_METHODS
 from scheduler.config import POLICIES, PREEMPTION_MODES
 
@@ -43,6 +44,10 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                    help="weights served quantized by the CPU kernels: gguf (the GGUF file's "
                         "blocks), int8 (per-channel int8 made at load), none (the --dtype "
                         "weights); default: gguf for a .gguf model on the CPU, else none")
+    p.add_argument("--activation-quantization", default="none", choices=ACTIVATION_METHODS,
+                   help="int8: quantize the activations of the quantized linears to int8 per "
+                        "block of 32 at decode batch sizes (AVX-512 VNNI hosts; faster, "
+                        "slightly less exact: docs/quantization.md); default: none")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or npu (default: auto)")
     p.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling (default: 0)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")

@@ -10,6 +10,8 @@ each with the same KV budget (`--kv-cache-memory` GiB):
                          engine/kernels/quant.c; activations in that dtype)
   bf16 / f32             `--quantization none --dtype ...` (the GGUF dequantized at load)
   int8-bf16              `--quantization int8 --dtype bfloat16`
+  gguf-q8-bf16           gguf-bf16 with `--activation-quantization int8` (quant_q8.c; where
+                         the host has AVX-512 VNNI, else the same as gguf-bf16)
   llama.cpp              `llama_cpp.server` (llama-cpp-python, built for this host) on the same
                          GGUF, 2 threads, with `--llama-python PATH` (a venv's python)
 Per server: output tokens/s, median TTFT and TPOT per point, and the server's resident memory
@@ -18,7 +20,8 @@ bf16, f32 and llama.cpp.
 
 Before the servers, in this process: bytes of weights read per decoded token by each weight
 format, the host's read bandwidth (a 1 GiB float32 sum on the torch threads), and the
-quantized linears' single-row time as a fraction of the bound bytes / bandwidth.
+quantized linears' single-row time as a fraction of the bound bytes / bandwidth, with float32
+and with int8 activations.
 
     python benchmarks/quant_bench.py --llama-python /tmp/llamacpp/bin/python
 """
@@ -41,7 +44,9 @@ SERVERS = {"gguf-bf16": ["--quantization", "gguf", "--dtype", "bfloat16"],
            "gguf-f32": ["--quantization", "gguf", "--dtype", "float32"],
            "bf16": ["--quantization", "none", "--dtype", "bfloat16"],
            "f32": ["--quantization", "none", "--dtype", "float32"],
-           "int8-bf16": ["--quantization", "int8", "--dtype", "bfloat16"]}
+           "int8-bf16": ["--quantization", "int8", "--dtype", "bfloat16"],
+           "gguf-q8-bf16": ["--quantization", "gguf", "--activation-quantization", "int8",
+                            "--dtype", "bfloat16"]}
 
 
 def session_rss_mib(pid: int) -> float:
@@ -87,6 +92,8 @@ def weight_bytes() -> dict:
     xs = {w.shape[1]: torch.randn(1, w.shape[1]) for w in linears}
     t_lin = min(_timed(lambda: [lib.quant_linear(xs[w.shape[1]], w) for w in linears])
                 for _ in range(20))
+    t_q8 = min(_timed(lambda: [lib.quant_linear(xs[w.shape[1]], w, int8_x=True)
+                               for w in linears]) for _ in range(20))
     lin_bytes = sum(w.nbytes for w in linears)
     return {"bytes_per_token": {"gguf": lin_bytes + head.nbytes, "bf16": 2 * params,
                                 "f32": 4 * params, "int8": params + 4 * sum(
@@ -94,7 +101,11 @@ def weight_bytes() -> dict:
             "host_read_gbs": round(read_gbs, 1),
             "gguf_linears_ms": round(t_lin * 1e3, 2),
             "gguf_linears_gbs": round(lin_bytes / t_lin / 1e9, 1),
-            "gguf_linears_fraction_of_bound": round(lin_bytes / t_lin / 1e9 / read_gbs, 2)}
+            "gguf_linears_fraction_of_bound": round(lin_bytes / t_lin / 1e9 / read_gbs, 2),
+            "int8_activations": lib.q8_available,
+            "gguf_q8_linears_ms": round(t_q8 * 1e3, 2),
+            "gguf_q8_linears_gbs": round(lin_bytes / t_q8 / 1e9, 1),
+            "gguf_q8_linears_fraction_of_bound": round(lin_bytes / t_q8 / 1e9 / read_gbs, 2)}
 
 
 def _timed(fn) -> float:

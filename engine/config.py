@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.quant import ACTIVATION_METHODS
 from engine.quant import METHODS as QUANTIZATION_METHODS
 from scheduler.config import check_policy, check_preemption_mode
 from scheduler.spec_decode import SpeculativeConfig
@@ -32,6 +33,8 @@ class EngineConfig:
         (`--speculative-config`, vLLM's keys), parsed here.
     quantization: `--quantization` (`engine.quant.resolve_quantization`): None = gguf for a
         GGUF model on a CPU with the kernels, else none; "gguf", "int8" or "none".
+    activation_quantization: `--activation-quantization`: "none" (float32 activations) or
+        "int8" (per block of 32, in the decode-sized quantized products; AVX-512 VNNI).
     tensor_parallel_size: ranks the model is split over (`engine.distributed`); each rank holds
         `kv_cache_memory` / `swap_space` of its own KV heads (per-device sizes, as in vLLM).
     """
@@ -57,6 +60,7 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | dict | str | None = None
     tensor_parallel_size: int = 1
     quantization: str | None = None
+    activation_quantization: str = "none"
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, (str, dict)):
@@ -98,6 +102,9 @@ class EngineConfig:
         if self.quantization not in (None, *QUANTIZATION_METHODS):
             raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATION_METHODS)}, "
                              f"got {self.quantization!r}")
+        if self.activation_quantization not in ACTIVATION_METHODS:
+            raise ValueError("--activation-quantization must be one of "
+                             f"{', '.join(ACTIVATION_METHODS)}, got {self.activation_quantization!r}")
         if self.max_waiting_requests < 1:
             raise ValueError("--max-waiting-requests must be at least 1, "
                              f"got {self.max_waiting_requests}")

@@ -80,19 +80,21 @@ class Linear:
 
     `weight [out, in]` in the model dtype, or quantized: a `QuantWeight`, or a list of them
     stacked along `out` (kept as separate products when their block types differ); `bias [out]`
-    or None. `kernels` is required for path "kernel" and quantized weights. Raises ValueError
+    or None. `kernels` is required for path "kernel" and quantized weights; `int8_x` quantizes
+    x to int8 for a quantized weight where quant_q8.c has a kernel. Raises ValueError
     for an unknown path."""
 
     PACK_BATCH_HINT = 64
 
     def __init__(self, weight, bias: torch.Tensor | None = None,
-                 path: str = "torch", kernels=None) -> None:
+                 path: str = "torch", kernels=None, int8_x: bool = False) -> None:
         from engine.quant.formats import QuantWeight
         if isinstance(weight, (QuantWeight, list)):
             path = "quant"
         if path not in PATHS or (path in ("kernel", "quant") and kernels is None):
             raise ValueError(f"linear path {path!r} (kernels: {kernels is not None})")
         self.path, self.kernels = path, kernels
+        self.int8_x = int8_x and path == "quant"
         if path == "quant":             # kept as blocks; the bias in float32, as quant.c adds it
             parts = weight if isinstance(weight, list) else [weight]
             merged = QuantWeight.cat(parts) if len(parts) > 1 else parts[0]
@@ -114,9 +116,10 @@ class Linear:
         """`x [M, in]` → `[M, out]` in `out_dtype` (default: x's dtype)."""
         if self.path == "quant":
             if len(self.parts) == 1:
-                return self.kernels.quant_linear(x, self.parts[0], self.bias, out_dtype)
-            y = torch.cat([self.kernels.quant_linear(x, p, None, out_dtype) for p in self.parts],
-                          dim=-1)
+                return self.kernels.quant_linear(x, self.parts[0], self.bias, out_dtype,
+                                                 self.int8_x)
+            y = torch.cat([self.kernels.quant_linear(x, p, None, out_dtype, self.int8_x)
+                           for p in self.parts], dim=-1)
             return y if self.bias is None else (y + self.bias).to(y.dtype)
         if self.path == "kernel":
             return self.kernels.linear(x, self.packed, self.out_features, self.bias,

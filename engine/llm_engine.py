@@ -65,7 +65,7 @@ class LLMEngine:
         self.model_dir = resolve_model(config.model)
         self.model_config = mcfg = ModelConfig.from_dir(self.model_dir)
         self.quant = resolve_quantization(config.quantization, config.model, self.device,
-                                          self.dtype)
+                                          self.dtype, config.activation_quantization)
         self.max_model_len = self._max_model_len(mcfg)
         self.runner = None
         self._tp = self._start_tensor_parallel(mcfg) if config.tensor_parallel_size > 1 else None

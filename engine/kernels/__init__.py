@@ -32,7 +32,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "cpu_kernels.c", HERE / "gemm.c", HERE / "quant.c", HERE / "quant_panel.c"]
+SOURCES = [HERE / "cpu_kernels.c", HERE / "gemm.c", HERE / "quant.c", HERE / "quant_panel.c",
+           HERE / "quant_q8.c"]
 HEADERS = [HERE / "common.h", HERE / "vec.h", HERE / "quant_blocks.h"]
 BASE_CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
 
@@ -58,6 +59,9 @@ _PLAIN = {
     "gemm_bf16w": ([_P, _I64, _I, _P, _P, _P, _I64, _I, _I64, _I64, _I64, _I], _I),
     "kernels_isa": ([], ctypes.c_char_p),
     "quant_linear": ([_I, _P, _I64, _P, _P, _P, _I64, _I, _P, _I64, _I, _I64, _I64, _I64, _I], _I),
+    "quant_linear_q8": ([_I, _P, _I64, _P, _P, _P, _I64, _I, _P, _I64, _I, _I64, _I64, _I64,
+                         _I], _I),
+    "quant_q8_available": ([], _I),
     "quant_embed": ([_I, _P, _I64, _P, _P, _I64, _I64, _I64, _P, _I], _I),
 }
 NR = 16    # output columns per packed weight panel (gemm.c)
@@ -177,29 +181,35 @@ class CpuKernels:
         return out
 
     def quant_linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None,
-                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                     out_dtype: torch.dtype | None = None, int8_x: bool = False) -> torch.Tensor:
         """`x [M, K]` (float32 or bfloat16; rows may be strided, columns contiguous) times the
         transpose of `weight` (an `engine.quant.QuantWeight` `[N, K]` read in its block format),
         plus `bias [N]` float32: a new `[M, N]` of `out_dtype` (default x's: float32 or
-        bfloat16). float32 arithmetic (quant.c). Raises MemoryError, ValueError (no kernel for
-        the weight's type)."""
+        bfloat16). float32 arithmetic (quant.c); with `int8_x`, x is quantized to int8 per block
+        of 32 where quant_q8.c has a kernel (`q8_available`; Q4_0 / Q4_1 / Q8_0 / I8, M <= 4).
+        Raises MemoryError, ValueError (no kernel for the weight's type)."""
         m, k = x.shape
         if x.stride(1) != 1:
             x = x.contiguous()
+        x_bf16 = x.dtype == torch.bfloat16
         out_dtype = out_dtype or x.dtype
         n = weight.shape[0]
         out = torch.empty((m, n), dtype=out_dtype)
-        scale = weight.scale
-        rc = self._fn["quant_linear"](
-            weight.qtype, weight.data.data_ptr(), weight.data.shape[1],
-            None if scale is None else scale.data_ptr(), None if bias is None else bias.data_ptr(),
-            x.data_ptr(), x.stride(0), int(x.dtype == torch.bfloat16), out.data_ptr(), n,
-            int(out_dtype == torch.float32), m, n, k, torch.get_num_threads())
+        qtype, w_ptr, row_bytes, scale_ptr = weight.kernel_args
+        rc = self._fn["quant_linear_q8" if int8_x else "quant_linear"](
+            qtype, w_ptr, row_bytes, scale_ptr, None if bias is None else bias.data_ptr(),
+            x.data_ptr(), x.stride(0), x_bf16, out.data_ptr(), n,
+            out_dtype == torch.float32, m, n, k, torch.get_num_threads())
         if rc == -2:
             raise ValueError(f"quant_linear: no kernel for {weight.type_name}")
         if rc:
             raise MemoryError(f"quant_linear: cannot allocate {m} x {k} float32 for the input")
         return out
+
+    @property
+    def q8_available(self) -> bool:
+        """Whether the int8-activation kernels exist in this build (AVX-512 VNNI)."""
+        return bool(self._fn["quant_q8_available"]())
 
     def quant_embed(self, weight, ids: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids [T] int64` of the quantized table `weight` (`engine.quant.QuantWeight`

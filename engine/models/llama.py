@@ -123,14 +123,15 @@ class LlamaForCausalLM:
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
                  dtype: torch.dtype, max_positions: int, linear_path: str = "torch",
-                 kernels=None, tp: TensorParallelGroup | None = None) -> None:
+                 kernels=None, tp: TensorParallelGroup | None = None,
+                 int8_activations: bool = False) -> None:
         self.tp, self.vocab_start = tp, 0
         if tp is not None:
             cfg, weights = shard_weights(cfg, weights, tp.rank, tp.world_size)
             self.vocab_start = vocab_shard(cfg.vocab_size, tp.rank, tp.world_size)[0]
         self.cfg, self.device, self.dtype = cfg, device, dtype
         self.linear_path, self.kernels = linear_path, kernels
-        lin = partial(Linear, path=linear_path, kernels=kernels)
+        lin = partial(Linear, path=linear_path, kernels=kernels, int8_x=int8_activations)
 
         def get(name: str):
             if name not in weights:
@@ -289,7 +290,8 @@ def load_model(model_dir: Path, device: Device, dtype: torch.dtype,
     (`engine.device.Device`, which picks the linear path for `dtype`); with `tp`, this rank's
     shard of it. Weights: every `*.safetensors` in `model_dir`, or with `quant` "gguf" the GGUF
     file's tensors in their block format (`engine.quant.gguf_weights`); "int8" quantizes the
-    linear weights and the embedding per output channel at load.
+    linear weights and the embedding per output channel at load; `quant.int8_activations`
+    quantizes the activations of the decode-sized quantized products to int8.
 
     Raises: ModelLoadError (missing or unreadable weights), UnsupportedArchitectureError,
     ValueError (a dtype this device cannot run, one line).
@@ -307,7 +309,7 @@ def load_model(model_dir: Path, device: Device, dtype: torch.dtype,
         weights = {k: quantize_int8(v) if _is_int8_target(k, v) else v
                    for k, v in weights.items()}
     return LlamaForCausalLM(cfg, weights, device.torch_device, dtype, max_positions, path,
-                            kernels, tp)
+                            kernels, tp, quant.int8_activations)
 
 
 def _is_int8_target(name: str, t: torch.Tensor) -> bool:

@@ -1,31 +1,41 @@
 """Quantized weights on the CPU: GGUF blocks served as they are, and int8 weight-only.
 
-Owns: the `--quantization` choice (`resolve_quantization`), the weight formats
+Owns: the `--quantization` and `--activation-quantization` choices (`resolve_quantization`),
+the weight formats
 (`engine.quant.formats`: `QuantWeight`, `quantize_int8`) and reading a GGUF file's tensors in
 their block format under HF names (`engine.quant.gguf_weights`). The kernels that read the blocks
-are `engine/kernels/quant.c`; `engine.linear.Linear` runs them.
+are `engine/kernels/quant.c` (float32 activations) and `quant_q8.c` (int8 activations);
+`engine.linear.Linear` runs them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+logger = logging.getLogger(__name__)
+
 METHODS = ("gguf", "int8", "none")
+ACTIVATION_METHODS = ("none", "int8")
 
 
 @dataclass(frozen=True)
 class Quantization:
     """How the model's weights are served: `method` "gguf" (the GGUF file's blocks, read by
     the kernels), "int8" (per-channel int8 made at load) or "none" (the model dtype); `gguf` the
-    GGUF file for "gguf"."""
+    GGUF file for "gguf"; `int8_activations`: x quantized to int8 per block of 32 in the
+    decode-sized products (`engine/kernels/quant_q8.c`, AVX-512 VNNI hosts)."""
 
     method: str = "none"
     gguf: str | None = None
+    int8_activations: bool = False
 
     def describe(self, types: list[str], isa: str | None) -> str:
-        """The ready log's linear path, e.g. `gguf Q4_1/Q8_0 kernels (avx512)`."""
-        return f"{self.method} {'/'.join(types)} kernels ({isa})"
+        """The ready log's linear path, e.g. `gguf Q4_1/Q8_0 kernels (avx512)`, with
+        `, int8 activations (vnni)` when they are on."""
+        extra = ", int8 activations (vnni)" if self.int8_activations else ""
+        return f"{self.method} {'/'.join(types)} kernels ({isa}){extra}"
 
 
 def gguf_file(model: str | None) -> Path | None:
@@ -39,14 +49,34 @@ def gguf_file(model: str | None) -> Path | None:
 
 
 def resolve_quantization(requested: str | None, model: str | None, device,
-                         dtype) -> Quantization:
+                         dtype, activations: str = "none") -> Quantization:
     """`--quantization` (None = the default) for `model` on `device` (`engine.device.Device`)
     at `dtype` (`torch.dtype`): the block kernels need the CPU and its compiled kernels.
 
     Default: "gguf" for a GGUF model on a CPU with the kernels, else "none" (vLLM's default of
     the checkpoint's own format; a GGUF elsewhere is served dequantized). Raises ValueError,
     one line naming the flag: an unknown method, "gguf" for a model that is not a GGUF file,
-    "gguf" / "int8" off the CPU or without the kernels."""
+    "gguf" / "int8" off the CPU or without the kernels, `activations` "int8" (the
+    `--activation-quantization` flag) without quantized weights. Where the host has no AVX-512
+    VNNI, int8 activations are off with one warning line (float32 activations, same kernels)."""
+    if activations not in ACTIVATION_METHODS:
+        raise ValueError(f"--activation-quantization must be one of "
+                         f"{', '.join(ACTIVATION_METHODS)}, got {activations!r}")
+    quant = _weights(requested, model, device, dtype)
+    if activations == "none":
+        return quant
+    if quant.method == "none":
+        raise ValueError("--activation-quantization int8 needs quantized weights "
+                         "(--quantization gguf or int8)")
+    if not device.kernels(dtype).q8_available:
+        logger.warning("--activation-quantization int8: this CPU has no AVX-512 VNNI; "
+                       "activations stay float32")
+        return quant
+    return replace(quant, int8_activations=True)
+
+
+def _weights(requested: str | None, model: str | None, device, dtype) -> Quantization:
+    """resolve_quantization's weight format."""
     if requested is not None and requested not in METHODS:
         raise ValueError(f"--quantization must be one of {', '.join(METHODS)}, got {requested!r}")
     if requested == "none":

@@ -16,6 +16,7 @@ Dettmers et al. 2022, without its outlier split).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -46,6 +47,13 @@ class QuantWeight:
     def block_values(self) -> int:
         """Weights per block along K (32, or 256 for Q4_K / Q6_K)."""
         return KERNEL_TYPES[self.qtype][1]
+
+    @cached_property
+    def kernel_args(self) -> tuple[int, int, int, int | None]:
+        """What quant.c takes for this weight, fixed once it exists (data never moves):
+        (GGML type id, address of `data`, row bytes, address of `scale` or None)."""
+        scale = None if self.scale is None else self.scale.data_ptr()
+        return self.qtype, self.data.data_ptr(), self.data.shape[1], scale
 
     @property
     def nbytes(self) -> int:

@@ -107,6 +107,7 @@ class Linear:
         self.out_features = weight.shape[0]
         if path == "onednn":
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.PACK_BATCH_HINT)
+            self.weight = None       # the packed copy is the only one read (a second 2 B/param)
         elif path == "kernel":
             self.packed = kernels.pack_linear(weight)
             self.weight = None                       # the packed copy is the only one kept

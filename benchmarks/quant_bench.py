@@ -14,6 +14,8 @@ each with the same KV budget (`--kv-cache-memory` GiB):
                          the host has AVX-512 VNNI, else the same as gguf-bf16)
   llama.cpp              `llama_cpp.server` (llama-cpp-python, built for this host) on the same
                          GGUF, 2 threads, with `--llama-python PATH` (a venv's python)
+With `--rounds R` the Continuum servers run R times, alternating (a 2-core VM drifts by 20% or
+more between runs), and each point is the median of its rounds.
 Per server: output tokens/s, median TTFT and TPOT per point, and the server's resident memory
 (every process of its session, VmRSS) after the last point. Ratios: each gguf / int8 server to
 bf16, f32 and llama.cpp.
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -68,7 +71,8 @@ def session_rss_mib(pid: int) -> float:
 def weight_bytes() -> dict:
     """Bytes read per decoded token (linears and LM head; the embedding lookup reads one row)
     by each weight format, the host's read bandwidth, and the quantized linears' single-row
-    GB/s (best of 20) as a fraction of it."""
+    GB/s (best of 20) as a fraction of it: through the Python wrapper, and the C kernels alone,
+    with float32 and with int8 activations."""
     import torch
 
     from engine import kernels
@@ -90,22 +94,28 @@ def weight_bytes() -> dict:
     best = min(_timed(big.sum) for _ in range(5))
     read_gbs = big.numel() * 4 / best / 1e9
     xs = {w.shape[1]: torch.randn(1, w.shape[1]) for w in linears}
-    t_lin = min(_timed(lambda: [lib.quant_linear(xs[w.shape[1]], w) for w in linears])
-                for _ in range(20))
-    t_q8 = min(_timed(lambda: [lib.quant_linear(xs[w.shape[1]], w, int8_x=True)
-                               for w in linears]) for _ in range(20))
     lin_bytes = sum(w.nbytes for w in linears)
-    return {"bytes_per_token": {"gguf": lin_bytes + head.nbytes, "bf16": 2 * params,
-                                "f32": 4 * params, "int8": params + 4 * sum(
-                                    w.shape[0] for w in linears + [head])},
-            "host_read_gbs": round(read_gbs, 1),
-            "gguf_linears_ms": round(t_lin * 1e3, 2),
-            "gguf_linears_gbs": round(lin_bytes / t_lin / 1e9, 1),
-            "gguf_linears_fraction_of_bound": round(lin_bytes / t_lin / 1e9 / read_gbs, 2),
-            "int8_activations": lib.q8_available,
-            "gguf_q8_linears_ms": round(t_q8 * 1e3, 2),
-            "gguf_q8_linears_gbs": round(lin_bytes / t_q8 / 1e9, 1),
-            "gguf_q8_linears_fraction_of_bound": round(lin_bytes / t_q8 / 1e9 / read_gbs, 2)}
+    out = {"bytes_per_token": {"gguf": lin_bytes + head.nbytes, "bf16": 2 * params,
+                               "f32": 4 * params,
+                               "int8": params + 4 * sum(w.shape[0] for w in linears + [head])},
+           "host_read_gbs": round(read_gbs, 1), "int8_activations": lib.q8_available}
+    ys = {w.shape[0]: torch.empty(1, w.shape[0]) for w in linears}
+    for name, int8_x in (("gguf", False), ("gguf_q8", True)):
+        # through CpuKernels.quant_linear (as the model calls it: Python wrapper, new output)
+        # and the C entry point alone with its arguments made beforehand (the kernel's rate)
+        t_py = min(_timed(lambda: [lib.quant_linear(xs[w.shape[1]], w, int8_x=int8_x)
+                                   for w in linears]) for _ in range(20))
+        fn = lib._fn["quant_linear_q8" if int8_x else "quant_linear"]
+        calls = [(*w.kernel_args, None, xs[w.shape[1]].data_ptr(), w.shape[1], 0,
+                  ys[w.shape[0]].data_ptr(), w.shape[0], 1, 1, w.shape[0], w.shape[1],
+                  torch.get_num_threads()) for w in linears]
+        t_c = min(_timed(lambda: [fn(*a) for a in calls]) for _ in range(20))
+        for sfx, t in (("", t_py), ("_kernel", t_c)):
+            out[f"{name}_linears{sfx}_ms"] = round(t * 1e3, 2)
+            out[f"{name}_linears{sfx}_gbs"] = round(lin_bytes / t / 1e9, 1)
+            out[f"{name}_linears{sfx}_fraction_of_bound"] = round(lin_bytes / t / 1e9 / read_gbs,
+                                                                   2)
+    return out
 
 
 def _timed(fn) -> float:
@@ -161,9 +171,29 @@ def llama_cpp(args, gguf: str, tokenizer: str) -> dict:
         stop(proc)
 
 
+def median_run(runs: list[dict]) -> dict:
+    """One server's rounds as one result: each point's median tok/s, TTFT and TPOT, and the
+    median RSS (it varies by a few hundred MiB between runs: freed memory glibc keeps), with
+    each round's figures."""
+    points = []
+    for i, first in enumerate(runs[0]["points"]):
+        each = [r["points"][i] for r in runs]
+        point = dict(first)
+        for key in ("output_tok_s", "median_ttft_ms", "median_tpot_ms"):
+            point[key] = statistics.median(p[key] for p in each)
+        point["rounds_tok_s"] = [p["output_tok_s"] for p in each]
+        points.append(point)
+    rss = [r["rss_mib"] for r in runs]
+    return {"points": points, "rss_mib": statistics.median(rss), "rounds_rss_mib": rss}
+
+
 def ratios(results: dict) -> dict:
     """Output tokens/s of each quantized server over each baseline, per concurrency."""
     out = {}
+    if "gguf-q8-bf16" in results and "gguf-bf16" in results:
+        out["gguf-q8-bf16 / gguf-bf16"] = {
+            p["concurrency"]: round(p["output_tok_s"] / b["output_tok_s"], 2)
+            for p, b in zip(results["gguf-q8-bf16"]["points"], results["gguf-bf16"]["points"])}
     for q in [n for n in results if n.startswith(("gguf", "int8"))]:
         for base in [n for n in results if not n.startswith(("gguf", "int8"))]:
             out[f"{q} / {base}"] = {
@@ -180,6 +210,8 @@ def main() -> None:
                     help=f"comma list of {', '.join(SERVERS)}")
     ap.add_argument("--concurrency", default="1,16,64",
                     type=lambda s: [int(c) for c in s.split(",")])
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the Continuum servers this many times, alternating; medians")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--c1-prompts", type=int, default=16)
     ap.add_argument("--input-len", type=int, default=128)
@@ -199,15 +231,18 @@ def main() -> None:
                        "cpus": len(__import__("os").sched_getaffinity(0))},
               "workload": {k: getattr(args, k) for k in ("num_prompts", "c1_prompts",
                                                          "input_len", "output_len",
-                                                         "concurrency", "kv_cache_memory")}}
+                                                         "concurrency", "kv_cache_memory", "rounds")}}
     result["weights"] = weight_bytes()
     print(json.dumps(result, indent=1), flush=True)
-    servers = {}
-    for name in args.servers.split(","):
-        flags = SERVERS[name] + ["--kv-cache-memory", args.kv_cache_memory,
-                                 "--max-model-len", "2048"]
-        with continuum(flags) as srv:
-            servers[name] = bench_server(name, srv.base, srv.proc.pid, tokenizer, args)
+    runs: dict[str, list] = {}
+    for _ in range(args.rounds):               # rounds alternate the servers: drift hits all
+        for name in args.servers.split(","):
+            flags = SERVERS[name] + ["--kv-cache-memory", args.kv_cache_memory,
+                                     "--max-model-len", "2048"]
+            with continuum(flags) as srv:
+                runs.setdefault(name, []).append(
+                    bench_server(name, srv.base, srv.proc.pid, tokenizer, args))
+    servers = {name: median_run(r) for name, r in runs.items()}
     if args.llama_python:
         servers["llama.cpp"] = llama_cpp(args, gguf, tokenizer)
     result["servers"] = servers

@@ -1,4 +1,4 @@
-"""CPU kernels in C (`cpu_kernels.c`, `gemm.c`, `quant.c` + `quant_panel.c`), compiled on first use and called via ctypes.
+"""CPU kernels in C (`cpu_kernels.c`, `gemm.c`, `quant*.c`), compiled on first use and called via ctypes.
 
 Owns: building the shared library with the system C compiler (`cc -O3 -march=... -fopenmp`,
 about two seconds; `-march` from `isa.cpu_isa()`: the host's own, or `x86-64-v3` under
@@ -7,7 +7,8 @@ and this CPU's feature flags, so an edit or another machine rebuilds; loading it
 that its OpenMP runtime is torch's; and the typed Python entry points: `cache_write` and
 `paged_decode` (attention), `add_rms_norm`, `silu_and_mul` and `rotary` (fused elementwise ops,
 vLLM's), `pack_linear` and `linear` (bfloat16-weight GEMM for hosts without oneDNN bfloat16),
-`quant_linear` and `quant_embed` (GGUF blocks and int8 read in place; `engine.quant`).
+`quant_linear` (optionally with int8 activations, `q8_available`) and `quant_embed` (GGUF blocks
+and int8 read in place; `engine.quant`).
 
 `load()` returns None — and the engine keeps its pure-torch attention — when there is no
 compiler, the build fails (logged once), `CONTINUUM_CPU_KERNELS=0` is set, or the dtype is

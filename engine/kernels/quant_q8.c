@@ -65,10 +65,11 @@ static int quantize_x(const void *x, int64_t x_stride, int x_bf16, int64_t m, in
                       int nibble_layout, q8x *out) {
     const int64_t nb = (k + QK - 1) / QK, pairs = (nb + 1) / 2;
     out->pairs = pairs;
-    out->q = calloc((size_t)(m * pairs * 64), 1);
-    out->dl = calloc((size_t)(m * pairs * 16), sizeof(float));
-    out->s = calloc((size_t)(m * pairs * 4), sizeof(float));
-    if (!out->q || !out->dl || !out->s) return -1;
+    float *buf = calloc((size_t)(m * pairs), 16 * sizeof(float) + 4 * sizeof(float) + 64);
+    out->dl = buf;                                    /* one zeroed buffer: dl, s, then q */
+    out->s = buf ? buf + m * pairs * 16 : NULL;
+    out->q = buf ? (int8_t *)(buf + m * pairs * 20) : NULL;
+    if (!buf) return -1;
     float v[QK];
     for (int64_t r = 0; r < m; r++)
         for (int64_t b = 0; b < nb; b++) {
@@ -226,9 +227,7 @@ int quant_linear_q8(int type, const uint8_t *w, int64_t row_bytes, const float *
             q8_chunk(type, w, row_bytes, n0, n1, nb, &xq, m, y, ldy, y_f32, row_scale, bias);
         }
     }
-    free(xq.q);
     free(xq.dl);
-    free(xq.s);
     return rc;
 #else
     return 0;

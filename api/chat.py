@@ -7,16 +7,19 @@ it off the event loop (`GrammarCompiler`, cached per distinct constraint) so tha
 is a 400 before any work reaches the engine.
 
 In: `ChatCompletionRequest` / `CompletionRequest` and the server's state (tokenizer, compiler,
-tool flags). Out: prompt token ids, a `StructuredOutputs` or None, and whether to parse tool
-calls. Errors: `APIError` 400 naming the field.
+tool flags). Out: prompt token ids (tokenized with or without special tokens, truncated as
+`truncate_prompt_tokens` asks), a `StructuredOutputs` or None, whether to parse tool calls, and
+the response id. Errors: `APIError` 400 naming the field.
 """
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 from api.errors import bad_request
-from api.protocol import ChatCompletionRequest
+from api.openai_serving import ResponseContext
+from api.protocol import ChatCompletionRequest, CompletionRequest
 from api.tools import template_messages, template_tools, tool_constraint, tool_mode
 from scheduler.request import ParamError, StructuredOutputs
 
@@ -58,15 +61,80 @@ async def prepare_chat(state, body: ChatCompletionRequest
         raise bad_request(str(e), e.param) from None
     if tool_so is not None:
         so, field = tool_so, "tools"
-    kwargs = {"tools": template_tools(body)} if body.tools else {}
-    if state.config.chat_template is not None:
-        kwargs["chat_template"] = state.config.chat_template
+    kwargs = dict(body.chat_template_kwargs or {})       # the template's own variables
+    if body.tools:
+        kwargs["tools"] = template_tools(body)
+    if body.chat_template is not None and not state.config.trust_request_chat_template:
+        raise bad_request("Chat template is passed with request, but "
+                          "--trust-request-chat-template is not set. Refused request with "
+                          "untrusted chat template.", "chat_template")
+    template = body.chat_template or state.config.chat_template
+    if template is not None:
+        kwargs["chat_template"] = template
     try:
-        ids = state.tokenizer.apply_chat_template(
+        text = state.tokenizer.apply_chat_template(
             template_messages(body), add_generation_prompt=body.add_generation_prompt,
-            **kwargs)
+            continue_final_message=body.continue_final_message, tokenize=False, **kwargs)
     except Exception as e:       # a template that rejects the conversation
         raise bad_request(f"chat template failed: {e}", "messages") from None
     await checked_constraint(state.grammars, so, field)
-    prompt = list(ids if isinstance(ids, list) else ids["input_ids"])
-    return prompt, so, mode is not None
+    prompt = state.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
+    return _truncated(state, body, prompt), so, mode is not None
+
+
+def completion_prompts(state, body: CompletionRequest) -> tuple[list, list[list[int]]]:
+    """(the prompts as given, their token ids): text tokenized with `add_special_tokens`, each
+    truncated as `truncate_prompt_tokens` asks. Raises: APIError 400 naming the field."""
+    try:
+        raw = body.prompts()
+    except ValueError as e:
+        raise bad_request(str(e), "prompt") from None
+    prompts = [_truncated(state, body, state.tokenizer.encode(
+                   p, add_special_tokens=body.add_special_tokens)
+                   if isinstance(p, str) else list(p)) for p in raw]
+    if any(not p for p in prompts):
+        raise bad_request("prompt must not be empty", "prompt")
+    return raw, prompts
+
+
+def _truncated(state, body, prompt: list[int]) -> list[int]:
+    try:
+        return body.truncated(prompt, state.info["max_model_len"])
+    except ParamError as e:
+        raise bad_request(str(e), e.param) from None
+
+
+def chat_context(state, request, body: ChatCompletionRequest, prompt: list[int],
+                 tool_parsing: bool) -> ResponseContext:
+    """The response builder of a chat request: its id, echo (the open last assistant message,
+    as vLLM echoes it), logprobs and token-id options."""
+    echo = None
+    last = body.messages[-1]
+    if body.echo and last.role == "assistant":
+        content = last.content
+        echo = [content if isinstance(content, str) else
+                "".join(p.text for p in content or [])]
+    return ResponseContext(f"chatcmpl-{response_id(request, body)}", state.served_model_name,
+                           True, body.n, 1, state.tokenizer, want_logprobs=body.logprobs,
+                           echo_texts=echo, tool_parsing=tool_parsing,
+                           prompt_ids=[prompt] if body.return_token_ids else None,
+                           tokens_as_ids=body.return_tokens_as_token_ids)
+
+
+def completion_context(state, request, body: CompletionRequest, raw: list,
+                       prompts: list[list[int]]) -> ResponseContext:
+    """The response builder of a completions request (`raw`: the prompts as given)."""
+    echo = None
+    if body.echo:
+        echo = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in raw]
+    return ResponseContext(f"cmpl-{response_id(request, body)}", state.served_model_name,
+                           False, body.n, len(prompts), state.tokenizer,
+                           want_logprobs=body.logprobs is not None, echo_texts=echo,
+                           prompt_ids=prompts if body.return_token_ids else None,
+                           tokens_as_ids=body.return_tokens_as_token_ids)
+
+
+def response_id(request, body) -> str:
+    """The id after `cmpl-` / `chatcmpl-`: the `X-Request-Id` header, else the body's
+    `request_id`, else a random one (vLLM's order)."""
+    return request.headers.get("X-Request-Id") or body.request_id or uuid.uuid4().hex

@@ -33,6 +33,7 @@ class _Choice:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
     started: bool = False
     parser: HermesToolParser | None = None     # streamed tool-call parsing
 
@@ -50,8 +51,11 @@ class ResponseContext:
     include_usage: bool = False
     continuous_usage: bool = False
     want_logprobs: bool = False
-    echo_texts: list[str] | None = None          # completions with echo: prompt text per group
+    echo_texts: list[str] | None = None          # echo: text before each group's output (the
+                                                 # prompt; chat: the open last message)
     tool_parsing: bool = False                   # chat: parse hermes tool calls
+    prompt_ids: list[list[int]] | None = None    # return_token_ids: prompt ids per group
+    tokens_as_ids: bool = False                  # return_tokens_as_token_ids
     created: int = field(default_factory=lambda: int(time.time()))
     prompt_tokens: list[int] = field(default_factory=list)   # per group
     choices: dict[int, _Choice] = field(default_factory=dict)
@@ -70,6 +74,8 @@ class ResponseContext:
 
     # ------------------------------------------------------------------ logprobs
     def _token(self, token_id: int) -> str:
+        if self.tokens_as_ids:                   # vLLM's return_tokens_as_token_ids
+            return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id])
 
     def chat_logprobs(self, lps: list[TokenLogprob]) -> dict | None:
@@ -108,6 +114,7 @@ class ResponseContext:
         for c in out.outputs:
             i, ch = self.choice(group, c.index)
             ch.text += c.text
+            ch.token_ids += c.token_ids
             ch.num_tokens = c.num_output_tokens
             new_lps = c.logprobs or []
             ch.logprobs += new_lps
@@ -131,6 +138,7 @@ class ResponseContext:
         """SSE chunks for one RequestOutput."""
         chunks = []
         for i, ch, text, lps, finish in self._apply(group, out):
+            out_ids = next((c.token_ids for c in out.outputs if c.index == i % self.n), [])
             if self.chat and self.tool_parsing:
                 chunks += self._tool_chunks(i, ch, text, lps, finish)
                 continue
@@ -138,7 +146,7 @@ class ResponseContext:
                 delta: dict = {}
                 if not ch.started:
                     delta["role"] = "assistant"
-                delta["content"] = text
+                delta["content"] = text        # (an echo went out in a chunk of its own)
                 body = {"index": i, "delta": delta, "logprobs": self.chat_logprobs(lps),
                         "finish_reason": finish}
             else:
@@ -148,8 +156,12 @@ class ResponseContext:
                 body = {"index": i, "text": prefix + text,
                         "logprobs": self.completion_logprobs(lps, offset),
                         "finish_reason": finish}
-            if finish is not None:
-                body["stop_reason"] = ch.stop_reason
+            if finish is not None or not self.chat:     # completions: in every chunk (vLLM)
+                body["stop_reason"] = ch.stop_reason if finish is not None else None
+            if self.prompt_ids is not None:         # return_token_ids
+                body["token_ids"] = out_ids
+                if not ch.started and not self.chat:
+                    body["prompt_token_ids"] = self.prompt_ids[group]
             ch.started = True
             if text or finish is not None or lps or "role" in body.get("delta", {}):
                 chunks.append(self._chunk([body]))
@@ -188,7 +200,8 @@ class ResponseContext:
     def _chat_message(self, ch: _Choice) -> tuple[dict, str | None]:
         """The non-streamed message of a chat choice, and its finish_reason."""
         if not self.tool_parsing:
-            return {"role": "assistant", "content": ch.text}, ch.finish_reason
+            echo = self.echo_texts[0] if self.echo_texts is not None else ""
+            return {"role": "assistant", "content": echo + ch.text}, ch.finish_reason
         ch.parser = HermesToolParser()
         deltas = ch.parser.feed(ch.text) + ch.parser.finish()
         content = "".join(d.get("content", "") for d in deltas)
@@ -213,9 +226,16 @@ class ResponseContext:
                 choices.append({"index": i, "text": prefix + ch.text,
                                 "logprobs": self.completion_logprobs(ch.logprobs, len(prefix)),
                                 "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason})
-        return {"id": self.request_id, "object": "chat.completion" if self.chat else
+                if self.prompt_ids is not None:
+                    choices[-1]["prompt_token_ids"] = self.prompt_ids[i // self.n]
+            if self.prompt_ids is not None:           # return_token_ids (vLLM)
+                choices[-1]["token_ids"] = ch.token_ids
+        body = {"id": self.request_id, "object": "chat.completion" if self.chat else
                 "text_completion", "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.usage()}
+        if self.chat and self.prompt_ids is not None:
+            body["prompt_token_ids"] = self.prompt_ids[0]
+        return body
 
     def absorb(self, group: int, out: RequestOutput) -> None:
         """Fold an output into the totals without building chunks (non-streamed responses)."""
@@ -264,6 +284,11 @@ async def merge(streams: list[AsyncIterator[RequestOutput]]
             await s.aclose()
 
 
+def _dumps(obj) -> str:
+    """Compact JSON, as vLLM writes its chunks (`{"id":"cmpl-..."`)."""
+    return json.dumps(obj, separators=(",", ":"))
+
+
 async def sse_events(ctx: ResponseContext, first: tuple[int, RequestOutput] | None,
                      rest: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
     """SSE `data:` payloads: the stream's chunks, usage, errors, then `[DONE]`."""
@@ -273,21 +298,28 @@ async def sse_events(ctx: ResponseContext, first: tuple[int, RequestOutput] | No
                 for k in range(ctx.n):
                     i, ch = ctx.choice(g, k)
                     ch.started = True
-                    yield json.dumps(ctx._chunk([{"index": i, "delta": {"role": "assistant",
-                                                                          "content": ""},
-                                                  "logprobs": None, "finish_reason": None}]))
+                    first_chunk = ctx._chunk([{"index": i, "delta": {"role": "assistant",
+                                                                     "content": ""},
+                                               "logprobs": None, "finish_reason": None}])
+                    if ctx.prompt_ids is not None:     # return_token_ids: the prompt's, once
+                        first_chunk["prompt_token_ids"] = ctx.prompt_ids[g]
+                    yield _dumps(first_chunk)
+                    if ctx.echo_texts is not None:     # echo: the open message, a chunk alone
+                        yield _dumps(ctx._chunk([{"index": i, "delta": {
+                            "content": ctx.echo_texts[g]}, "logprobs": None,
+                            "finish_reason": None}]))
         if first is not None:
             for chunk in ctx.stream_chunks(*first):
-                yield json.dumps(chunk)
+                yield _dumps(chunk)
         async for group, out in rest:
             for chunk in ctx.stream_chunks(group, out):
-                yield json.dumps(chunk)
+                yield _dumps(chunk)
         if ctx.include_usage:
-            yield json.dumps({"id": ctx.request_id, "object": ctx.chunk_object,
+            yield _dumps({"id": ctx.request_id, "object": ctx.chunk_object,
                               "created": ctx.created, "model": ctx.model, "choices": [],
                               "usage": ctx.usage()})
     except Exception as e:           # after the stream started: an error chunk, then [DONE]
-        yield json.dumps({"error": {"message": f"{type(e).__name__}: {e}",
+        yield _dumps({"error": {"message": f"{type(e).__name__}: {e}",
                                     "type": "internal_error", "param": None, "code": None}})
     finally:
         await rest.aclose()

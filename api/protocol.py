@@ -2,11 +2,14 @@
 
 Owns: the request bodies of `/v1/chat/completions` and `/v1/completions` — OpenAI's fields plus
 vLLM's extras (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`,
-`stop_token_ids`, `priority`, `structured_outputs`) — with their validation, and the
-translation of `response_format` / `structured_outputs` into one `StructuredOutputs`
-constraint. Unknown fields are rejected (HTTP 400 naming the field), and so are OpenAI fields
-Continuum accepts in the schema but does not implement (audio, predictions, ...), never
-silently ignored. Tools (`tools`, `tool_choice`) are declared here; `api.tools` gives them
+`stop_token_ids`, `priority`, `structured_outputs`, `include_stop_str_in_output`,
+`skip_special_tokens`, `spaces_between_special_tokens`, `allowed_token_ids`,
+`truncate_prompt_tokens`, `add_special_tokens`, `request_id`; on chat `chat_template`,
+`chat_template_kwargs`, `continue_final_message`) — with their validation, and the translation
+of `response_format` / `structured_outputs` into one `StructuredOutputs` constraint. Fields a
+body does not define are split off by `split_unknown` (the server ignores them with vLLM's
+warning, or refuses them under `--strict-openai`); OpenAI fields Continuum does not implement
+(audio, predictions, ...) are refused (HTTP 400 naming the field), never silently ignored. Tools (`tools`, `tool_choice`) are declared here; `api.tools` gives them
 meaning.
 
 Responses are built as plain dicts by `api.openai_serving` in OpenAI's shapes.
@@ -169,6 +172,18 @@ class _SamplingFields(BaseModel):
     priority: int = 0
     structured_outputs: StructuredOutputsParams | None = None
     response_format: ResponseFormat | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True     # a fast tokenizer's decode has no such knob:
+    allowed_token_ids: list[int] | None = None     # accepted, no effect (as in vLLM)
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)   # keep the last N; -1: the limit
+    request_id: str | None = Field(None, max_length=256)      # the response id's suffix
+    cache_salt: str | None = Field(None, min_length=1)   # prefix cache shared per salt only
+    return_token_ids: bool = False                 # prompt and output token ids in the body
+    return_tokens_as_token_ids: bool = False       # logprobs' tokens as "token_id:N"
+    use_beam_search: bool = False                  # refused: no beam search here (deviation)
+    prompt_logprobs: int | None = None             # refused: not implemented yet (deviation)
+
     @model_validator(mode="before")
     @classmethod
     def _reject_unsupported(cls, data):
@@ -184,6 +199,13 @@ class _SamplingFields(BaseModel):
             raise ValueError("stream_options is only allowed when stream is true")
         if isinstance(self.stop, list) and len(self.stop) > MAX_STOP:
             raise ParamError(f"stop: at most {MAX_STOP} strings, got {len(self.stop)}", "stop")
+        for name in ("use_beam_search", "prompt_logprobs"):
+            if getattr(self, name) not in (None, False):
+                raise UnsupportedFieldError(name)
+        if self.n > 1 and self.temperature < 1e-5:          # vLLM's rule (greedy is one choice)
+            raise ParamError(f"n must be 1 when using greedy sampling, got {self.n}.", "n")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ParamError("allowed_token_ids must not be empty", "allowed_token_ids")
         if self.stop_token_ids is not None and len(self.stop_token_ids) > MAX_STOP:
             raise ParamError(f"stop_token_ids: at most {MAX_STOP} ids, got "
                              f"{len(self.stop_token_ids)}", "stop_token_ids")
@@ -230,7 +252,24 @@ class _SamplingFields(BaseModel):
             repetition_penalty=self.repetition_penalty,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()} or None,
             seed=self.seed, stop=stop, stop_token_ids=tuple(self.stop_token_ids or ()),
-            ignore_eos=self.ignore_eos, logprobs=logprobs, structured_outputs=structured)
+            ignore_eos=self.ignore_eos, logprobs=logprobs, structured_outputs=structured,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens, cache_salt=self.cache_salt,
+            allowed_token_ids=(tuple(self.allowed_token_ids)
+                               if self.allowed_token_ids is not None else None))
+
+    def truncated(self, prompt: list[int], max_model_len: int) -> list[int]:
+        """`prompt` (token ids) cut to its last `truncate_prompt_tokens` (-1: `max_model_len`),
+        as vLLM does. Raises ParamError when that is more than `max_model_len`."""
+        n = self.truncate_prompt_tokens
+        if n is None:
+            return prompt
+        n = max_model_len if n == -1 else n
+        if n > max_model_len:
+            raise ParamError(f"truncate_prompt_tokens value ({n}) is greater than max_model_len "
+                             f"({max_model_len}). Please, select a smaller truncation size.",
+                             "truncate_prompt_tokens")
+        return prompt[-n:] if n else []
 
 
 class FunctionDefinition(BaseModel):
@@ -273,6 +312,11 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    add_special_tokens: bool = False                 # on the rendered prompt (vLLM's default)
+    chat_template: str | None = None                 # instead of the model's / --chat-template
+    chat_template_kwargs: dict[str, Any] | None = None   # e.g. {"enable_thinking": false}
+    continue_final_message: bool = False             # the last message left open, no new turn
+    echo: bool = False                               # the open last message before the output
 
     @model_validator(mode="after")
     def _check_logprobs(self):
@@ -280,6 +324,9 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("top_logprobs requires logprobs to be true")
         if self.tool_choice not in (None, "none") and not self.tools:
             raise ParamError("tool_choice is set but no tools are given", "tool_choice")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ParamError("Cannot set both `continue_final_message` and "
+                             "`add_generation_prompt` to True.", "continue_final_message")
         if isinstance(self.tool_choice, NamedToolChoice):
             name = self.tool_choice.function.name
             if name not in {t.function.name for t in self.tools}:
@@ -303,6 +350,7 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
+    add_special_tokens: bool = True                  # when tokenizing a text prompt
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list of strings or token-id lists (one per completion group)."""
@@ -321,3 +369,14 @@ class CompletionRequest(_SamplingFields):
         `structured` is the output constraint (see `constraint`)."""
         return self.sampling_params(self.max_tokens or default_max_tokens, self.logprobs,
                                     structured)
+
+
+def split_unknown(model: type[BaseModel], data: dict) -> tuple[dict, list[str]]:
+    """(`data` without the top-level keys `model` does not define, those keys sorted): what
+    vLLM's server ignores with a warning and `--strict-openai` refuses."""
+    known = set(model.model_fields)
+    known |= {f.alias for f in model.model_fields.values() if f.alias}
+    unknown = sorted(k for k in data if k not in known)
+    if not unknown:
+        return data, []
+    return {k: v for k, v in data.items() if k in known}, unknown

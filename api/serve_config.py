@@ -44,6 +44,8 @@ class ServeConfig:
     grpc_port: int = 0
     allow_client_shm: bool = False
     metrics_port: int = 0                     # also /metrics here (Triton's 8002); 0: off
+    strict_openai: bool = False               # unknown request fields: 400, not ignored
+    trust_request_chat_template: bool = False  # a request's chat_template may be used
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:
@@ -78,7 +80,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig(
         engine=config, no_llm=args.no_llm, served_model_name=name, api_key=api_key or None,
         host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,
-        http_max_input_size=args.http_max_input_size,
+        http_max_input_size=args.http_max_input_size, strict_openai=args.strict_openai,
+        trust_request_chat_template=args.trust_request_chat_template,
         uvicorn_log_level=args.uvicorn_log_level,
         chat_template=_chat_template(args.chat_template),
         enable_auto_tool_choice=args.enable_auto_tool_choice,

@@ -114,6 +114,13 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                    metavar="SECONDS", dest="shutdown_timeout",
                    help="on SIGTERM / SIGINT, let in-flight requests run this long, then abort "
                         "the rest; a second signal stops at once (default: 0, abort at once)")
+    p.add_argument("--strict-openai", action="store_true",
+                   help="refuse request fields the server does not know with HTTP 400, as "
+                        "OpenAI does (default: accept and ignore them with a warning, as vLLM "
+                        "does)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let a chat request's own chat_template replace the server's (default: "
+                        "refused with HTTP 400, as vLLM does)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level (default: info)")

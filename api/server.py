@@ -20,19 +20,21 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from functools import partial
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from sse_starlette.sse import EventSourceResponse
 
-from api.chat import prepare_chat, request_constraint
+from api.chat import (chat_context, completion_context, completion_prompts, prepare_chat,
+                      request_constraint)
 from api.errors import APIError, bad_request, engine_error, error_response
 from api import embeddings, openapi
 from api.lifecycle import InFlightGate, Lifecycle
 from api.metrics import Metrics
 from api.openai_serving import ResponseContext, merge, sse_events
-from api.protocol import ChatCompletionRequest, CompletionRequest
+from api.protocol import ChatCompletionRequest, CompletionRequest, split_unknown
 from engine.async_llm import ProcessAsyncLLM, RequestFailedError
 from api.serve_config import ServeConfig
 from engine.config import EngineConfig
@@ -221,13 +223,20 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _parse(request: Request, model: type[BaseModel], limit: int):
+async def _parse(request: Request, model: type[BaseModel], limit: int, strict: bool = False):
+    """The body as `model`; fields it does not define are refused if `strict`
+    (`--strict-openai`), else dropped with vLLM's warning line. Raises APIError 400 / 413."""
     try:
         data = json.loads(await _read_body(request, limit))
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise bad_request(f"request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise bad_request("request body must be a JSON object")
+    if not strict:
+        data, ignored = split_unknown(model, data)
+        if ignored:
+            logger.warning("The following fields were present in the request but ignored: %s",
+                           set(ignored))
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -342,44 +351,33 @@ def build_app(state: ServerState, load_in_background: bool = True):
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         refuse_if_full()
-        body = await _parse(request, ChatCompletionRequest, state.http_max_input_size)
+        body = await _parse(request, ChatCompletionRequest, state.http_max_input_size,
+                            state.config.strict_openai)
         check_model(body.model)
         llm = engine_or_503()
         prompt, so, tool_parsing = await prepare_chat(state, body)
-        ctx = ResponseContext(f"chatcmpl-{uuid.uuid4().hex}", state.served_model_name, True,
-                              body.n, 1, state.tokenizer, want_logprobs=body.logprobs,
-                              tool_parsing=tool_parsing)
+        ctx = chat_context(state, request, body, prompt, tool_parsing)
         params = _params(body, prompt, state, so)
         return await _respond(request, llm, ctx, body, [prompt], params, "messages", state)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         refuse_if_full()
-        body = await _parse(request, CompletionRequest, state.http_max_input_size)
+        body = await _parse(request, CompletionRequest, state.http_max_input_size,
+                            state.config.strict_openai)
         check_model(body.model)
         llm = engine_or_503()
-        try:
-            raw = body.prompts()
-        except ValueError as e:
-            raise bad_request(str(e), "prompt") from None
-        prompts = [state.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in raw]
-        if any(not p for p in prompts):
-            raise bad_request("prompt must not be empty", "prompt")
+        raw, prompts = completion_prompts(state, body)
         if len(prompts) > llm.capacity:
             raise bad_request(f"{len(prompts)} prompts are more requests than the server holds "
                               f"(--max-num-seqs + --max-waiting-requests = {llm.capacity})",
                               "prompt")
-        echo = None
-        if body.echo:
-            echo = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in raw]
-        ctx = ResponseContext(f"cmpl-{uuid.uuid4().hex}", state.served_model_name, False,
-                              body.n, len(prompts), state.tokenizer,
-                              want_logprobs=body.logprobs is not None, echo_texts=echo)
+        ctx = completion_context(state, request, body, raw, prompts)
         params = _params(body, min(prompts, key=len), state,
                          await request_constraint(state, body))
         return await _respond(request, llm, ctx, body, prompts, params, "prompt", state)
 
-    embeddings.install(app, state, _parse)
+    embeddings.install(app, state, partial(_parse, strict=state.config.strict_openai))
     schemas: dict = {"ChatCompletionRequest": ChatCompletionRequest,
                      "CompletionRequest": CompletionRequest}
     bodies = {("post", "/v1/chat/completions"): "ChatCompletionRequest",
@@ -445,7 +443,9 @@ async def _respond(request: Request, llm: ProcessAsyncLLM, ctx: ResponseContext,
     if body.stream_options is not None:
         ctx.include_usage = body.stream_options.include_usage
         ctx.continuous_usage = body.stream_options.continuous_usage_stats
-    streams = [_timed(llm.generate(f"{ctx.request_id}-{i}", p, params, body.priority), state)
+    tag = uuid.uuid4().hex[:8]              # engine ids stay unique when clients reuse an id
+    streams = [_timed(llm.generate(f"{ctx.request_id}-{tag}-{i}", p, params, body.priority),
+                      state)
                for i, p in enumerate(prompts)]
     merged = merge(streams)
     try:
@@ -456,7 +456,7 @@ async def _respond(request: Request, llm: ProcessAsyncLLM, ctx: ResponseContext,
         await merged.aclose()
         raise engine_error(e, param) from None
     if body.stream:
-        return EventSourceResponse(sse_events(ctx, first, merged), ping=15)
+        return EventSourceResponse(sse_events(ctx, first, merged), ping=15, sep="\n")
 
     async def collect():
         if first is not None:

@@ -256,8 +256,8 @@ class LLMEngine:
                     arrival_time: float | None = None, priority: int = 0) -> None:
         """Queue a request.
 
-        Raises: ParamError naming the field (a prompt or logit_bias token id outside the
-        vocabulary), ValueError (empty prompt, duplicate id), RequestTooLongError (→ HTTP 400),
+        Raises: ParamError naming the field (a prompt, logit_bias or allowed_token_ids token id
+        outside the vocabulary), ValueError (empty prompt, duplicate id), RequestTooLongError (→ HTTP 400),
         QueueFullError (→ HTTP 503).
         """
         vocab = self.model_config.vocab_size
@@ -269,6 +269,9 @@ class LLMEngine:
         if bad is not None:
             raise ParamError(f"invalid key in logit_bias: {bad}; maximum value is {vocab - 1}",
                              "logit_bias")
+        if any(not 0 <= t < vocab for t in params.allowed_token_ids or ()):
+            raise ParamError("allowed_token_ids contains out-of-vocab token id!",
+                             "allowed_token_ids")
         so = params.structured_outputs
         if so is not None and not self.grammars.cached(so):
             grammar_text(so)             # a malformed spec fails here; compiling comes later
@@ -276,8 +279,9 @@ class LLMEngine:
             params = dataclasses.replace(
                 params, stop_token_ids=tuple(params.stop_token_ids) + self.extra_eos_ids)
         arrival = time.monotonic() if arrival_time is None else arrival_time
+        salt = ("cache_salt", params.cache_salt) if params.cache_salt is not None else None
         req = Request(request_id, list(prompt_token_ids), params, self.eos_token_id, arrival,
-                      priority)
+                      priority, extra_keys=salt)       # two salts never share a cached block
         self.scheduler.add_request(req)
         self.output_processor.add_request(request_id, req.prompt_token_ids, params, arrival)
 

@@ -84,7 +84,7 @@ class OutputProcessor:
         choice = state.choices.get(index)
         if choice is None:
             choice = _Choice(DecodeStream(ids=state.prompt_token_ids[-PRIME_TOKENS:],
-                                          skip_special_tokens=True))
+                                          skip_special_tokens=state.params.skip_special_tokens))
             state.choices[index] = choice
         return choice
 

@@ -122,6 +122,10 @@ class Sampler:
         vocab = logits.shape[1]
         for i, r in enumerate(rows):
             p = r.params
+            if p.allowed_token_ids is not None:       # vLLM's allowed_token_ids: a mask
+                keep = logits[i, list(p.allowed_token_ids)]
+                logits[i] = _MASK
+                logits[i, list(p.allowed_token_ids)] = keep
             if p.logit_bias:
                 ids = [t for t in p.logit_bias if 0 <= t < vocab]
                 logits[i, ids] += torch.tensor([p.logit_bias[t] for t in ids],

@@ -122,6 +122,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None    # number of top logprobs per token (0 = sampled token only)
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True   # in the detokenized text
+    allowed_token_ids: tuple[int, ...] | None = None   # the only tokens that may be sampled
+    cache_salt: str | None = None      # prefix-cache blocks are shared only within one salt
     structured_outputs: StructuredOutputs | None = None   # constrains the output (grammar)
 
     def __post_init__(self) -> None:

@@ -140,6 +140,7 @@ def stop_server(proc) -> None:
 
 
 SESSION_GRPC: list[str] = []       # the session server's gRPC address
+SESSION_LOG: list = []                     # the session server's log file
 
 
 @pytest.fixture(scope="session")
@@ -157,12 +158,13 @@ def server(tmp_path_factory):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     prepare()                                   # the example model files (idempotent)
     SESSION_GRPC.append(f"127.0.0.1:{free_port()}")
+    SESSION_LOG.append(tmp_path_factory.mktemp("server") / "server.log")
     proc, base = start_server(
         ["--api-key", KEY, "--model-repository", os.path.join(root, "examples/model_repository"),
          "--grpc-port", SESSION_GRPC[-1].rsplit(":", 1)[1],
          "--max-model-len", str(MAX_LEN), "--kv-cache-memory", "0.25", "--max-num-seqs", "4",
          "--max-waiting-requests", "2", "--uvicorn-log-level", "warning"], "/health/ready",
-        tmp_path_factory.mktemp("server") / "server.log")
+        SESSION_LOG[-1])
     yield base
     stop_server(proc)
 

@@ -241,7 +241,6 @@ CASES = {   # name: (body, status, param, words in the message)
     "dimensions not matryoshka": ({"model": MRL, "input": "a", "dimensions": 100}, 400,
                                   "dimensions", "supports 'dimensions' in [128, 256] only, "
                                                 "got 100"),
-    "unknown field": ({"model": EMB, "input": "a", "truncate": 1}, 400, "truncate", ""),
     "no model": ({"input": "a"}, 400, "model", ""),
     "unknown model": ({"model": "nope", "input": "a"}, 404, "model",
                       "The model `nope` does not exist."),

@@ -65,14 +65,16 @@ def test_chat_streamed_equals_non_streamed_with_exact_usage(client, server):
 
 def test_completions_streamed_and_not_with_n2_and_token_prompts(client):
     prompts = ["The sky is", "Roses are"]
-    full = client.completions.create(model=MODEL, prompt=prompts, max_tokens=8, temperature=0,
-                                     n=2)
+    # n > 1 is sampled (vLLM refuses greedy n > 1); seeded, so streamed == whole
+    full = client.completions.create(model=MODEL, prompt=prompts, max_tokens=8, temperature=1.0,
+                                     seed=7, n=2, extra_body={"ignore_eos": True})
     assert sorted(c.index for c in full.choices) == [0, 1, 2, 3]
     by_index = {c.index: c.text for c in full.choices}
-    assert by_index[0] == by_index[1] and by_index[0]                  # greedy: equal choices
+    assert all(by_index.values())
     streamed: dict[int, str] = {}
     for chunk in client.completions.create(model=MODEL, prompt=prompts, max_tokens=8,
-                                           temperature=0, n=2, stream=True):
+                                           temperature=1.0, seed=7, n=2, stream=True,
+                                           extra_body={"ignore_eos": True}):
         for c in chunk.choices:
             streamed[c.index] = streamed.get(c.index, "") + c.text
     assert streamed == by_index
@@ -118,6 +120,38 @@ def test_vllm_extras_are_accepted(client):
     assert r.usage.completion_tokens == 5
 
 
+def test_unknown_fields_are_ignored_with_vllm_warning(server, client):
+    """As vLLM: a field the server does not define is dropped and named in one warning line;
+    the request is served (chat, completions, embeddings alike)."""
+    from tests.conftest import SESSION_LOG
+
+    r = post(server, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 2,
+                                              "bogus_field": 1, "vllm_xargs": {"a": 1}})
+    assert r.status_code == 200, r.text
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2,
+                                         "another_unknown": [1]})
+    assert r.status_code == 200, r.text
+    logged = SESSION_LOG[-1].read_text()
+    assert "The following fields were present in the request but ignored: " in logged
+    assert "'bogus_field'" in logged and "'another_unknown'" in logged
+    alive(server)
+
+
+def test_stream_events_end_with_a_blank_line_as_vllm(server):
+    """SSE events framed `data: ...\n\n` (vLLM's framing, what hand-written clients split on);
+    compact JSON; `data: [DONE]` last."""
+    import httpx
+    with httpx.stream("POST", f"{server}/v1/completions", timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"},
+                      json={"model": MODEL, "prompt": "Hi", "max_tokens": 3,
+                            "stream": True}) as r:
+        raw = b"".join(r.iter_raw()).decode()
+    assert "\r" not in raw and raw.endswith("data: [DONE]\n\n")
+    events = [e for e in raw.split("\n\n") if e]
+    assert all(e.startswith("data: {\"id\":") for e in events[:-1]), events[0]
+    alive(server)
+
+
 # ----------------------------------------------------------------------------- errors
 def post(server, path, body, key=KEY, raw=None):
     headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -138,7 +172,9 @@ def test_malformed_json_is_400(server):
     ({"model": MODEL, "messages": CHAT, "n": 0}, "n"),
     ({"model": MODEL, "messages": []}, "messages"),
     ({"model": MODEL, "messages": CHAT, "tools": [{"type": "function"}]}, "tools.0.function"),
-    ({"model": MODEL, "messages": CHAT, "bogus_field": 1}, "bogus_field"),
+    ({"model": MODEL, "messages": CHAT, "use_beam_search": True}, "use_beam_search"),
+    ({"model": MODEL, "messages": CHAT, "n": 2, "temperature": 0}, "n"),
+    ({"model": MODEL, "messages": CHAT, "chat_template": "{{ 1 }}"}, "chat_template"),
     ({"model": MODEL, "messages": CHAT, "stream_options": {"include_usage": True}},
      "stream_options"),
 ])

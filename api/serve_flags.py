@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from engine.profiles import TUNING_PROFILES
+from api.network import add_network_flags
 from engine.quant import ACTIVATION_METHODS
 from engine.quant import METHODS as QUANTIZATION_METHODS
 from scheduler.config import POLICIES, PREEMPTION_MODES
@@ -170,6 +171,7 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                              "use them for inputs and outputs (Triton's flag; default: false)")
     triton.add_argument("--no-llm", action="store_true",
                         help="serve only the model repository, no language model")
+    add_network_flags(p)
     add_data_parallel_flags(p)
 
 

@@ -33,6 +33,7 @@ from api.errors import APIError, bad_request, engine_error, error_response
 from api import embeddings, openapi
 from api.lifecycle import InFlightGate, Lifecycle
 from api.metrics import Metrics
+from api.network import grpc_credentials, log_request
 from api.openai_serving import ResponseContext, merge, sse_events
 from api.protocol import ChatCompletionRequest, CompletionRequest, split_unknown
 from engine.async_llm import ProcessAsyncLLM, RequestFailedError
@@ -421,7 +422,7 @@ async def _start_grpc(state: ServerState):
         return None
     from triton_compat.grpc.server import start
     try:
-        return start(state.v2, c.grpc_host, c.grpc_port)
+        return start(state.v2, c.grpc_host, c.grpc_port, grpc_credentials(c.network))
     except RuntimeError as e:
         logger.error("%s", e)
         state.lifecycle.begin_drain("gRPC failed to start", 0.0, exit_code=1)
@@ -443,6 +444,7 @@ async def _respond(request: Request, llm: ProcessAsyncLLM, ctx: ResponseContext,
     if body.stream_options is not None:
         ctx.include_usage = body.stream_options.include_usage
         ctx.continuous_usage = body.stream_options.continuous_usage_stats
+    log_request(state.config.network, ctx.request_id, prompts, params, state.tokenizer)
     tag = uuid.uuid4().hex[:8]              # engine ids stay unique when clients reuse an id
     streams = [_timed(llm.generate(f"{ctx.request_id}-{tag}-{i}", p, params, body.priority),
                       state)

@@ -70,11 +70,14 @@ def free_port() -> int:
 
 
 def start_server(args: list[str], ready_path: str, log_path, timeout: float = 300,
-                 new_session: bool = False):
+                 new_session: bool = False, https_ca: str | None = None,
+                 client_cert: tuple[str, str] | None = None):
     """Start `python -m api serve ARGS --port P` (output to `log_path`; in a process group of
     its own with `new_session`, as a terminal's foreground job) and wait until `ready_path`
-    answers 200. Returns (process, base URL); raises RuntimeError with the log's tail if it exits
-    or is not ready in `timeout` seconds."""
+    answers 200 (over HTTPS checked against the CA file `https_ca` when given, presenting
+    `client_cert` (certificate, key) when given). Returns
+    (process, base URL); raises RuntimeError with the log's tail if it exits or is not ready in
+    `timeout` seconds."""
     import httpx
 
     port = free_port()
@@ -84,11 +87,12 @@ def start_server(args: list[str], ready_path: str, log_path, timeout: float = 30
     proc = subprocess.Popen([sys.executable, "-m", "api", "serve", "--port", str(port), *args],
                             stdout=log, stderr=log, env=dict(os.environ),
                             start_new_session=new_session)
-    base = f"http://127.0.0.1:{port}"
+    base = f"{'https' if https_ca else 'http'}://127.0.0.1:{port}"
     deadline = time.time() + timeout
     while time.time() < deadline and proc.poll() is None:
         try:
-            if httpx.get(f"{base}{ready_path}", timeout=1).status_code == 200:
+            if httpx.get(f"{base}{ready_path}", timeout=1,
+                         verify=_verify(https_ca, client_cert)).status_code == 200:
                 return proc, base
         except httpx.HTTPError:
             pass
@@ -96,6 +100,17 @@ def start_server(args: list[str], ready_path: str, log_path, timeout: float = 30
     proc.kill()
     with open(log_path, "rb") as f:
         raise RuntimeError(f"server not ready: {f.read().decode(errors='replace')[-3000:]}")
+
+
+def _verify(ca: str | None, cert: tuple[str, str] | None):
+    """httpx's `verify`: True, or an SSL context trusting `ca` and presenting `cert`."""
+    if ca is None:
+        return True
+    import ssl
+    ctx = ssl.create_default_context(cafile=ca)
+    if cert is not None:
+        ctx.load_cert_chain(*cert)
+    return ctx
 
 
 def greedy(base: str, key: str | None = None, max_tokens: int = 8) -> str:

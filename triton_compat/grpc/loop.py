@@ -190,6 +190,11 @@ class Server:
         """Listen on `address` ("host:port"); the bound port, 0 when it cannot be bound."""
         return self.server.add_http2_port(address.encode())
 
+    def add_secure_port(self, address: str, credentials) -> int:
+        """Listen on `address` with TLS (`grpc.ServerCredentials`, as grpc/_server.py's
+        `_add_secure_port` passes them to C-core); the bound port, 0 when it cannot be bound."""
+        return self.server.add_http2_port(address.encode(), credentials._credentials)
+
     def start(self) -> None:
         """Start C-core and the loop thread (returns at once)."""
         self.server.start()

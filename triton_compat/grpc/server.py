@@ -19,8 +19,9 @@ MAX_MESSAGE_BYTES = 2**31 - 1          # Triton's default: INT32_MAX both ways
 WORKERS = 128
 
 
-def start(ctx: V2Context, address: str, port: int) -> Server:
-    """Listen on `address:port` and serve (returns at once); `stop(grace)` ends it. Raises
+def start(ctx: V2Context, address: str, port: int, credentials=None) -> Server:
+    """Listen on `address:port` and serve (returns at once); `stop(grace)` ends it. With
+    `credentials` (`grpc.ServerCredentials`, api/network.py) the port speaks TLS only. Raises
     RuntimeError when the port cannot be bound."""
     service = TritonService(ctx)
     server = Server(service, service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server,
@@ -30,11 +31,13 @@ def start(ctx: V2Context, address: str, port: int) -> Server:
                         ("grpc.so_reuseport", 0)], workers=WORKERS)
     service.later, service.busy = server, server.busy    # batch a burst (Server.call_soon)
     try:
-        bound = server.add_insecure_port(f"{address}:{port}")
+        bound = (server.add_secure_port(f"{address}:{port}", credentials)
+                 if credentials is not None else server.add_insecure_port(f"{address}:{port}"))
     except RuntimeError:
         bound = 0
     if bound == 0:
         raise RuntimeError(f"--grpc-port {port}: cannot listen on {address}:{port}")
     server.start()
-    logger.info("KServe v2 gRPC (Triton GRPCInferenceService) on %s:%d", address, port)
+    logger.info("KServe v2 gRPC (Triton GRPCInferenceService) on %s:%d%s", address, port,
+                " (TLS)" if credentials is not None else "")
     return server

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from dataclasses import replace
 
 from api.errors import bad_request
 from api.openai_serving import ResponseContext
 from api.protocol import ChatCompletionRequest, CompletionRequest
 from api.tools import template_messages, template_tools, tool_constraint, tool_mode
-from scheduler.request import ParamError, StructuredOutputs
+from scheduler.request import ParamError, SamplingParams, StructuredOutputs
 
 
 async def checked_constraint(compiler, so: StructuredOutputs | None, field: str | None) -> None:
@@ -95,6 +96,45 @@ def completion_prompts(state, body: CompletionRequest) -> tuple[list, list[list[
     if any(not p for p in prompts):
         raise bad_request("prompt must not be empty", "prompt")
     return raw, prompts
+
+
+def engine_params(state, body, prompt: list[int], so=None) -> SamplingParams:
+    """The engine's `SamplingParams` of a body (max_tokens defaults to what `prompt` leaves of
+    max_model_len; `bad_words` tokenized as vLLM does). Raises: APIError 400 naming the field."""
+    default_max = max(1, state.info["max_model_len"] - len(prompt))
+    try:
+        params = body.to_sampling_params(default_max, so)
+        if body.bad_words:
+            params = replace(params, bad_words_token_ids=bad_words_token_ids(
+                state.tokenizer, body.bad_words))
+        return params
+    except ValueError as e:
+        raise bad_request(str(e), getattr(e, "param", None)) from None
+
+
+MAX_BAD_WORDS = 128              # vLLM's VLLM_MAX_NUM_BAD_WORDS default
+
+
+def bad_words_token_ids(tokenizer, words: list[str]) -> tuple[tuple[int, ...], ...]:
+    """Each bad word's token ids as it starts a text and, where that tokenizes differently
+    into as many tokens, after a space (vLLM's SamplingParams.update_from_tokenizer).
+    Raises ParamError: a word with no tokens, more than MAX_BAD_WORDS sequences."""
+    out: list[list[int]] = []
+    for word in dict.fromkeys(words):
+        for spaced in (False, True):
+            ids = tokenizer.encode((" " if spaced else "") + word.lstrip(),
+                                   add_special_tokens=False)
+            if not ids:
+                if not spaced:
+                    raise ParamError("bad_words entries must tokenize to at least one token.",
+                                     "bad_words")
+                continue
+            if not spaced or (ids[0] != out[-1][0] and len(ids) == len(out[-1])):
+                out.append(ids)
+                if len(out) > MAX_BAD_WORDS:
+                    raise ParamError(f"Too many bad words after tokenization: {len(out)}. "
+                                     f"The max number is {MAX_BAD_WORDS}.", "bad_words")
+    return tuple(tuple(ids) for ids in out)
 
 
 def _truncated(state, body, prompt: list[int]) -> list[int]:

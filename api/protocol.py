@@ -4,7 +4,8 @@ Owns: the request bodies of `/v1/chat/completions` and `/v1/completions` — Ope
 vLLM's extras (`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`,
 `stop_token_ids`, `priority`, `structured_outputs`, `include_stop_str_in_output`,
 `skip_special_tokens`, `spaces_between_special_tokens`, `allowed_token_ids`,
-`truncate_prompt_tokens`, `add_special_tokens`, `request_id`; on chat `chat_template`,
+`truncate_prompt_tokens`, `add_special_tokens`, `request_id`, `bad_words`, `cache_salt`,
+`return_token_ids`, `return_tokens_as_token_ids`; on chat `chat_template`,
 `chat_template_kwargs`, `continue_final_message`) — with their validation, and the translation
 of `response_format` / `structured_outputs` into one `StructuredOutputs` constraint. Fields a
 body does not define are split off by `split_unknown` (the server ignores them with vLLM's
@@ -179,6 +180,7 @@ class _SamplingFields(BaseModel):
     truncate_prompt_tokens: int | None = Field(None, ge=-1)   # keep the last N; -1: the limit
     request_id: str | None = Field(None, max_length=256)      # the response id's suffix
     cache_salt: str | None = Field(None, min_length=1)   # prefix cache shared per salt only
+    bad_words: list[str] | None = None             # never generated (api/chat.py tokenizes)
     return_token_ids: bool = False                 # prompt and output token ids in the body
     return_tokens_as_token_ids: bool = False       # logprobs' tokens as "token_id:N"
     use_beam_search: bool = False                  # refused: no beam search here (deviation)
@@ -202,6 +204,9 @@ class _SamplingFields(BaseModel):
         for name in ("use_beam_search", "prompt_logprobs"):
             if getattr(self, name) not in (None, False):
                 raise UnsupportedFieldError(name)
+        if self.bad_words is not None and any(not w for w in self.bad_words):
+            raise ParamError(f"bad_words cannot contain an empty string. Got bad_words="
+                             f"{self.bad_words}", "bad_words")
         if self.n > 1 and self.temperature < 1e-5:          # vLLM's rule (greedy is one choice)
             raise ParamError(f"n must be 1 when using greedy sampling, got {self.n}.", "n")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:

@@ -27,8 +27,8 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from sse_starlette.sse import EventSourceResponse
 
-from api.chat import (chat_context, completion_context, completion_prompts, prepare_chat,
-                      request_constraint)
+from api.chat import (chat_context, completion_context, completion_prompts, engine_params,
+                      prepare_chat, request_constraint)
 from api.errors import APIError, bad_request, engine_error, error_response
 from api import embeddings, openapi
 from api.lifecycle import InFlightGate, Lifecycle
@@ -358,7 +358,7 @@ def build_app(state: ServerState, load_in_background: bool = True):
         llm = engine_or_503()
         prompt, so, tool_parsing = await prepare_chat(state, body)
         ctx = chat_context(state, request, body, prompt, tool_parsing)
-        params = _params(body, prompt, state, so)
+        params = engine_params(state, body, prompt, so)
         return await _respond(request, llm, ctx, body, [prompt], params, "messages", state)
 
     @app.post("/v1/completions")
@@ -374,7 +374,7 @@ def build_app(state: ServerState, load_in_background: bool = True):
                               f"(--max-num-seqs + --max-waiting-requests = {llm.capacity})",
                               "prompt")
         ctx = completion_context(state, request, body, raw, prompts)
-        params = _params(body, min(prompts, key=len), state,
+        params = engine_params(state, body, min(prompts, key=len),
                          await request_constraint(state, body))
         return await _respond(request, llm, ctx, body, prompts, params, "prompt", state)
 
@@ -427,14 +427,6 @@ async def _start_grpc(state: ServerState):
         logger.error("%s", e)
         state.lifecycle.begin_drain("gRPC failed to start", 0.0, exit_code=1)
         return None
-
-
-def _params(body, prompt: list[int], state: ServerState, so=None) -> SamplingParams:
-    default_max = max(1, state.info["max_model_len"] - len(prompt))
-    try:
-        return body.to_sampling_params(default_max, so)
-    except ValueError as e:
-        raise bad_request(str(e), getattr(e, "param", None)) from None
 
 
 async def _respond(request: Request, llm: ProcessAsyncLLM, ctx: ResponseContext, body,

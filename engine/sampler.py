@@ -126,6 +126,10 @@ class Sampler:
                 keep = logits[i, list(p.allowed_token_ids)]
                 logits[i] = _MASK
                 logits[i, list(p.allowed_token_ids)] = keep
+            for word in p.bad_words_token_ids or ():   # vLLM's bad_words: a sequence's last
+                out = r.output_token_ids                  # token, once the rest was generated
+                if len(word) <= len(out) + 1 and list(word[:-1]) == out[len(out) - len(word) + 1:]:
+                    logits[i, word[-1]] = _MASK
             if p.logit_bias:
                 ids = [t for t in p.logit_bias if 0 <= t < vocab]
                 logits[i, ids] += torch.tensor([p.logit_bias[t] for t in ids],

@@ -162,6 +162,8 @@ COMPLETION_CASES = {
                             "return_tokens_as_token_ids": True},
     "echo": {"prompt": "The capital of France is", "max_tokens": 4, "echo": True},
     "cache_salt": {"prompt": "The capital of France is", "max_tokens": 4, "cache_salt": "abc"},
+    "bad_words": {"prompt": "The capital of France is", "max_tokens": 8,
+                  "bad_words": [" Paris", "the capital", "France"]},
     "ignored_extras": {"prompt": "Hi", "max_tokens": 3, "length_penalty": 1.0,
                        "vllm_xargs": {"a": 1}},
 }
@@ -192,6 +194,7 @@ BAD_CASES = [
     ("/v1/completions", {"prompt": "Hi", "allowed_token_ids": [10 ** 7]}),
     ("/v1/completions", {"prompt": "Hi", "truncate_prompt_tokens": 5000}),
     ("/v1/completions", {"prompt": "Hi", "truncate_prompt_tokens": -2}),
+    ("/v1/completions", {"prompt": "Hi", "bad_words": ["ok", ""]}),
     ("/v1/completions", {"prompt": "Hi", "temperature": -1}),
     ("/v1/completions", {"prompt": "Hi", "n": 2, "temperature": 0}),      # greedy with n > 1
     ("/v1/completions", {"prompt": "Hi", "skip_special_tokens": "maybe"}),

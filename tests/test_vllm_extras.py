@@ -44,6 +44,21 @@ def test_token_id_extras(client):
     assert lp.choices[0].logprobs.tokens == [f"token_id:{t}" for t in got["token_ids"]]
 
 
+def test_bad_words_are_never_generated(client):
+    """bad_words bans a word's last token once the rest of it was generated (vLLM's rule), at
+    the start of a text and after a space: the greedy answer " Paris" becomes something else,
+    and no output contains a banned word."""
+    free = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    assert free.choices[0].text.startswith(" Paris")
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
+                                  extra_body={"bad_words": ["Paris", "the capital"]})
+    assert "Paris" not in r.choices[0].text and "the capital" not in r.choices[0].text
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2,
+                                  extra_body={"bad_words": [""]})
+    assert e.value.body["param"] == "bad_words"
+
+
 def test_stop_string_kept_and_chat_continuation(client):
     """include_stop_str_in_output keeps the stop string; continue_final_message with echo
     continues the open assistant message and returns it whole."""

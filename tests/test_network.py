@@ -154,6 +154,7 @@ def test_bad_network_flags_are_start_errors(pki):
         assert r.returncode != 0 and flag in r.stderr, r.stderr[-500:]
 
 
+@pytest.mark.extended          # a second TLS server: client certificates on HTTP too
 def test_https_client_certificates_required(pki, tmp_path):
     """`--ssl-cert-reqs 2 --ssl-ca-certs CA`: a client with a certificate from CA is served,
     one without is refused in the handshake."""

@@ -156,6 +156,7 @@ def test_flag_needs_quantized_weights(model_dir):
         resolve_quantization(None, None, resolve_device("cpu"), torch.float32, "fp8")
 
 
+@pytest.mark.extended          # its own server; the path itself is checked above
 def test_served_over_openai_with_the_flag(native, tmp_path):
     """`continuum serve --activation-quantization int8` (bfloat16): the ready log names the
     path, streamed and whole completions from the OpenAI SDK agree, a bad value of the flag is a

@@ -96,6 +96,7 @@ def test_cache_salt_never_shares_a_block():
     assert hits("a") == 48 and hits("b") == 48 and hits(None) == 48   # the same: 3 blocks
 
 
+@pytest.mark.extended          # a second server: the non-default parsing mode
 def test_strict_openai_refuses_unknown_fields(tmp_path):
     """`--strict-openai`: an unknown field is a 400 naming it (OpenAI's behaviour); known
     extras still work; the server stays live."""

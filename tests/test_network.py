@@ -37,6 +37,12 @@ def _cert(name: str, key, issuer_name, issuer_key, ca: bool):
     return builder.sign(issuer_key, hashes.SHA256())
 
 
+def trust(pki):
+    """An SSL context trusting the test CA (httpx's `verify`)."""
+    import ssl
+    return ssl.create_default_context(cafile=pki["ca"])
+
+
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
     """{"ca", "server.crt", "server.key", "client.crt", "client.key"}: PEM file paths."""
@@ -83,13 +89,13 @@ def tls_server(pki, tmp_path_factory):
 def test_openai_sdk_over_https_with_the_key_enforced(tls_server, pki):
     base, _, log = tls_server
     client = openai.OpenAI(base_url=base + "/v1", api_key=KEY,
-                           http_client=httpx.Client(verify=pki["ca"]))
+                           http_client=httpx.Client(verify=trust(pki)))
     out = client.chat.completions.create(model=MODEL, max_tokens=4, temperature=0,
                                          messages=[{"role": "user", "content": "Hi there"}])
     assert out.usage.completion_tokens == 4
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=base + "/v1", api_key="wrong",
-                      http_client=httpx.Client(verify=pki["ca"])).models.list()
+                      http_client=httpx.Client(verify=trust(pki))).models.list()
     with pytest.raises(httpx.TransportError):                  # plaintext is not served
         httpx.get(base.replace("https", "http") + "/health", timeout=5)
     with pytest.raises(httpx.ConnectError):                    # a client without the CA refuses
@@ -98,7 +104,7 @@ def test_openai_sdk_over_https_with_the_key_enforced(tls_server, pki):
     assert "Received request chatcmpl-" in logged and "prompt_token_ids" in logged
     line = next(x for x in logged.splitlines() if "Received request" in x)
     assert "prompt: '" in line and len(line.split("prompt: '")[1].split("'")[0]) <= 12
-    assert httpx.get(base + "/health", verify=pki["ca"], timeout=5).status_code == 200
+    assert httpx.get(base + "/health", verify=trust(pki), timeout=5).status_code == 200
 
 
 def test_cors_preflight_only_for_an_allowed_origin(tls_server, pki):
@@ -106,16 +112,16 @@ def test_cors_preflight_only_for_an_allowed_origin(tls_server, pki):
     ask = {"Access-Control-Request-Method": "POST",
            "Access-Control-Request-Headers": "authorization,content-type"}
     ok = httpx.options(base + "/v1/chat/completions", headers={"Origin": GOOD, **ask},
-                       verify=pki["ca"], timeout=5)
+                       verify=trust(pki), timeout=5)
     assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == GOOD
     bad = httpx.options(base + "/v1/chat/completions", headers={"Origin": EVIL, **ask},
-                        verify=pki["ca"], timeout=5)
+                        verify=trust(pki), timeout=5)
     assert bad.status_code == 400 and "access-control-allow-origin" not in bad.headers
     simple = httpx.get(base + "/v1/models", headers={"Origin": GOOD,
                                                      "Authorization": f"Bearer {KEY}"},
-                       verify=pki["ca"], timeout=5)
+                       verify=trust(pki), timeout=5)
     assert simple.status_code == 200 and simple.headers["access-control-allow-origin"] == GOOD
-    assert httpx.get(base + "/health", verify=pki["ca"], timeout=5).status_code == 200
+    assert httpx.get(base + "/health", verify=trust(pki), timeout=5).status_code == 200
 
 
 def test_grpc_over_mutual_tls(tls_server, pki):
@@ -168,7 +174,7 @@ def test_https_client_certificates_required(pki, tmp_path):
         ctx.load_cert_chain(pki["client.crt"], pki["client.key"])
         assert httpx.get(base + "/health", verify=ctx, timeout=5).status_code == 200
         with pytest.raises(httpx.TransportError):
-            httpx.get(base + "/health", verify=pki["ca"], timeout=5).raise_for_status()
+            httpx.get(base + "/health", verify=trust(pki), timeout=5).raise_for_status()
         assert httpx.get(base + "/health", verify=ctx, timeout=5).status_code == 200
     finally:
         stop_server(proc)

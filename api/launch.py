@@ -38,9 +38,26 @@ def build_server(config):
     return Server(uv_config, lifecycle), state
 
 
+def _check_port(host: str, port: int) -> None:
+    """Exit 1 with one line when `host:port` cannot be bound (taken by another server): found
+    before the engine's process is spawned, which a later bind failure would leave to die with
+    a traceback."""
+    import socket
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)     # as uvicorn binds
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            print(f"continuum: error: --port {port}: cannot listen on {host}:{port} "
+                  f"({e.strerror})", file=sys.stderr)
+            sys.exit(1)
+
+
 def serve(config) -> None:
     """Run the server of `config` (a `ServeConfig`) until it stops; exits with the lifecycle's
-    status (0 after a drain, 1 if the engine died or failed to start)."""
+    status (0 after a drain, 1 if the engine died or failed to start, or the port is taken)."""
+    _check_port(config.host, config.port)
     server, state = build_server(config)
     server.run()
     if state.llm is not None:            # after a forced stop the lifespan did not run

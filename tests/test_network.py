@@ -178,3 +178,21 @@ def test_https_client_certificates_required(pki, tmp_path):
         assert httpx.get(base + "/health", verify=ctx, timeout=5).status_code == 200
     finally:
         stop_server(proc)
+
+
+def test_a_taken_port_is_one_line_and_no_traceback():
+    """`continuum serve --port P` with P taken by another listener exits 1 with one line naming
+    the port, before the engine starts (no traceback from its process)."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "api", "serve", "--port", str(port)],
+                           capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert f"--port {port}: cannot listen on 127.0.0.1:{port}" in r.stderr
+    assert "Traceback" not in r.stderr + r.stdout

@@ -72,13 +72,9 @@ static void small_m_##T(const uint8_t *w, int64_t row_bytes, int64_t n, int64_t 
     }                                                                                         \
 }
 
-#define DEFINE_FUSED(T, QKT, BYTES) DEFINE_DQ_ROWS(T, QKT, BYTES) DEFINE_ROW_TILE(T, QKT, BYTES)
-DEFINE_FUSED(q8_0, QK, 34)
-DEFINE_FUSED(q4_0, QK, 18)
-DEFINE_FUSED(q4_1, QK, 20)
-DEFINE_FUSED(i8, QK, QK)
-DEFINE_FUSED(q4_k, QK_K, 144)
-DEFINE_FUSED(q6_k, QK_K, 210)
+#define DEFINE_FUSED(T, ID, QKT, BYTES)                                                       \
+    DEFINE_DQ_ROWS(T, QKT, BYTES) DEFINE_ROW_TILE(T, QKT, BYTES)
+QUANT_TYPES(DEFINE_FUSED)
 
 #if HAVE_BF16_DOT
 #define MB 8          /* rows of x up to which a bfloat16 x takes the fused bfloat16 nest
@@ -110,12 +106,8 @@ static void mid_m_##T(const uint8_t *w, int64_t row_bytes, int64_t n, int64_t nb
                       const uint16_t *x, float *out /* [n][MB] */) {                          \
     for (int64_t j = 0; j < n; j++) row_tile_bf16_##T(w + j * row_bytes, nb, x, out + j * MB); \
 }
-DEFINE_MID(q8_0, QK, 34)
-DEFINE_MID(q4_0, QK, 18)
-DEFINE_MID(q4_1, QK, 20)
-DEFINE_MID(i8, QK, QK)
-DEFINE_MID(q4_k, QK_K, 144)
-DEFINE_MID(q6_k, QK_K, 210)
+#define DEFINE_MID_OF(T, ID, QKT, BYTES) DEFINE_MID(T, QKT, BYTES)
+QUANT_TYPES(DEFINE_MID_OF)
 #define MID(T) mid_m_##T
 /* dqb_rows_fn of the 32-value types: the panels' bfloat16 pack */
 #define DEFINE_DQB_ROWS(T, BYTES)                                                             \
@@ -168,8 +160,8 @@ static int kernels_for(int type, qkernels *k) {
  * past k and past m (rows >= m): bfloat16 if as_bf16, else float32; with qk_major (a block
  * size) bfloat16 in blocks [kp / qk_major][rows][qk_major]. In the calling thread's scratch
  * (not to be freed); NULL if out of memory. */
-static void *copy_x(const void *x, int64_t x_stride, int x_bf16, int64_t m, int64_t rows,
-                    int64_t k, int64_t kp, int as_bf16, int qk_major) {
+void *quant_copy_x(const void *x, int64_t x_stride, int x_bf16, int64_t m, int64_t rows,
+                   int64_t k, int64_t kp, int as_bf16, int qk_major) {
     const size_t elem = as_bf16 ? 2 : 4;
     void *xc = scratch(0, (size_t)(rows > 0 ? rows : 1) * (size_t)kp * elem);
     if (!xc) return NULL;
@@ -236,8 +228,8 @@ int quant_linear(int type, const uint8_t *w, int64_t row_bytes, const float *row
     const int nest = choose_nest(m, x_bf16);
     const int as_bf16 = nest == NEST_MID_BF16 || nest == NEST_PANEL_BF16;
     const int64_t rows = nest == NEST_MID_BF16 ? MB : m;
-    void *xc = copy_x(x, x_stride, x_bf16, m, rows, k, kp, as_bf16,
-                      nest == NEST_MID_BF16 ? qk : 0);
+    void *xc = quant_copy_x(x, x_stride, x_bf16, m, rows, k, kp, as_bf16,
+                            nest == NEST_MID_BF16 ? qk : 0);
     if (!xc) return -1;
     const int panels = nest == NEST_PANEL || nest == NEST_PANEL_BF16;
     const int64_t unit = panels ? quant_panel_rows() : NC;   /* W rows a thread takes at once */

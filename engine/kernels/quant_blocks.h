@@ -24,6 +24,15 @@
 #define QK_K 256
 /* GGML type ids (ggml.h's enum ggml_type); I8 is ggml's id for plain int8. */
 enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14, T_I8 = 24 };
+/* Every type with kernels, once: X(name, GGML id, values a block, bytes a block). */
+#define QUANT_TYPES(X)                                                                        \
+    X(q8_0, T_Q8_0, QK, 34) X(q4_0, T_Q4_0, QK, 18) X(q4_1, T_Q4_1, QK, 20)                   \
+    X(i8, T_I8, QK, QK) X(q4_k, T_Q4_K, QK_K, 144) X(q6_k, T_Q6_K, QK_K, 210)
+#define BLOCK_BYTES_CASE(T, ID, QKT, BYTES) case ID: return BYTES;
+/* Bytes a block of GGML type `type` holds; 0 for a type without kernels. */
+INLINE int block_bytes(int type) {
+    switch (type) { QUANT_TYPES(BLOCK_BYTES_CASE) default: return 0; }
+}
 
 #if !HAVE_VEC   /* the same loops in GCC's portable vectors */
 typedef float V __attribute__((vector_size(16)));
@@ -251,6 +260,11 @@ INLINE void store_out(void *y, int64_t ldy, int y_f32, int64_t r, int64_t n, flo
     if (y_f32) ((float *)y)[r * ldy + n] = v;
     else ((uint16_t *)y)[r * ldy + n] = store_bf16(v);
 }
+
+/* quant.c: x [m, k] as a contiguous, zero-padded copy in the calling thread's scratch (see
+ * there); NULL if out of memory. */
+void *quant_copy_x(const void *x, int64_t x_stride, int x_bf16, int64_t m, int64_t rows,
+                   int64_t k, int64_t kp, int as_bf16, int qk_major);
 
 /* quant_panel.c: the M > MR nest over W rows [n0, n1), at most quant_panel_rows() of them;
  * tmp: quant_panel_scratch(kp, qk) floats per thread. */

@@ -44,8 +44,9 @@ static void quantize_block(const float *v, int nibble_layout, int half, int8_t *
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
     const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
     const int rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-    const __m512i qa = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(a, _mm512_set1_ps(id)), rn));
-    const __m512i qb = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(b, _mm512_set1_ps(id)), rn));
+    const __m512 inv = _mm512_set1_ps(id);
+    const __m512i qa = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(a, inv), rn));
+    const __m512i qb = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(b, inv), rn));
     __m128i ba = _mm512_cvtsepi32_epi8(qa), bb = _mm512_cvtsepi32_epi8(qb);
     if (nibble_layout) {          /* values 0..15 then 16..31 of the block, a half apart */
         _mm_storeu_si128((__m128i *)(q + half * 16), ba);
@@ -69,24 +70,14 @@ static int quantize_x(const void *x, int64_t x_stride, int x_bf16, int64_t m, in
     out->dl = buf;                                    /* one zeroed buffer: dl, s, then q */
     out->s = buf ? buf + m * pairs * 16 : NULL;
     out->q = buf ? (int8_t *)(buf + m * pairs * 20) : NULL;
-    if (!buf) return -1;
-    float v[QK];
+    /* x as float32 rows zero-padded to whole blocks: quant.c's copy, in this thread's scratch */
+    const float *xf = buf ? quant_copy_x(x, x_stride, x_bf16, m, m, k, nb * QK, 0, 0) : NULL;
+    if (!xf) return -1;
     for (int64_t r = 0; r < m; r++)
         for (int64_t b = 0; b < nb; b++) {
-            if (x_bf16) {
-                for (int i = 0; i < QK; i++) {
-                    const int64_t c = b * QK + i;
-                    v[i] = c < k ? load_bf16(((const uint16_t *)x)[r * x_stride + c]) : 0.f;
-                }
-            } else {
-                for (int i = 0; i < QK; i++) {
-                    const int64_t c = b * QK + i;
-                    v[i] = c < k ? ((const float *)x)[r * x_stride + c] : 0.f;
-                }
-            }
             const int64_t p = r * pairs + b / 2;
-            quantize_block(v, nibble_layout, (int)(b & 1), out->q + p * 64, out->dl + p * 16,
-                           out->s + p * 4);
+            quantize_block(xf + (r * nb + b) * QK, nibble_layout, (int)(b & 1), out->q + p * 64,
+                           out->dl + p * 16, out->s + p * 4);
         }
     if (!nibble_layout && (nb & 1))          /* the pad block's x is 0: u8 128, not 0 */
         for (int64_t r = 0; r < m; r++)
@@ -118,7 +109,7 @@ INLINE __m128 pair_header(const uint8_t *b0, const uint8_t *b1) {
 INLINE void q8_row(int type, const uint8_t *wrow, int64_t nb, const q8x *xq, int mr,
                    float *out) {
     const int nib = type == T_Q4_0 || type == T_Q4_1;
-    const int bytes = type == T_Q4_0 ? 18 : type == T_Q4_1 ? 20 : type == T_Q8_0 ? 34 : QK;
+    const int bytes = block_bytes(type);
     const __m512i dpat = nib ? _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2)
                              : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
     const __m128 mmask = type == T_Q4_1 ? _mm_castsi128_ps(_mm_setr_epi32(0, -1, 0, -1))

@@ -101,13 +101,14 @@ def add_network_flags(p: argparse.ArgumentParser) -> None:
                         "--grpc-root-cert (Triton's flag)")
 
 
-def _truth(flag: str, value: str) -> bool:
-    v = str(value).lower()
-    if v in ("1", "true", "yes", "on"):
+def bool_flag(flag: str, value: str) -> bool:
+    """Triton's boolean flag values (true / false / 1 / 0 / on / off). Raises ValueError."""
+    lowered = value.lower()
+    if lowered in ("true", "1", "on", "yes"):
         return True
-    if v in ("0", "false", "no", "off"):
+    if lowered in ("false", "0", "off", "no"):
         return False
-    raise ValueError(f"{flag} takes true or false, got {value!r}")
+    raise ValueError(f"{flag}: expected true or false, got {value!r}")
 
 
 def network_config(args: argparse.Namespace) -> NetworkConfig:
@@ -120,10 +121,10 @@ def network_config(args: argparse.Namespace) -> NetworkConfig:
         allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials,
         root_path=args.root_path, enable_log_requests=args.enable_log_requests,
         max_log_len=args.max_log_len, disable_uvicorn_access_log=args.disable_uvicorn_access_log,
-        grpc_use_ssl=_truth("--grpc-use-ssl", args.grpc_use_ssl),
+        grpc_use_ssl=bool_flag("--grpc-use-ssl", args.grpc_use_ssl),
         grpc_server_cert=args.grpc_server_cert, grpc_server_key=args.grpc_server_key,
         grpc_root_cert=args.grpc_root_cert,
-        grpc_use_ssl_mutual=_truth("--grpc-use-ssl-mutual", args.grpc_use_ssl_mutual))
+        grpc_use_ssl_mutual=bool_flag("--grpc-use-ssl-mutual", args.grpc_use_ssl_mutual))
     for flag, path in (("--ssl-keyfile", net.ssl_keyfile), ("--ssl-certfile", net.ssl_certfile),
                        ("--ssl-ca-certs", net.ssl_ca_certs),
                        ("--grpc-server-cert", net.grpc_server_cert),

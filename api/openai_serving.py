@@ -107,7 +107,8 @@ class ResponseContext:
 
     # ------------------------------------------------------------------ pieces
     def _apply(self, group: int, out: RequestOutput):
-        """Fold one RequestOutput in; yields (choice index, choice, delta text, new logprobs)."""
+        """Fold one RequestOutput in; yields (choice index, choice, delta text, new logprobs,
+        finish reason, new token ids)."""
         if len(self.prompt_tokens) <= group:
             self.prompt_tokens.extend([0] * (group + 1 - len(self.prompt_tokens)))
         self.prompt_tokens[group] = out.num_prompt_tokens
@@ -120,7 +121,7 @@ class ResponseContext:
             ch.logprobs += new_lps
             if c.finish_reason is not None:
                 ch.finish_reason, ch.stop_reason = c.finish_reason, c.stop_reason
-            yield i, ch, c.text, new_lps, c.finish_reason
+            yield i, ch, c.text, new_lps, c.finish_reason, c.token_ids
 
     @property
     def chunk_object(self) -> str:
@@ -137,8 +138,7 @@ class ResponseContext:
     def stream_chunks(self, group: int, out: RequestOutput) -> list[dict]:
         """SSE chunks for one RequestOutput."""
         chunks = []
-        for i, ch, text, lps, finish in self._apply(group, out):
-            out_ids = next((c.token_ids for c in out.outputs if c.index == i % self.n), [])
+        for i, ch, text, lps, finish, out_ids in self._apply(group, out):
             if self.chat and self.tool_parsing:
                 chunks += self._tool_chunks(i, ch, text, lps, finish)
                 continue

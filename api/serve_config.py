@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from api.network import NetworkConfig, network_config
+from api.network import NetworkConfig, bool_flag, network_config
 from engine.config import EngineConfig
 from engine.profiles import PROFILE_FLAGS, resolve_profile
 
@@ -94,7 +94,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         grpc_restrictions=parse_restrictions(args.grpc_restricted_protocol,
                                              "--grpc-restricted-protocol"),
         grpc_host=args.grpc_address or args.host, grpc_port=grpc_port,
-        allow_client_shm=_bool_flag("--allow-client-shm", args.allow_client_shm),
+        allow_client_shm=bool_flag("--allow-client-shm", args.allow_client_shm),
         metrics_port=args.metrics_port)
 
 
@@ -147,16 +147,6 @@ def engine_config(args: argparse.Namespace):
         speculative_config=args.speculative_config,
         tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
         activation_quantization=args.activation_quantization, **tuned)
-
-
-def _bool_flag(flag: str, value: str) -> bool:
-    """Triton's boolean flag values (true / false / 1 / 0 / on / off). Raises ValueError."""
-    lowered = value.lower()
-    if lowered in ("true", "1", "on", "yes"):
-        return True
-    if lowered in ("false", "0", "off", "no"):
-        return False
-    raise ValueError(f"{flag}: expected true or false, got {value!r}")
 
 
 def _chat_template(value: str | None) -> str | None:

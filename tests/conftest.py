@@ -92,7 +92,7 @@ def start_server(args: list[str], ready_path: str, log_path, timeout: float = 30
     while time.time() < deadline and proc.poll() is None:
         try:
             if httpx.get(f"{base}{ready_path}", timeout=1,
-                         verify=_verify(https_ca, client_cert)).status_code == 200:
+                         verify=ssl_context(https_ca, client_cert)).status_code == 200:
                 return proc, base
         except httpx.HTTPError:
             pass
@@ -102,8 +102,9 @@ def start_server(args: list[str], ready_path: str, log_path, timeout: float = 30
         raise RuntimeError(f"server not ready: {f.read().decode(errors='replace')[-3000:]}")
 
 
-def _verify(ca: str | None, cert: tuple[str, str] | None):
-    """httpx's `verify`: True, or an SSL context trusting `ca` and presenting `cert`."""
+def ssl_context(ca: str | None, cert: tuple[str, str] | None = None):
+    """httpx's `verify`: True, or an SSL context trusting the CA file `ca` and presenting
+    `cert` (certificate, key files) when given."""
     if ca is None:
         return True
     import ssl

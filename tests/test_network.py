@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import MODEL, free_port, start_server, stop_server
+from tests.conftest import MODEL, free_port, ssl_context, start_server, stop_server
 
 KEY = "tls-key"
 GOOD, EVIL = "https://app.example", "https://evil.example"
@@ -38,9 +38,8 @@ def _cert(name: str, key, issuer_name, issuer_key, ca: bool):
 
 
 def trust(pki):
-    """An SSL context trusting the test CA (httpx's `verify`)."""
-    import ssl
-    return ssl.create_default_context(cafile=pki["ca"])
+    """httpx's `verify` trusting the test CA."""
+    return ssl_context(pki["ca"])
 
 
 @pytest.fixture(scope="module")
@@ -169,9 +168,7 @@ def test_https_client_certificates_required(pki, tmp_path):
          "--ssl-ca-certs", pki["ca"], "--ssl-cert-reqs", "2"], "/health", tmp_path / "log",
         https_ca=pki["ca"], client_cert=(pki["client.crt"], pki["client.key"]))
     try:
-        import ssl
-        ctx = ssl.create_default_context(cafile=pki["ca"])
-        ctx.load_cert_chain(pki["client.crt"], pki["client.key"])
+        ctx = ssl_context(pki["ca"], (pki["client.crt"], pki["client.key"]))
         assert httpx.get(base + "/health", verify=ctx, timeout=5).status_code == 200
         with pytest.raises(httpx.TransportError):
             httpx.get(base + "/health", verify=trust(pki), timeout=5).raise_for_status()

@@ -123,9 +123,10 @@ class Sampler:
         for i, r in enumerate(rows):
             p = r.params
             if p.allowed_token_ids is not None:       # vLLM's allowed_token_ids: a mask
-                keep = logits[i, list(p.allowed_token_ids)]
+                allowed = list(p.allowed_token_ids)
+                keep = logits[i, allowed]
                 logits[i] = _MASK
-                logits[i, list(p.allowed_token_ids)] = keep
+                logits[i, allowed] = keep
             for word in p.bad_words_token_ids or ():   # vLLM's bad_words: a sequence's last
                 out = r.output_token_ids                  # token, once the rest was generated
                 if len(word) <= len(out) + 1 and list(word[:-1]) == out[len(out) - len(word) + 1:]:

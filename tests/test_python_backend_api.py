@@ -19,7 +19,8 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from tests.conftest import MODEL, free_port, start_server, stop_server
-from tests.v2_target import continuum_only, deviation, differs, start_v2_server, stop_v2_server
+from tests.v2_target import (continuum_only, deviation, differs, start_v2_server, stop_v2_server,
+                             wait_unloaded)
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "tests" / "triton_models"
@@ -276,6 +277,7 @@ def test_auto_complete_conflict_fails_the_load(server):
     # readiness; an unload does not clear it)
     assert client.is_server_live() and not client.is_server_ready()
     client.unload_model("auto_conflict")
+    wait_unloaded(client, "auto_conflict")
     assert not client.is_server_ready()
     client.load_model("auto_conflict", config=json.dumps({"max_batch_size": 4}))
     assert client.is_model_ready("auto_conflict")
@@ -283,13 +285,33 @@ def test_auto_complete_conflict_fails_the_load(server):
 
 
 def test_model_loading_api(server):
-    """`is_model_ready` and `load_model` from a model: the failed load comes back as the
-    model's exception, with the reason."""
+    """`is_model_ready` and `load_model` from a model: a load with a config override loads."""
+    client, _ = server
+    client.unload_model("auto_conflict")
+    wait_unloaded(client, "auto_conflict")      # before the model's own load_model of it
+    x = np.zeros(16, np.int32)
+    result = bls_sync(client, "loading_ok", x, x)
+    assert result.as_numpy("COUNT").tolist() == [1]        # simple ready, no_such_model not
+    assert result.as_numpy("ERROR")[0].decode() == ""
+    assert client.is_model_ready("auto_conflict")
+    assert client.get_model_config("auto_conflict")["max_batch_size"] == 4
+    assert_live(client)
+
+
+# tritonserver 2.51's python backend aborts the whole server (boost::interprocess::lock_exception
+# thrown in TRITONBACKEND_ModelInstanceExecute) in about half the runs where a model's
+# load_model fails after the test above's sequence; the same crash family as
+# triton-inference-server/server#8882. What is asserted is the python backend's documented API.
+@continuum_only("a failing load_model from a model aborts tritonserver 2.51 intermittently")
+def test_model_loading_api_failure(server):
+    """A failed `load_model` from a model comes back as the model's exception, with the
+    reason; the server keeps serving."""
     client, _ = server
     client.unload_model("auto_conflict")        # its config.pbtxt conflicts with the model
+    wait_unloaded(client, "auto_conflict")
     x = np.zeros(16, np.int32)
     result = bls_sync(client, "loading", x, x)
-    assert result.as_numpy("COUNT").tolist() == [1]        # simple ready, no_such_model not
+    assert result.as_numpy("COUNT").tolist() == [1]
     assert "configuration specified max_batch_size 8" in result.as_numpy("ERROR")[0].decode()
     client.load_model("auto_conflict", config=json.dumps({"max_batch_size": 4}))   # ready again
     assert_live(client)

@@ -23,7 +23,7 @@ from tritonclient.utils import InferenceServerException
 
 from examples.prepare_model_repository import package_dir, prepare
 from tests.v2_target import ON_TRITON, continuum_only, deviation, start_v2_server, \
-    stop_v2_server
+    stop_v2_server, wait_unloaded
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
@@ -555,6 +555,7 @@ def test_load_unload_and_config_errors(triton):
     index = {m["name"]: m for m in client.get_model_repository_index()}
     # Triton's unload returns while the model unloads; Continuum's when it is unloaded
     assert index["simple"]["state"] in ("UNLOADING", "UNAVAILABLE")
+    wait_unloaded(client, "simple")
     client.load_model("simple")
     assert client.is_model_ready("simple")
     assert client.infer("simple", inputs).as_numpy("OUTPUT0").shape == (1, 16)

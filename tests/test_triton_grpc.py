@@ -25,7 +25,7 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from tests.v2_target import continuum_only, deviation
+from tests.v2_target import continuum_only, deviation, wait_unloaded
 
 pytestmark = pytest.mark.slow
 
@@ -330,6 +330,7 @@ def test_repository_index_unload_and_load_with_config_override(client):
                                                 "dims": [16]} for n in ("OUTPUT0", "OUTPUT1")]}))
     try:
         client.unload_model("simple")
+        wait_unloaded(client, "simple")
         assert not client.is_model_ready("simple")
         client.load_model("simple", config=json.dumps(config))
         assert client.get_model_config("simple").config.max_batch_size == 2
@@ -347,6 +348,7 @@ def test_repository_index_unload_and_load_with_config_override(client):
         assert client.get_model_config("simple").config.max_batch_size == 2
     finally:
         client.unload_model("simple")
+        wait_unloaded(client, "simple")
         client.load_model("simple")
     assert client.get_model_config("simple").config.max_batch_size == 8
     alive(client)

@@ -223,3 +223,22 @@ def stop_v2_server(server: V2Server) -> None:
     except subprocess.TimeoutExpired:
         server.proc.kill()
         server.proc.wait()
+
+
+def wait_unloaded(client, name: str, timeout: float = 60) -> None:
+    """Block until `name` is no longer READY or UNLOADING in the repository index of `client`
+    (a tritonclient HTTP or gRPC client). Triton's unload returns while the model still unloads
+    (TRITONSERVER_ServerUnloadModel does not wait), so a test that loads the same model next
+    must wait, as a client of Triton must; Continuum's unload returns when it is done.
+    Raises TimeoutError after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        index = client.get_model_repository_index()
+        models = index if isinstance(index, list) else [
+            {"name": m.name, "state": m.state} for m in index.models]
+        state = next((m.get("state", "") for m in models if m["name"] == name), "")
+        if state not in ("READY", "UNLOADING"):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"model {name!r} still {state} after {timeout} s")
+        time.sleep(0.05)

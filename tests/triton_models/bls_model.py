@@ -10,6 +10,7 @@
   text (the streamed deltas joined), COUNT the responses.
 - "loading": the model loading API: COUNT = is_model_ready("simple") + 2 *
   is_model_ready("no_such_model"); ERROR = the message of `load_model("auto_conflict")`.
+- "loading_ok": as "loading", with the config override that makes auto_conflict load.
 - "raise": `execute` raises ValueError("refused on purpose") (from `refuse`, so the error's
   traceback has two frames of this file).
 ERROR is '' when the call succeeded.
@@ -75,11 +76,12 @@ class TritonPythonModel:
                 model_name=self.name, inputs=request.inputs(),
                 requested_output_names=["ERROR"]).exec()
             error = response.error().message() if response.has_error() else ""
-        elif mode == "loading":
+        elif mode in ("loading", "loading_ok"):
             count = pb_utils.is_model_ready("simple") + 2 * pb_utils.is_model_ready(
                 "no_such_model")
+            config = json.dumps({"max_batch_size": 4}) if mode == "loading_ok" else ""
             try:
-                pb_utils.load_model("auto_conflict")
+                pb_utils.load_model("auto_conflict", config=config)
             except pb_utils.TritonModelException as e:
                 error = str(e)
         elif mode.startswith("llm:"):

@@ -156,6 +156,7 @@ def chat_context(state, request, body: ChatCompletionRequest, prompt: list[int],
                 "".join(p.text for p in content or [])]
     return ResponseContext(f"chatcmpl-{response_id(request, body)}", state.served_model_name,
                            True, body.n, 1, state.tokenizer, want_logprobs=body.logprobs,
+                           num_logprobs=body.top_logprobs or 0,
                            echo_texts=echo, tool_parsing=tool_parsing,
                            prompt_ids=[prompt] if body.return_token_ids else None,
                            tokens_as_ids=body.return_tokens_as_token_ids)
@@ -170,6 +171,8 @@ def completion_context(state, request, body: CompletionRequest, raw: list,
     return ResponseContext(f"cmpl-{response_id(request, body)}", state.served_model_name,
                            False, body.n, len(prompts), state.tokenizer,
                            want_logprobs=body.logprobs is not None, echo_texts=echo,
+                           num_logprobs=body.logprobs or 0,
+                           echo_ids=prompts if body.echo else None,
                            prompt_ids=prompts if body.return_token_ids else None,
                            tokens_as_ids=body.return_tokens_as_token_ids)
 

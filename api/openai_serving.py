@@ -51,11 +51,14 @@ class ResponseContext:
     include_usage: bool = False
     continuous_usage: bool = False
     want_logprobs: bool = False
+    num_logprobs: int = 0                        # top alternatives asked per output token
     echo_texts: list[str] | None = None          # echo: text before each group's output (the
                                                  # prompt; chat: the open last message)
     tool_parsing: bool = False                   # chat: parse hermes tool calls
     prompt_ids: list[list[int]] | None = None    # return_token_ids: prompt ids per group
     tokens_as_ids: bool = False                  # return_tokens_as_token_ids
+    echo_ids: list[list[int]] | None = None      # completions echo: each group's prompt ids
+    prompt_lps: dict[int, list] = field(default_factory=dict)   # group -> prompt logprobs
     created: int = field(default_factory=lambda: int(time.time()))
     prompt_tokens: list[int] = field(default_factory=list)   # per group
     choices: dict[int, _Choice] = field(default_factory=dict)
@@ -78,32 +81,74 @@ class ResponseContext:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id])
 
+    @staticmethod
+    def _alternatives(entry, k: int) -> list[tuple[int, float]]:
+        """vLLM's alternatives of a position: the token itself, then the top ones not already
+        listed, the first `k` of them."""
+        alts = {entry.token_id: entry.logprob}
+        for t, v in entry.top:
+            alts.setdefault(t, v)
+        return list(alts.items())[:k]
+
     def chat_logprobs(self, lps: list[TokenLogprob]) -> dict | None:
-        """Chat format: `{"content": [{token, logprob, bytes, top_logprobs}]}`, or None if not asked."""
+        """Chat format: `{"content": [{token, logprob, bytes, top_logprobs}]}`, or None if not
+        asked; `top_logprobs` as vLLM lists them (see `_alternatives`)."""
         if not self.want_logprobs:
             return None
         content = []
         for lp in lps:
             tok = self._token(lp.token_id)
-            content.append({"token": tok, "logprob": lp.logprob,
+            content.append({"token": tok, "logprob": _clamp(lp.logprob),
                             "bytes": list(tok.encode("utf-8")),
-                            "top_logprobs": [{"token": self._token(t), "logprob": v,
+                            "top_logprobs": [{"token": self._token(t), "logprob": _clamp(v),
                                               "bytes": list(self._token(t).encode("utf-8"))}
-                                             for t, v in lp.top]})
+                                             for t, v in self._alternatives(
+                                                 lp, self.num_logprobs)]})
         return {"content": content}
 
-    def completion_logprobs(self, lps: list[TokenLogprob], offset: int) -> dict | None:
-        """Completions format (tokens, token_logprobs, top_logprobs, text_offset in characters from `offset`), or None."""
+    def completion_logprobs(self, lps: list[TokenLogprob], offset: int,
+                            group: int | None = None) -> dict | None:
+        """Completions format (tokens, token_logprobs, top_logprobs: the token and `logprobs`
+        alternatives, text_offset in characters from `offset`), or None. With `group` (an
+        echo), the group's prompt tokens come first, scored by its prompt logprobs (the first
+        token has none), as vLLM echoes them."""
         if not self.want_logprobs:
             return None
-        tokens = [self._token(lp.token_id) for lp in lps]
+        rows: list = [(lp.token_id, lp) for lp in lps]
+        if group is not None and self.echo_ids is not None:
+            rows = list(zip(self.echo_ids[group], self.prompt_lps.get(group) or [])) + rows
+        tokens = [self._token(t) for t, _ in rows]
         offsets, pos = [], offset
         for t in tokens:
             offsets.append(pos)
             pos += len(t)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [{self._token(t): v for t, v in lp.top} for lp in lps],
+        k = self.num_logprobs + 1
+        return {"tokens": tokens,
+                "token_logprobs": [None if e is None else _clamp(e.logprob) for _, e in rows],
+                "top_logprobs": [None if e is None else {self._token(t): _clamp(v) for t, v in
+                                                         self._alternatives(e, k)}
+                                 for _, e in rows],
                 "text_offset": offsets}
+
+    def prompt_logprobs(self, group: int) -> list | None:
+        """vLLM's `prompt_logprobs` of a group: None for the first token, then per token
+        `{token id: {logprob, rank, decoded_token}}`, the token first, then its top
+        alternatives (ranks 1, 2, ...); None when not asked."""
+        entries = self.prompt_lps.get(group)
+        if entries is None:
+            return None
+        out: list = []
+        for e in entries:
+            if e is None:
+                out.append(None)
+                continue
+            d = {str(e.token_id): {"logprob": _clamp(e.logprob), "rank": e.rank,
+                                   "decoded_token": self.tokenizer.decode([e.token_id])}}
+            for rank, (t, v) in enumerate(e.top, 1):
+                d.setdefault(str(t), {"logprob": _clamp(v), "rank": rank,
+                                      "decoded_token": self.tokenizer.decode([t])})
+            out.append(d)
+        return out
 
     # ------------------------------------------------------------------ pieces
     def _apply(self, group: int, out: RequestOutput):
@@ -112,6 +157,8 @@ class ResponseContext:
         if len(self.prompt_tokens) <= group:
             self.prompt_tokens.extend([0] * (group + 1 - len(self.prompt_tokens)))
         self.prompt_tokens[group] = out.num_prompt_tokens
+        if out.prompt_logprobs is not None:
+            self.prompt_lps[group] = out.prompt_logprobs
         for c in out.outputs:
             i, ch = self.choice(group, c.index)
             ch.text += c.text
@@ -153,9 +200,9 @@ class ResponseContext:
                 echo = self.echo_texts[group] if self.echo_texts is not None else ""
                 prefix = "" if ch.started else echo        # the prompt rides on the first chunk
                 offset = len(echo) + len(ch.text) - len(text)
-                body = {"index": i, "text": prefix + text,
-                        "logprobs": self.completion_logprobs(lps, offset),
-                        "finish_reason": finish}
+                body = {"index": i, "text": prefix + text, "finish_reason": finish,
+                        "logprobs": self.completion_logprobs(lps, offset) if ch.started or
+                        self.echo_texts is None else self.completion_logprobs(lps, 0, group)}
             if finish is not None or not self.chat:     # completions: in every chunk (vLLM)
                 body["stop_reason"] = ch.stop_reason if finish is not None else None
             if self.prompt_ids is not None:         # return_token_ids
@@ -222,10 +269,13 @@ class ResponseContext:
                                 "logprobs": self.chat_logprobs(ch.logprobs),
                                 "finish_reason": finish, "stop_reason": ch.stop_reason})
             else:
-                prefix = self.echo_texts[i // self.n] if self.echo_texts is not None else ""
-                choices.append({"index": i, "text": prefix + ch.text,
-                                "logprobs": self.completion_logprobs(ch.logprobs, len(prefix)),
-                                "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason})
+                g = i // self.n
+                echo = self.echo_texts is not None
+                choices.append({"index": i, "text": (self.echo_texts[g] if echo else "") + ch.text,
+                                "logprobs": self.completion_logprobs(ch.logprobs, 0,
+                                                                     g if echo else None),
+                                "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason,
+                                "prompt_logprobs": self.prompt_logprobs(g)})
                 if self.prompt_ids is not None:
                     choices[-1]["prompt_token_ids"] = self.prompt_ids[i // self.n]
             if self.prompt_ids is not None:           # return_token_ids (vLLM)
@@ -235,6 +285,8 @@ class ResponseContext:
                 "choices": choices, "usage": self.usage()}
         if self.chat and self.prompt_ids is not None:
             body["prompt_token_ids"] = self.prompt_ids[0]
+        if self.chat:
+            body["prompt_logprobs"] = self.prompt_logprobs(0)
         return body
 
     def absorb(self, group: int, out: RequestOutput) -> None:
@@ -282,6 +334,11 @@ async def merge(streams: list[AsyncIterator[RequestOutput]]
         await asyncio.gather(*tasks, return_exceptions=True)    # pumps out of their streams
         for s in streams:
             await s.aclose()
+
+
+def _clamp(logprob: float) -> float:
+    """-inf (a masked token) as the finite number OpenAI and vLLM send instead."""
+    return max(logprob, -9999.0)
 
 
 def _dumps(obj) -> str:

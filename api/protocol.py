@@ -35,6 +35,7 @@ UNSUPPORTED_FIELDS = (
 
 MAX_STOP = 64            # stop strings, and stop token ids, per request (OpenAI allows 4)
 MAX_LOGIT_BIAS = 300     # logit_bias entries per request (OpenAI's limit)
+MAX_LOGPROBS = 20        # top logprobs per token (vLLM's default max_logprobs)
 
 
 class UnsupportedFieldError(ParamError):
@@ -184,7 +185,7 @@ class _SamplingFields(BaseModel):
     return_token_ids: bool = False                 # prompt and output token ids in the body
     return_tokens_as_token_ids: bool = False       # logprobs' tokens as "token_id:N"
     use_beam_search: bool = False                  # refused: no beam search here (deviation)
-    prompt_logprobs: int | None = None             # refused: not implemented yet (deviation)
+    prompt_logprobs: int | None = None             # per prompt token (-1: whole vocabulary)
 
     @model_validator(mode="before")
     @classmethod
@@ -201,9 +202,9 @@ class _SamplingFields(BaseModel):
             raise ValueError("stream_options is only allowed when stream is true")
         if isinstance(self.stop, list) and len(self.stop) > MAX_STOP:
             raise ParamError(f"stop: at most {MAX_STOP} strings, got {len(self.stop)}", "stop")
-        for name in ("use_beam_search", "prompt_logprobs"):
-            if getattr(self, name) not in (None, False):
-                raise UnsupportedFieldError(name)
+        if self.use_beam_search:
+            raise UnsupportedFieldError("use_beam_search")
+        self._check_prompt_logprobs()
         if self.bad_words is not None and any(not w for w in self.bad_words):
             raise ParamError(f"bad_words cannot contain an empty string. Got bad_words="
                              f"{self.bad_words}", "bad_words")
@@ -227,6 +228,21 @@ class _SamplingFields(BaseModel):
                                      "logit_bias")
         return self
 
+    def _check_prompt_logprobs(self) -> None:
+        """vLLM's rules and words: -1 or 0..20, and only 0 when streamed."""
+        k = self.prompt_logprobs
+        if k is None:
+            return
+        if self.stream and (k > 0 or k == -1):
+            raise ParamError("`prompt_logprobs` are not available when `stream=True`.",
+                             "prompt_logprobs")
+        if k < -1:
+            raise ParamError("`prompt_logprobs` must be a positive value or -1.",
+                             "prompt_logprobs")
+        if k > MAX_LOGPROBS:
+            raise ParamError(f"Requested prompt logprobs of {k}, which is greater than max "
+                             f"allowed: {MAX_LOGPROBS}", "prompt_logprobs")
+
     def constraint(self) -> tuple[StructuredOutputs | None, str | None]:
         """(the output constraint, the field it came from), or (None, None).
         Raises ParamError when `response_format` and `structured_outputs` both constrain."""
@@ -246,9 +262,11 @@ class _SamplingFields(BaseModel):
         return None, None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        structured: StructuredOutputs | None = None) -> SamplingParams:
+                        structured: StructuredOutputs | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """Translate to engine `SamplingParams` (raises ValueError on a bad combination);
-        `structured` is the output constraint, if any."""
+        `structured` is the output constraint, if any; `prompt_logprobs` as vLLM resolves it
+        (an echo asks for the prompt's at the output's count)."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(
             n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens,
@@ -258,6 +276,7 @@ class _SamplingFields(BaseModel):
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()} or None,
             seed=self.seed, stop=stop, stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos, logprobs=logprobs, structured_outputs=structured,
+            prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, cache_salt=self.cache_salt,
             allowed_token_ids=(tuple(self.allowed_token_ids)
@@ -345,7 +364,10 @@ class ChatCompletionRequest(_SamplingFields):
         `structured` is the output constraint (see `constraint` and `api.tools`)."""
         max_tokens = self.max_completion_tokens or self.max_tokens or default_max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.sampling_params(max_tokens, logprobs, structured)
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo:         # vLLM: top_logprobs, 0 by default
+            prompt_logprobs = self.top_logprobs or 0
+        return self.sampling_params(max_tokens, logprobs, structured, prompt_logprobs)
 
 
 class CompletionRequest(_SamplingFields):
@@ -372,8 +394,11 @@ class CompletionRequest(_SamplingFields):
                            structured: StructuredOutputs | None = None) -> SamplingParams:
         """Engine parameters; `default_max_tokens` (tokens) applies when the request gives none;
         `structured` is the output constraint (see `constraint`)."""
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo:         # vLLM: an echo's logprobs cover it
+            prompt_logprobs = self.logprobs
         return self.sampling_params(self.max_tokens or default_max_tokens, self.logprobs,
-                                    structured)
+                                    structured, prompt_logprobs)
 
 
 def split_unknown(model: type[BaseModel], data: dict) -> tuple[dict, list[str]]:

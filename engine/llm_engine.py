@@ -323,6 +323,8 @@ class LLMEngine:
         except Exception as e:       # the step's requests fail; the engine keeps serving
             return self._fail(sched_out, e)
         t2 = time.perf_counter()
+        if runner_out.prompt_logprobs:
+            self.output_processor.add_prompt_logprobs(runner_out.prompt_logprobs)
         updates = self.scheduler.update_from_output(sched_out, runner_out)
         t3 = time.perf_counter()
         outputs = self._process_outputs(updates)

@@ -12,7 +12,8 @@ apply block-table diffs → build the flat batch (decode-like requests first, th
 chunks; no padding between requests for the dense layers), the slot mapping and the attention
 metadata (a block table per token for the kernels; decode groups and prefill chunks for the
 torch path) → forward (meanwhile, on a worker thread, the grammar masks of the rows with
-structured outputs, `engine.structured`) → logits only for the requests that sample → sampler →
+structured outputs, `engine.structured`) → logits only for the requests that sample (and every
+prompt row of those that asked for prompt logprobs, `engine.prompt_logprobs`) → sampler →
 each matcher consumes its token. A request verifying speculative drafts runs as a chunk of
 1 + d tokens, is sampled at every one of them, and keeps the accepted prefix
 (`engine.spec_decode.rejection_sampler`). With a draft model the runner also owns the draft's
@@ -36,6 +37,8 @@ from engine.attention import (SMALL_DECODE_BATCH, AttentionMetadata, DecodeGroup
                               build_prefill_mask)
 from engine.device import Device
 from engine.models.llama import LlamaForCausalLM
+from engine.prompt_logprobs import chunks_to_score
+from engine.prompt_logprobs import score as score_prompt_logprobs
 from engine.sampler import Sampler, SamplingRow
 from engine.spec_decode.draft_model import DraftModelProposer
 from engine.spec_decode.rejection_sampler import accepted_prefix
@@ -215,8 +218,10 @@ class ModelRunner:
         rows = self._sampling_rows(ordered, states, rows_at)
         masks = self._start_masks(rows)         # computed while the forward pass runs
         hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
+        scored = chunks_to_score(ordered, states, len(decodes))
+        prompt_lps = score_prompt_logprobs(self.model, hidden, scored) if scored else None
         if not sample_idx:
-            return ModelRunnerOutput()
+            return ModelRunnerOutput(prompt_logprobs=prompt_lps)
         logits = self.model.compute_logits(hidden[[i for _, i in sample_idx]])
         result = self.sampler(logits, rows, masks.result() if masks is not None else None)
         sampled, logprobs = {}, {}
@@ -241,7 +246,8 @@ class ModelRunner:
                                           in zip(emit, result.logprobs[k:k + len(emit)])]
             k += n
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs or None,
-                                 draft_token_ids=self._propose(sampled, by_id))
+                                 draft_token_ids=self._propose(sampled, by_id),
+                                 prompt_logprobs=prompt_lps)
 
     def _propose(self, sampled: dict[str, list[int]], by_id: dict[str, _RequestState]
                  ) -> dict[str, list[int]] | None:

@@ -2,8 +2,8 @@
 
 Owns: per request and per choice, the incremental detokenizer (`tokenizers.decoders.DecodeStream`,
 primed with the prompt's tail; it returns nothing until a UTF-8 sequence is complete, so no broken
-character is ever emitted), the text held back while it could be the start of a stop string, and
-the request's timing metrics.
+character is ever emitted), the text held back while it could be the start of a stop string,
+the request's timing metrics, and its prompt logprobs until its first output carries them.
 
 A step may bring several tokens (accepted speculative drafts); with stop strings they are
 decoded one at a time and those after the token that completes a stop string are dropped, so
@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 from tokenizers.decoders import DecodeStream
 
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from engine.outputs import (CompletionOutput, PromptLogprob, RequestMetrics, RequestOutput,
+                            TokenLogprob)
 from scheduler.output import RequestStepOutput
 from scheduler.request import SamplingParams
 
@@ -43,6 +44,8 @@ class _RequestState:
     prompt_token_ids: list[int]
     metrics: RequestMetrics
     choices: dict[int, _Choice] = field(default_factory=dict)
+    prompt_logprobs: list | None = None   # [None, PromptLogprob...] while being scored
+    sent_prompt_logprobs: bool = False
 
     @property
     def finished(self) -> bool:
@@ -75,6 +78,20 @@ class OutputProcessor:
         """Track a new request; `arrival_time` in seconds (`time.monotonic()`)."""
         self.requests[request_id] = _RequestState(request_id, params, prompt_token_ids,
                                                   RequestMetrics(arrival_time))
+
+    def add_prompt_logprobs(self, scored: dict[str, tuple[int, list[PromptLogprob]]]) -> None:
+        """Keep a step's prompt logprobs (`ModelRunnerOutput.prompt_logprobs`) until the
+        request's first output carries them. Entries arrive in prompt order, chunk by chunk;
+        a prompt scored again (recomputed after preemption) or after delivery is ignored."""
+        for rid, (first, entries) in scored.items():
+            state = self.requests.get(rid)
+            if state is None or state.sent_prompt_logprobs:
+                continue
+            if state.prompt_logprobs is None:
+                state.prompt_logprobs = [None]
+            have = len(state.prompt_logprobs)
+            if first <= have:
+                state.prompt_logprobs += entries[have - first:]
 
     def remove(self, request_id: str) -> None:
         """Forget a request (aborted); unknown ids are ignored."""
@@ -118,8 +135,12 @@ class OutputProcessor:
             if finished:
                 state.metrics.finished_time = now
                 del self.requests[rid]
-            results.append(RequestOutput(rid, outs, len(state.prompt_token_ids), finished,
-                                         state.metrics))
+            result = RequestOutput(rid, outs, len(state.prompt_token_ids), finished,
+                                   state.metrics)
+            if state.params.prompt_logprobs is not None and not state.sent_prompt_logprobs:
+                result.prompt_logprobs = state.prompt_logprobs or [None]
+                state.sent_prompt_logprobs, state.prompt_logprobs = True, None
+            results.append(result)
         return results, stopped
 
     def _process_choice(self, state: _RequestState, u: RequestStepOutput) -> CompletionOutput:

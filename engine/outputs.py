@@ -1,7 +1,7 @@
 """What the engine hands back per step: `RequestOutput` deltas, and its per-step statistics.
 
 `RequestOutput` is a delta: the text and token ids that each choice gained in this step (a
-consumer joins them). `finished` is True on the last output of a request, when every choice
+consumer joins them); the prompt's logprobs, when asked, ride on the first. `finished` is True on the last output of a request, when every choice
 has a `finish_reason` ("stop", "length", "abort", "error").
 """
 
@@ -16,6 +16,18 @@ class TokenLogprob:
 
     token_id: int
     logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(slots=True)
+class PromptLogprob:
+    """Logprob of one prompt token given the tokens before it (raw model distribution, float32
+    log-softmax), its rank (1 = the most likely; ties share the better rank, as vLLM counts),
+    and the `top` alternatives, most likely first (ranks 1, 2, ...)."""
+
+    token_id: int
+    logprob: float
+    rank: int
     top: list[tuple[int, float]]
 
 
@@ -53,6 +65,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None           # set with finish_reason "error"
+    # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing
+    # precedes it); on the request's first output only.
+    prompt_logprobs: list[PromptLogprob | None] | None = None
 
 
 @dataclass

@@ -78,6 +78,9 @@ class ModelRunnerOutput:
     had its K/V computed in this step (accepted speculative tokens); without speculative
     decoding it holds exactly one token. Requests that did not sample are absent.
     `logprobs[request_id]` is opaque to the scheduler and passed through to the engine.
+    `prompt_logprobs[request_id]`: (index of the first prompt token scored, a
+    `engine.outputs.PromptLogprob` per scored token), for requests with
+    `SamplingParams.prompt_logprobs` whose prompt chunk ran this step; the engine reads it.
     `draft_token_ids[request_id]`: the speculative drafts proposed for the request's next step
     (possibly empty), for each request that sampled, when the runner has an n-gram proposer;
     `Scheduler.update_from_output` sets them as the request's `spec_token_ids`.
@@ -86,6 +89,7 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, Any] | None = None
     draft_token_ids: dict[str, list[int]] | None = None
+    prompt_logprobs: dict[str, tuple[int, list[Any]]] | None = None
 
 
 @dataclass(slots=True)

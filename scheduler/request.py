@@ -121,6 +121,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None    # number of top logprobs per token (0 = sampled token only)
+    prompt_logprobs: int | None = None   # the same per prompt token (-1: the whole vocabulary)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True   # in the detokenized text
     allowed_token_ids: tuple[int, ...] | None = None   # the only tokens that may be sampled
@@ -156,6 +157,8 @@ class SamplingParams:
             bad("repetition_penalty", self.repetition_penalty, "must be positive")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad("logprobs", self.logprobs, "must be in [0, 20]")
+        if self.prompt_logprobs is not None and not -1 <= self.prompt_logprobs <= 20:
+            bad("prompt_logprobs", self.prompt_logprobs, "must be -1 or in [0, 20]")
         if isinstance(self.stop, str) or isinstance(self.stop_token_ids, int):
             raise ValueError("stop and stop_token_ids must be sequences")
         object.__setattr__(self, "stop", tuple(self.stop))

@@ -259,8 +259,11 @@ class Scheduler:
         while budget > 0 and (req := self.waiting.first()) is not None:
             if seats + req.num_seats > cfg.max_num_seqs:
                 break
-            hit_blocks, num_hit = kv.get_computed_blocks(req.request_id, req.all_token_ids,
-                                                         req.extra_keys)
+            if req.sampling_params.prompt_logprobs is None:
+                hit_blocks, num_hit = kv.get_computed_blocks(req.request_id, req.all_token_ids,
+                                                             req.extra_keys)
+            else:     # every prompt position's logits are needed: no cache read (as vLLM)
+                hit_blocks, num_hit = [], 0
             req.num_computed_tokens = num_hit
             num_new = self._num_new(req, budget)
             start = None

@@ -37,7 +37,6 @@ pytestmark = pytest.mark.skipif(
 VLLM_ONLY_KEYS = {
     "kv_transfer_params", "ec_transfer_params", "metrics", "routed_experts",  # vLLM internals
     "prompt_text",                  # the rendered chat prompt: not part of OpenAI's shape
-    "prompt_logprobs",              # null unless asked; asking is refused here (not built)
     "service_tier", "system_fingerprint",          # null / a build string: nothing to say
     "prompt_tokens_details", "completion_tokens_details",   # null in vLLM's usage too
     "token_ids", "prompt_token_ids",               # null unless return_token_ids (then both)
@@ -131,11 +130,40 @@ def assert_logprobs_close(a, b) -> None:
         return
     if "token_logprobs" in b:                        # completions
         assert a["tokens"] == b["tokens"]
+        assert a["text_offset"] == b["text_offset"]
         for x, y in zip(a["token_logprobs"], b["token_logprobs"]):
-            assert abs(x - y) < 1e-3, (x, y)
+            assert (x is None) == (y is None) and (x is None or abs(x - y) < 1e-3), (x, y)
+        for x, y in zip(a["top_logprobs"], b["top_logprobs"]):
+            assert (x is None) == (y is None) and (x is None or len(x) == len(y)), (x, y)
         return
     for x, y in zip(a["content"], b["content"]):     # chat
         assert x["token"] == y["token"] and abs(x["logprob"] - y["logprob"]) < 1e-3, (x, y)
+
+
+def assert_prompt_logprobs_close(a, b) -> None:
+    """vLLM's prompt_logprobs and ours: None at the same places; per position the prompt
+    token's entry (logprob within 1e-3, rank within 1% — a float32 near-tie can swap
+    neighbours of a rank in the thousands — and its decoded text), then the top alternatives
+    in rank order with the same logprobs, and the same ids where no near-tie could swap them."""
+    if b is None:
+        assert a is None
+        return
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert (x is None) == (y is None)
+        if y is None:
+            continue
+        (tok, mine), (ref_tok, ref) = next(iter(x.items())), next(iter(y.items()))
+        assert tok == ref_tok and mine["decoded_token"] == ref["decoded_token"], (x, y)
+        assert abs(mine["logprob"] - ref["logprob"]) < 1e-3, (x, y)
+        assert abs(mine["rank"] - ref["rank"]) <= max(1, ref["rank"] // 100), (x, y)
+        top_x = sorted(x.items(), key=lambda kv: kv[1]["rank"])
+        top_y = sorted(y.items(), key=lambda kv: kv[1]["rank"])
+        assert len(top_x) == len(top_y), (x, y)
+        for (i, u), (j, v) in zip(top_x, top_y):
+            assert abs(u["logprob"] - v["logprob"]) < 1e-3, (x, y)
+            tie = sum(abs(w["logprob"] - v["logprob"]) < 1e-3 for _, w in top_y) > 1
+            assert i == j or tie, (x, y)
 
 
 COMPLETION_CASES = {
@@ -166,6 +194,18 @@ COMPLETION_CASES = {
                   "bad_words": [" Paris", "the capital", "France"]},
     "ignored_extras": {"prompt": "Hi", "max_tokens": 3, "length_penalty": 1.0,
                        "vllm_xargs": {"a": 1}},
+    "prompt_logprobs": {"prompt": "The capital of France is", "max_tokens": 3,
+                        "prompt_logprobs": 2},
+    "prompt_logprobs_0": {"prompt": "The capital of France is", "max_tokens": 3,
+                          "prompt_logprobs": 0},
+    "prompt_logprobs_special": {"prompt": [1, 2, 3, 504], "max_tokens": 2,
+                                "prompt_logprobs": 1},
+    "prompt_logprobs_n2_sampled": {"prompt": "Once upon a time", "max_tokens": 4, "n": 2,
+                                   "temperature": 1, "seed": 1, "prompt_logprobs": 1},
+    "echo_logprobs": {"prompt": "The capital of France is", "max_tokens": 4, "echo": True,
+                      "logprobs": 1},
+    "echo_logprobs_prompt_logprobs": {"prompt": "The capital", "max_tokens": 3, "echo": True,
+                                      "logprobs": 0, "prompt_logprobs": 2},
 }
 CHAT_CASES = {
     "plain": {"messages": CHAT, "max_tokens": 8},
@@ -188,6 +228,7 @@ CHAT_CASES = {
     "ignored_extras": {"messages": CHAT, "max_tokens": 3, "documents": [{"title": "a",
                                                                          "text": "b"}],
                        "mm_processor_kwargs": {}},
+    "prompt_logprobs": {"messages": CHAT, "max_tokens": 3, "prompt_logprobs": 1},
 }
 BAD_CASES = [
     ("/v1/completions", {"prompt": "Hi", "allowed_token_ids": []}),
@@ -200,6 +241,10 @@ BAD_CASES = [
     ("/v1/completions", {"prompt": "Hi", "skip_special_tokens": "maybe"}),
     ("/v1/chat/completions", {"messages": CHAT, "continue_final_message": True}),
     ("/v1/chat/completions", {"messages": CHAT, "chat_template": "{{ messages }}"}),
+    ("/v1/completions", {"prompt": "Hi", "prompt_logprobs": 1, "stream": True}),
+    ("/v1/completions", {"prompt": "Hi", "prompt_logprobs": -2}),
+    ("/v1/completions", {"prompt": "Hi", "prompt_logprobs": 21}),
+    ("/v1/chat/completions", {"messages": CHAT, "prompt_logprobs": -1, "stream": True}),
 ]
 
 
@@ -212,7 +257,9 @@ def compare(vbase: str, base: str, path: str, body: dict, headers=None) -> None:
     assert o["usage"] == {k: v for k, v in r["usage"].items() if k not in VLLM_ONLY_KEYS}
     assert len(o["choices"]) == len(r["choices"])
     sampled = body["temperature"] > 0           # two RNGs: shapes and counts only
+    assert_prompt_logprobs_close(o.get("prompt_logprobs"), r.get("prompt_logprobs"))   # chat
     for a, b in zip(o["choices"], r["choices"]):
+        assert_prompt_logprobs_close(a.get("prompt_logprobs"), b.get("prompt_logprobs"))
         if sampled:
             assert a["finish_reason"] == b["finish_reason"]
             continue
@@ -228,7 +275,7 @@ def compare(vbase: str, base: str, path: str, body: dict, headers=None) -> None:
     if body.get("request_id") or headers:
         assert o["id"] == r["id"]
     # the same request streamed: the same text per choice and the same chunk shapes
-    if not sampled:
+    if not sampled and body.get("prompt_logprobs", 0) == 0:    # else refused when streamed
         rc, oc = stream(vbase, path, body), stream(base, path, body)
         for a, b in zip(oc, rc):
             assert keys(a) - {"usage"} == keys(b) - {"usage"}

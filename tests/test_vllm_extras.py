@@ -75,6 +75,36 @@ def test_stop_string_kept_and_chat_continuation(client):
     assert c.choices[0].message.content.startswith("Hello! How ")
 
 
+def test_prompt_logprobs_and_echoed_logprobs(client):
+    """prompt_logprobs gives, per prompt token after the first, its logprob, rank and decoded
+    text plus the top alternatives; an echo with logprobs scores the prompt's tokens the same
+    way (the first has none); asking for them streamed is a 400 naming the field, after which
+    the server still serves."""
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0,
+                                  extra_body={"prompt_logprobs": 2})
+    plp = r.choices[0].model_dump()["prompt_logprobs"]
+    ids = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, extra_body={
+        "return_token_ids": True}).choices[0].model_dump()["prompt_token_ids"]
+    assert plp[0] is None and len(plp) == len(ids) == r.usage.prompt_tokens
+    for tok, entry in zip(ids[1:], plp[1:]):
+        first = next(iter(entry))
+        assert first == str(tok) and entry[first]["logprob"] <= 0 and entry[first]["rank"] >= 1
+        assert {1, 2} <= {v["rank"] for v in entry.values()} and len(entry) in (2, 3)
+    echo = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0,
+                                     logprobs=1, echo=True)
+    lp = echo.choices[0].logprobs
+    assert echo.choices[0].text.startswith(PROMPT)
+    assert len(lp.tokens) == len(ids) + 2 and lp.token_logprobs[0] is None
+    assert lp.text_offset[0] == 0 and "".join(lp.tokens) == echo.choices[0].text
+    for entry, value in zip(plp[1:], lp.token_logprobs[1:len(ids)]):
+        assert abs(next(iter(entry.values()))["logprob"] - value) < 1e-4
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, stream=True,
+                                  extra_body={"prompt_logprobs": 1})
+    assert e.value.body["param"] == "prompt_logprobs"
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=1).choices
+
+
 def test_cache_salt_never_shares_a_block():
     """Two requests with the same prompt and different `cache_salt` share no prefix-cache
     block; the same salt (or none twice) does."""

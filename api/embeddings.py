@@ -224,7 +224,8 @@ def embedding_model(state, name: str) -> EmbeddingModel:
     model (the LLM included), 503 the repository or the model is not ready (yet)."""
     from triton_compat.errors import InferError
 
-    is_llm = state.engine_config is not None and name == state.served_model_name
+    if state.engine_config is not None and name == state.served_model_name:
+        raise _not_embedding(name)             # the LLM (also with no model repository)
     repo = state.repository
     if repo is None:
         if state.repository_error:
@@ -236,7 +237,7 @@ def embedding_model(state, name: str) -> EmbeddingModel:
         runtime = repo.runtime(name)
     except InferError as e:
         if e.status == 404:
-            raise _not_embedding(name) if is_llm else _not_found(name) from None
+            raise _not_found(name) from None
         raise APIError(503, e.message, "service_unavailable", "model", "model_not_ready",
                        headers={"Retry-After": "5"}) from None
     model = describe(name, runtime, repo.root / name)

@@ -314,3 +314,22 @@ def test_tokenizer_parameter_resolves_packages_folders_and_paths(tmp_path):
         tokenizer_file("no_such_package_xyz:tokenizer.json", tmp_path)
     with pytest.raises(ValueError, match="no tokenizer file"):
         tokenizer_file("missing.json", tmp_path)
+
+
+def test_the_llm_alone_answers_embeddings_with_a_400(tmp_path):
+    """A server with the LLM and no model repository: embeddings naming the LLM are a 400 in
+    OpenAI's shape naming `model` (it was a 500: the LLM's entry has no repository folder),
+    an unknown model a 404, and the server still generates."""
+    proc, url = start_server(["--max-model-len", "64", "--kv-cache-memory", "0.05"],
+                             "/health/ready", tmp_path / "server.log")
+    try:
+        r = httpx.post(f"{url}/v1/embeddings", json={"model": MODEL, "input": "a"}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+        r = httpx.post(f"{url}/v1/embeddings", json={"model": "nope", "input": "a"}, timeout=60)
+        assert r.status_code == 404, r.text
+        r = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "Hi",
+                                                      "max_tokens": 1}, timeout=60)
+        assert r.status_code == 200
+    finally:
+        stop_server(proc)
+    assert "Traceback" not in (tmp_path / "server.log").read_text()

@@ -12,7 +12,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.structured.grammar import grammar_text
+from engine.structured.grammar import closed_objects, grammar_text
 from scheduler.request import ParamError, SamplingParams, StructuredOutputs
 
 SCHEMA = {"type": "object",
@@ -118,3 +118,27 @@ def test_a_grammar_that_fails_to_compile_fails_only_its_request(engine, tokenize
     assert finished["bad"].outputs[0].finish_reason == "error"
     assert "strin" in finished["bad"].error
     assert finished["good"].outputs[0].finish_reason == "length"
+
+
+def test_object_schemas_without_additional_properties_are_closed(engine, tokenizer):
+    """As vLLM's default backend: an object schema listing properties and silent on
+    `additionalProperties` allows no other key, at any depth; an explicit true stays open. The
+    model, asked for a person, then stops after the listed keys."""
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string"},
+        "pets": {"type": "array", "items": {"type": "object",
+                                            "properties": {"kind": {"type": "string"}}}},
+        "extra": {"type": "object", "properties": {}, "additionalProperties": True}},
+        "required": ["name"]}
+    closed = closed_objects(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["pets"]["items"]["additionalProperties"] is False
+    assert closed["properties"]["extra"]["additionalProperties"] is True
+    assert "additionalProperties" not in schema                   # the caller's is untouched
+    person = {"type": "object", "properties": {"name": {"type": "string"},
+                                               "age": {"type": "integer"}}, "required": ["name"]}
+    so = StructuredOutputs("json", json.dumps(person))
+    [[ids]] = engine.generate([chat(tokenizer, "Give me a person as JSON.")],
+                              SamplingParams(max_tokens=60, temperature=0, structured_outputs=so))
+    value = json.loads(text_of(engine, ids))
+    assert set(value) <= {"name", "age"} and "name" in value

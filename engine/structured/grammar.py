@@ -9,7 +9,9 @@ by the constraint, so each distinct schema is compiled once and every request ge
 The grammar engine is llguidance (Microsoft, PyPI `llguidance`; vLLM's `guidance` backend): an
 Earley parser over the tokenizer's token trie that yields, per step, the set of allowed next
 tokens as a bitmask (see `engine.structured.mask`). JSON is generated without free whitespace
-(`whitespace_flexible: false`): a small model given the freedom loops on blank lines.
+(`whitespace_flexible: false`): a small model given the freedom loops on blank lines. An object
+schema that does not say `additionalProperties` allows no other keys (`closed_objects`), as
+vLLM's default backend generates.
 
 In: `StructuredOutputs` (pure data from `scheduler.request`) and an HF tokenizer.
 Out: `LLMatcher` objects, one per sequence, advanced by the model runner with each sampled token.
@@ -45,6 +47,22 @@ def grammar_text(so: StructuredOutputs, param: str = "structured_outputs") -> st
         raise ParamError(f"invalid {so.kind} constraint: {e}", param) from None
 
 
+def closed_objects(schema):
+    """A copy of a JSON schema in which every object schema that lists `properties` (or
+    `patternProperties`) and says nothing of `additionalProperties` allows no other keys — what
+    vLLM's default structured-output backend (xgrammar, strict mode) generates; JSON Schema's
+    own default (any other key) let a small model add keys, and repeat them, until max_tokens.
+    An explicit `additionalProperties` is kept."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed_objects(v) for k, v in schema.items()}
+    if "additionalProperties" not in out and ("properties" in out or "patternProperties" in out):
+        out["additionalProperties"] = False
+    return out
+
+
 def _grammar_text(so: StructuredOutputs, param: str) -> str:
     """The llguidance grammar (a JSON string) for a constraint.
 
@@ -61,7 +79,8 @@ def _grammar_text(so: StructuredOutputs, param: str) -> str:
             raise ParamError(f"the JSON schema is not valid JSON: {e}", param) from None
         if not isinstance(schema, (dict, bool)):
             raise ParamError("the JSON schema must be an object", param)
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        return llguidance.LLMatcher.grammar_from_json_schema(closed_objects(schema),
+                                                             defaults=JSON_OPTIONS)
     if so.kind == "choice":
         try:
             choices = json.loads(so.spec)

@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from api.beam_search import BeamParams
 from scheduler.request import ParamError, SamplingParams, StructuredOutputs
 
 # OpenAI request fields that exist in the API but are not implemented here: a request that sets
@@ -184,7 +185,8 @@ class _SamplingFields(BaseModel):
     bad_words: list[str] | None = None             # never generated (api/chat.py tokenizes)
     return_token_ids: bool = False                 # prompt and output token ids in the body
     return_tokens_as_token_ids: bool = False       # logprobs' tokens as "token_id:N"
-    use_beam_search: bool = False                  # refused: no beam search here (deviation)
+    use_beam_search: bool = False                  # n beams, api/beam_search.py (vLLM's)
+    length_penalty: float = 1.0                    # beam search: score / length^penalty
     prompt_logprobs: int | None = None             # per prompt token (-1: whole vocabulary)
 
     @model_validator(mode="before")
@@ -202,13 +204,11 @@ class _SamplingFields(BaseModel):
             raise ValueError("stream_options is only allowed when stream is true")
         if isinstance(self.stop, list) and len(self.stop) > MAX_STOP:
             raise ParamError(f"stop: at most {MAX_STOP} strings, got {len(self.stop)}", "stop")
-        if self.use_beam_search:
-            raise UnsupportedFieldError("use_beam_search")
         self._check_prompt_logprobs()
         if self.bad_words is not None and any(not w for w in self.bad_words):
             raise ParamError(f"bad_words cannot contain an empty string. Got bad_words="
                              f"{self.bad_words}", "bad_words")
-        if self.n > 1 and self.temperature < 1e-5:          # vLLM's rule (greedy is one choice)
+        if self.n > 1 and self.temperature < 1e-5 and not self.use_beam_search:   # vLLM's rule
             raise ParamError(f"n must be 1 when using greedy sampling, got {self.n}.", "n")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise ParamError("allowed_token_ids must not be empty", "allowed_token_ids")
@@ -281,6 +281,15 @@ class _SamplingFields(BaseModel):
             skip_special_tokens=self.skip_special_tokens, cache_salt=self.cache_salt,
             allowed_token_ids=(tuple(self.allowed_token_ids)
                                if self.allowed_token_ids is not None else None))
+
+    def beam_params(self, params: SamplingParams) -> BeamParams | None:
+        """The beam search this body asks for (`use_beam_search`: `n` beams, `params`'
+        resolved max_tokens and logprobs), or None."""
+        if not self.use_beam_search:
+            return None
+        return BeamParams(self.n, params.max_tokens, self.temperature, self.length_penalty,
+                          self.ignore_eos, self.include_stop_str_in_output,
+                          self.skip_special_tokens, params.logprobs)
 
     def truncated(self, prompt: list[int], max_model_len: int) -> list[int]:
         """`prompt` (token ids) cut to its last `truncate_prompt_tokens` (-1: `max_model_len`),
@@ -378,6 +387,13 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     add_special_tokens: bool = True                  # when tokenizing a text prompt
+
+    @model_validator(mode="after")
+    def _check_beam_stream(self):
+        if self.use_beam_search and self.stream:         # vLLM's completions refuse it too
+            raise ParamError("Streaming is not currently supported with beam search",
+                             "use_beam_search")
+        return self
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list of strings or token-id lists (one per completion group)."""

@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from sse_starlette.sse import EventSourceResponse
 
+from api.beam_search import beam_search
 from api.chat import (chat_context, completion_context, completion_prompts, engine_params,
                       prepare_chat, request_constraint)
 from api.errors import APIError, bad_request, engine_error, error_response
@@ -438,8 +439,11 @@ async def _respond(request: Request, llm: ProcessAsyncLLM, ctx: ResponseContext,
         ctx.continuous_usage = body.stream_options.continuous_usage_stats
     log_request(state.config.network, ctx.request_id, prompts, params, state.tokenizer)
     tag = uuid.uuid4().hex[:8]              # engine ids stay unique when clients reuse an id
-    streams = [_timed(llm.generate(f"{ctx.request_id}-{tag}-{i}", p, params, body.priority),
-                      state)
+    beam = body.beam_params(params)
+    generate = llm.generate if beam is None else (     # api/beam_search.py: n beams
+        lambda rid, p, _, prio: beam_search(llm, beam, state.tokenizer,
+                                            state.tokenizer.eos_token_id, rid, p, prio))
+    streams = [_timed(generate(f"{ctx.request_id}-{tag}-{i}", p, params, body.priority), state)
                for i, p in enumerate(prompts)]
     merged = merge(streams)
     try:

@@ -172,7 +172,6 @@ def test_malformed_json_is_400(server):
     ({"model": MODEL, "messages": CHAT, "n": 0}, "n"),
     ({"model": MODEL, "messages": []}, "messages"),
     ({"model": MODEL, "messages": CHAT, "tools": [{"type": "function"}]}, "tools.0.function"),
-    ({"model": MODEL, "messages": CHAT, "use_beam_search": True}, "use_beam_search"),
     ({"model": MODEL, "messages": CHAT, "n": 2, "temperature": 0}, "n"),
     ({"model": MODEL, "messages": CHAT, "chat_template": "{{ 1 }}"}, "chat_template"),
     ({"model": MODEL, "messages": CHAT, "stream_options": {"include_usage": True}},

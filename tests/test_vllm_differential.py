@@ -208,6 +208,11 @@ COMPLETION_CASES = {
                                       "logprobs": 0, "prompt_logprobs": 2},
     "structured_choice": {"prompt": "The best city is", "max_tokens": 5,
                           "structured_outputs": {"choice": ["Paris", "Lyon"]}},
+    "beam_search": {"prompt": "The capital of France is", "max_tokens": 6, "n": 3,
+                    "use_beam_search": True},
+    "beam_search_length_penalty": {"prompt": "Hi", "max_tokens": 5, "n": 2,
+                                   "use_beam_search": True, "length_penalty": 0.5,
+                                   "logprobs": 1},
 }
 CHAT_CASES = {
     "plain": {"messages": CHAT, "max_tokens": 8},
@@ -231,6 +236,7 @@ CHAT_CASES = {
                                                                          "text": "b"}],
                        "mm_processor_kwargs": {}},
     "prompt_logprobs": {"messages": CHAT, "max_tokens": 3, "prompt_logprobs": 1},
+    "beam_search": {"messages": CHAT, "max_tokens": 12, "n": 2, "use_beam_search": True},
     "structured_choice": {"messages": CHAT, "max_tokens": 10,
                           "structured_outputs": {"choice": ["Paris", "Lyon", "Nice"]}},
     "structured_regex": {"messages": CHAT, "max_tokens": 10,
@@ -260,6 +266,7 @@ BAD_CASES = [
     ("/v1/completions", {"prompt": "Hi", "prompt_logprobs": -2}),
     ("/v1/completions", {"prompt": "Hi", "prompt_logprobs": 21}),
     ("/v1/chat/completions", {"messages": CHAT, "prompt_logprobs": -1, "stream": True}),
+    ("/v1/completions", {"prompt": "Hi", "use_beam_search": True, "n": 2, "stream": True}),
     ("/v1/chat/completions", {"messages": CHAT, "structured_outputs": {"json": "{not json"}}),
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "nope"}}),
 ]
@@ -292,7 +299,9 @@ def compare(vbase: str, base: str, path: str, body: dict, headers=None) -> None:
     if body.get("request_id") or headers:
         assert o["id"] == r["id"]
     # the same request streamed: the same text per choice and the same chunk shapes
-    if not sampled and body.get("prompt_logprobs", 0) == 0:    # else refused when streamed
+    refused = body.get("prompt_logprobs", 0) != 0 or (body.get("use_beam_search")
+                                                      and path == "/v1/completions")
+    if not sampled and not refused:             # (both servers refuse those streamed)
         rc, oc = stream(vbase, path, body), stream(base, path, body)
         for a, b in zip(oc, rc):
             assert keys(a) - {"usage"} == keys(b) - {"usage"}

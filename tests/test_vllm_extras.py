@@ -105,6 +105,34 @@ def test_prompt_logprobs_and_echoed_logprobs(client):
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=1).choices
 
 
+def test_beam_search(client):
+    """use_beam_search returns n beams, best first by cumulative logprob (length_penalty 1):
+    the first beam's summed token logprobs are at least the second's per token; a beam that
+    ended at EOS has finish_reason "stop"; streamed completions are refused as in vLLM, chat
+    streams the beams; the server still serves afterwards."""
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, n=2, temperature=0,
+                                  logprobs=0, extra_body={"use_beam_search": True})
+    assert len(r.choices) == 2 and len({c.text for c in r.choices}) == 2
+    scores = []
+    for c in r.choices:
+        n = len(c.logprobs.token_logprobs) + (c.finish_reason == "stop")   # EOS not in text
+        assert c.finish_reason in ("stop", "length")
+        scores.append(sum(c.logprobs.token_logprobs) / max(n, 1))
+    assert scores[0] >= scores[1] - 1e-6 or r.choices[1].finish_reason == "stop"
+    assert r.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in r.choices)
+    greedy = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0)
+    assert r.choices[0].text.startswith(greedy.choices[0].text[:6])
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, n=2, stream=True,
+                                  extra_body={"use_beam_search": True})
+    assert e.value.body["param"] == "use_beam_search"
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, n=2,
+        temperature=0, stream=True, extra_body={"use_beam_search": True}))
+    assert {c.choices[0].index for c in chunks if c.choices} == {0, 1}
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=1).choices
+
+
 def test_cache_salt_never_shares_a_block():
     """Two requests with the same prompt and different `cache_salt` share no prefix-cache
     block; the same salt (or none twice) does."""

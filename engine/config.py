@@ -37,6 +37,9 @@ class EngineConfig:
         "int8" (per block of 32, in the decode-sized quantized products; AVX-512 VNNI).
     tensor_parallel_size: ranks the model is split over (`engine.distributed`); each rank holds
         `kv_cache_memory` / `swap_space` of its own KV heads (per-device sizes, as in vLLM).
+    enable_lora / lora_modules / max_loras / max_lora_rank / max_cpu_loras: vLLM's LoRA flags
+        (`engine.lora`): adapters (name, PEFT directory) served at start, device slots, the
+        highest rank, adapters kept in host memory (None = `max_loras`).
     """
 
     model: str | None = None
@@ -61,6 +64,11 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     quantization: str | None = None
     activation_quantization: str = "none"
+    enable_lora: bool = False
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, (str, dict)):
@@ -105,6 +113,22 @@ class EngineConfig:
         if self.activation_quantization not in ACTIVATION_METHODS:
             raise ValueError("--activation-quantization must be one of "
                              f"{', '.join(ACTIVATION_METHODS)}, got {self.activation_quantization!r}")
+        self._check_lora()
         if self.max_waiting_requests < 1:
             raise ValueError("--max-waiting-requests must be at least 1, "
                              f"got {self.max_waiting_requests}")
+
+    def _check_lora(self) -> None:
+        if isinstance(self.lora_modules, dict):
+            object.__setattr__(self, "lora_modules", tuple(self.lora_modules.items()))
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(f"--max-loras and --max-lora-rank must be at least 1, got "
+                             f"{self.max_loras} and {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"--max-cpu-loras ({self.max_cpu_loras}) must be at least "
+                             f"--max-loras ({self.max_loras})")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("--enable-lora is not supported with --tensor-parallel-size > 1 "
+                             "yet")

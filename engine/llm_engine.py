@@ -108,6 +108,7 @@ class LLMEngine:
         self.eos_token_id = eos if eos is not None else (mcfg.eos_token_ids or (None,))[0]
         self.extra_eos_ids = tuple(t for t in mcfg.eos_token_ids if t != self.eos_token_id)
 
+        self.lora = self._lora_manager(config) if config.enable_lora else None
         draft = self._load_draft_model()
         block_bytes = (self.model.cfg.kv_bytes_per_token(self.dtype) + (
             draft.cfg.kv_bytes_per_token(draft.dtype) if draft is not None else 0)
@@ -132,6 +133,7 @@ class LLMEngine:
             self.runner = ModelRunner(self.model, self.device, config.block_size,
                                       num_gpu_blocks, num_cpu_blocks, eos_ids, config.seed,
                                       self.grammars, draft, proposer=self._proposer())
+        self.runner.lora = self.lora
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_loggers: list[Callable[[StepStats], None]] = []
         if target == "auto":
@@ -153,6 +155,22 @@ class LLMEngine:
                     if self.runner.kernels is not None else "torch",
                     self._linear_description(),
                     self.device.cpu_isa() or "n/a")
+
+    def _lora_manager(self, config: EngineConfig):
+        """The LoRA slots on the model and the manager with `--lora-modules` registered.
+        Raises: LoraError (a bad adapter stops the start, naming it)."""
+        from engine.lora.manager import LoraManager
+        from engine.lora.slots import LoraSlots
+
+        slots = LoraSlots(self.model.cfg, config.max_loras, config.max_lora_rank, self.dtype,
+                          self.device.torch_device)
+        self.model.enable_lora(slots)
+        manager = LoraManager(self.model.cfg, slots, config.max_cpu_loras or config.max_loras)
+        for name, path in config.lora_modules:
+            manager.register(name, path)
+        logger.info("LoRA: %d slots of rank <= %d (%.1f MiB), adapters: %s", config.max_loras,
+                    config.max_lora_rank, slots.nbytes / 2**20, ", ".join(manager.names) or "none")
+        return manager
 
     def _linear_description(self) -> str:
         """The ready log's linear path: e.g. `gguf Q4_1/Q8_0 kernels (avx512)` quantized."""
@@ -211,7 +229,8 @@ class LLMEngine:
             max_waiting_requests=config.max_waiting_requests, target_itl_ms=target_itl_ms,
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
             spec_adaptive=spec.adaptive if spec else True,
-            spec_method=spec.method if spec else "ngram")
+            spec_method=spec.method if spec else "ngram",
+            max_loras=config.max_loras if config.enable_lora else 0)
 
     def _target_from_unloaded_decode(self, num_tokens: int = 16) -> None:
         """`--target-itl-ms auto`: time one request's decode steps alone (the median step,
@@ -279,9 +298,14 @@ class LLMEngine:
             params = dataclasses.replace(
                 params, stop_token_ids=tuple(params.stop_token_ids) + self.extra_eos_ids)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        salt = ("cache_salt", params.cache_salt) if params.cache_salt is not None else None
+        if params.lora_name is not None and (self.lora is None
+                                             or params.lora_name not in self.lora.paths):
+            raise ParamError(f"LoRA adapter {params.lora_name!r} is not loaded", "model")
+        # two salts, or two adapters, never share a cached block
+        keys = tuple(k for k in (("cache_salt", params.cache_salt), ("lora", params.lora_name))
+                     if k[1] is not None) or None
         req = Request(request_id, list(prompt_token_ids), params, self.eos_token_id, arrival,
-                      priority, extra_keys=salt)       # two salts never share a cached block
+                      priority, extra_keys=keys)
         self.scheduler.add_request(req)
         self.output_processor.add_request(request_id, req.prompt_token_ids, params, arrival)
 

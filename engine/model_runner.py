@@ -84,6 +84,19 @@ def decode_groups(ctx_lens: list[int], block_size: int) -> list[tuple[int, int]]
     return groups
 
 
+def _row_spans(ordered: list[ScheduledRequest], num_decodes: int
+               ) -> tuple[list[int], list[int]]:
+    """(first row, row count) of each request in the step's flat batch: decodes one row each,
+    then the prefill chunks (see `ModelRunner._prepare`)."""
+    starts, counts, row = [], [], 0
+    for i, s in enumerate(ordered):
+        n = 1 if i < num_decodes else len(s.token_ids)
+        starts.append(row)
+        counts.append(n)
+        row += n
+    return starts, counts
+
+
 @dataclass
 class _RequestState:
     block_table: list[int]
@@ -116,6 +129,7 @@ class ModelRunner:
         self.grammars = grammars      # engine.structured.grammar.GrammarCompiler, or None
         self._mask_pool: ThreadPoolExecutor | None = None
         self.last_swap: tuple[int, float] | None = None   # (blocks, seconds) of the last step
+        self.lora = None              # engine.lora.manager.LoraManager when LoRA is enabled
 
     def _caches(self, model: LlamaForCausalLM, num_gpu_blocks: int, num_cpu_blocks: int):
         """(device cache, CPU swap cache or None) for `model`, block-aligned with each other."""
@@ -217,6 +231,9 @@ class ModelRunner:
         rows_at = [i for i, _ in sample_idx]
         rows = self._sampling_rows(ordered, states, rows_at)
         masks = self._start_masks(rows)         # computed while the forward pass runs
+        if self.lora is not None:               # each row's adapter slot (engine.lora)
+            self.lora.set_batch([(st.row.params.lora_name, start, n) for st, start, n in
+                                 zip(states, *_row_spans(ordered, len(decodes)))])
         hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
         scored = chunks_to_score(ordered, states, len(decodes))
         prompt_lps = score_prompt_logprobs(self.model, hidden, scored) if scored else None

@@ -56,6 +56,8 @@ class SchedulerConfig:
     spec_method: "ngram" (drafts proposed after the step before, `Request.spec_token_ids`) or
         "draft_model" (the runner drafts during the step: every decoding request may verify up
         to `num_speculative_tokens`).
+    max_loras: most distinct LoRA adapters among the running requests (0 = LoRA off); a
+        request of another adapter waits until one of them has no running request.
     """
 
     max_num_seqs: int = 256
@@ -71,6 +73,7 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0
     spec_adaptive: bool = True
     spec_method: str = "ngram"
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len",

@@ -126,6 +126,7 @@ class SamplingParams:
     skip_special_tokens: bool = True   # in the detokenized text
     allowed_token_ids: tuple[int, ...] | None = None   # the only tokens that may be sampled
     cache_salt: str | None = None      # prefix-cache blocks are shared only within one salt
+    lora_name: str | None = None       # the LoRA adapter the request runs with (engine.lora)
     bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None   # banned token sequences
     structured_outputs: StructuredOutputs | None = None   # constrains the output (grammar)
 

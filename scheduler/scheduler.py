@@ -237,7 +237,7 @@ class Scheduler:
         lookahead = self.config.num_lookahead_tokens
         while self.swapped and budget > 0:
             req = self.swapped[0]
-            if seats + req.num_seats > self.config.max_num_seqs:
+            if seats + req.num_seats > self.config.max_num_seqs or self._lora_full(req):
                 break
             num_new = self._num_new(req, budget)
             if num_new < 0:
@@ -257,7 +257,7 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int, seats: int) -> None:
         kv, cfg = self.kv, self.config
         while budget > 0 and (req := self.waiting.first()) is not None:
-            if seats + req.num_seats > cfg.max_num_seqs:
+            if seats + req.num_seats > cfg.max_num_seqs or self._lora_full(req):
                 break
             if req.sampling_params.prompt_logprobs is None:
                 hit_blocks, num_hit = kv.get_computed_blocks(req.request_id, req.all_token_ids,
@@ -279,6 +279,16 @@ class Scheduler:
             seats += req.num_seats
             self._start_running(out, req, num_new)
             budget -= num_new
+
+    def _lora_full(self, req: Request) -> bool:
+        """Whether `req` must wait because its LoRA adapter would be one more than
+        `max_loras` among the running requests (in arrival order: it waits at the head)."""
+        lora = req.sampling_params.lora_name
+        if lora is None or not self.config.max_loras:
+            return False
+        active = {r.sampling_params.lora_name for r in self.running}
+        active.discard(None)
+        return lora not in active and len(active) >= self.config.max_loras
 
     def _start_running(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
         req.status = RUNNING

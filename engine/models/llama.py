@@ -191,6 +191,15 @@ class LlamaForCausalLM:
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
 
+    def enable_lora(self, slots) -> None:
+        """Put the LoRA deltas of `slots` (`engine.lora.slots.LoraSlots`) after every
+        projection of every layer; rows of the base model are unchanged."""
+        from engine.lora.slots import LoraLinear
+        self.layers = [(ln1, LoraLinear(qkv, slots, i, "qkv"), LoraLinear(o, slots, i, "o"), ln2,
+                        LoraLinear(gate_up, slots, i, "gate_up"),
+                        LoraLinear(down, slots, i, "down"))
+                       for i, (ln1, qkv, o, ln2, gate_up, down) in enumerate(self.layers)]
+
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm as one torch op. In float32 it is bit-identical to HF's LlamaRMSNorm (torch
         decomposes it into the same pow / mean / rsqrt / mul); in bfloat16 it scales before

@@ -1,0 +1,118 @@
+"""Which LoRA adapters exist, which are in host memory, and which sit in device slots.
+
+Owns: the registry of adapters (name → PEFT directory, from `--lora-modules` or loaded at run
+time), an LRU of up to `max_cpu_loras` adapters read into host memory, and the assignment of
+adapters to the `max_loras` device slots of `engine.lora.slots.LoraSlots` (LRU over steps: a slot
+is reused only for an adapter the current step needs, and never while its adapter is in that
+step). The scheduler keeps the running requests' distinct adapters within `max_loras`, so every
+step's adapters fit.
+
+In: adapter names per step (`activate`), registrations. Out: slot numbers; `LoraError` for an
+adapter that cannot be served.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from engine.lora.adapter import LoraAdapter, LoraError, load_adapter
+from engine.lora.slots import LoraBatch, LoraSlots
+
+
+class LoraManager:
+    """See the module docstring. `model_cfg` is the base model's `ModelConfig`; `slots` its
+    device pool."""
+
+    def __init__(self, model_cfg, slots: LoraSlots, max_cpu_loras: int) -> None:
+        self.model_cfg, self.slots = model_cfg, slots
+        self.max_cpu_loras = max(max_cpu_loras, slots.max_loras)
+        self.paths: dict[str, str] = {}
+        self.cpu: OrderedDict[str, LoraAdapter] = OrderedDict()
+        self.slot_of: OrderedDict[str, int] = OrderedDict()     # least recently used first
+        self.loads = 0                                         # slot loads so far
+
+    @property
+    def names(self) -> list[str]:
+        """The registered adapters, in registration order."""
+        return list(self.paths)
+
+    def register(self, name: str, path: str) -> None:
+        """Add adapter `name` from the PEFT directory `path`, read and checked now.
+        Raises: LoraError (a bad adapter, or a name already registered)."""
+        if name in self.paths:
+            raise LoraError(f"LoRA adapter {name!r} is already loaded")
+        adapter = load_adapter(name, path, self.model_cfg, self.slots.max_rank)
+        self.paths[name] = str(path)
+        self._keep(adapter)
+
+    def unregister(self, name: str) -> None:
+        """Forget adapter `name` (its slot is freed). Raises: LoraError if unknown."""
+        if self.paths.pop(name, None) is None:
+            raise LoraError(f"LoRA adapter {name!r} is not loaded")
+        self.cpu.pop(name, None)
+        self.slot_of.pop(name, None)
+
+    def _keep(self, adapter: LoraAdapter) -> None:
+        self.cpu[adapter.name] = adapter
+        self.cpu.move_to_end(adapter.name)
+        while len(self.cpu) > self.max_cpu_loras:
+            self.cpu.popitem(last=False)
+
+    def _adapter(self, name: str) -> LoraAdapter:
+        adapter = self.cpu.get(name)
+        if adapter is None:                  # evicted from host memory: read it again
+            adapter = load_adapter(name, self.paths[name], self.model_cfg, self.slots.max_rank)
+        self._keep(adapter)
+        return adapter
+
+    def activate(self, names: set[str]) -> dict[str, int]:
+        """Slots for the adapters a step needs, loading those not in a slot into the least
+        recently used slot no name in `names` holds. Raises: LoraError for an unknown name or
+        more names than slots."""
+        if len(names) > self.slots.max_loras:
+            raise LoraError(f"{len(names)} adapters in one step; --max-loras is "
+                            f"{self.slots.max_loras}")
+        for name in names:
+            if name not in self.paths:
+                raise LoraError(f"LoRA adapter {name!r} is not loaded")
+            if name in self.slot_of:
+                self.slot_of.move_to_end(name)
+                continue
+            used = set(self.slot_of.values())
+            free = [s for s in range(self.slots.max_loras) if s not in used]
+            if free:
+                slot = free[0]
+            else:
+                victim = next(n for n in self.slot_of if n not in names)
+                slot = self.slot_of.pop(victim)
+            self.slots.load(slot, self._adapter(name))
+            self.slot_of[name] = slot
+            self.loads += 1
+        return {name: self.slot_of[name] for name in names}
+
+    def set_batch(self, row_adapters: list[tuple[str | None, int, int]]) -> None:
+        """The step's rows: (adapter name or None, first row, row count) per request, in row
+        order. Groups the rows by slot (a slice when one request or contiguous rows)."""
+        names = {n for n, _, _ in row_adapters if n is not None}
+        if not names:
+            self.slots.batch = None
+            return
+        slot_of = self.activate(names)
+        ranges: dict[int, list[tuple[int, int]]] = {}
+        for name, start, count in row_adapters:
+            if name is not None and count:
+                spans = ranges.setdefault(slot_of[name], [])
+                if spans and spans[-1][1] == start:
+                    spans[-1] = (spans[-1][0], start + count)
+                else:
+                    spans.append((start, start + count))
+        batch = LoraBatch()
+        for slot, spans in ranges.items():
+            if len(spans) == 1:
+                batch.groups.append((slot, slice(*spans[0])))
+            else:
+                batch.groups.append((slot, torch.cat([torch.arange(a, b) for a, b in spans])
+                                     .to(self.slots.a[0]["qkv"].device)))
+        self.slots.batch = batch

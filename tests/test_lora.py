@@ -1,0 +1,188 @@
+"""Multi-LoRA in the engine against the reference: adapters made here with `peft` on the
+embedded model (non-zero B, fixed seeds, ranks 4/8/16, different target sets, one rsLoRA),
+greedy tokens compared with transformers + peft in float32 (the adapter applied unmerged, and
+merged into the weights) — alone, a mixed batch of four adapters and the base, with fewer
+slots than adapters, with fewer host-memory adapters than adapters, under both preemptions,
+with chunked prefill; prefix-cache blocks never shared across adapters; every bad adapter a
+LoraError naming it. The server side is tests/test_lora_server.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.lora.adapter import LoraError, load_adapter
+from scheduler.request import ParamError, SamplingParams
+
+peft = pytest.importorskip("peft", reason="peft is not installed (pip install -e '.[test]')")
+
+MAX_TOKENS = 16
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# name: (seed, rank, targets, rsLoRA)
+SPECS = {"attn8": (1, 8, ["q_proj", "v_proj"], False),
+         "all16": (2, 16, ALL, False),
+         "mlp4": (3, 4, ["up_proj", "down_proj"], True),
+         "ko8": (4, 8, ["k_proj", "o_proj", "gate_proj"], False)}
+
+
+def make_adapter(model_dir, path, seed: int, rank: int, targets: list[str], rslora: bool):
+    """A peft adapter with random non-zero A and B (lora_alpha = 4 x rank, so that it shows),
+    saved to `path`; returns the peft model (float32, eval)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = peft.get_peft_model(base, peft.LoraConfig(
+        r=rank, lora_alpha=4 * rank, target_modules=targets, init_lora_weights=False,
+        use_rslora=rslora))
+    model.save_pretrained(str(path))
+    return model.eval()
+
+
+def hf_greedy(model, prompt: list[int]) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(
+            1, len(prompt), dtype=torch.long), max_new_tokens=MAX_TOKENS, do_sample=False,
+            pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def prompt(tokenizer):
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Tell me about the sea."}],
+                                         add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+@pytest.fixture(scope="module")
+def adapters(model_dir, prompt, tmp_path_factory):
+    """{name: (path, reference greedy tokens)}, None: the base model's; each reference also
+    checked merged (merge_and_unload) against unmerged."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("adapters")
+    out = {}
+    for name, spec in SPECS.items():
+        model = make_adapter(model_dir, root / name, *spec)
+        ref = hf_greedy(model, prompt)
+        assert hf_greedy(model.merge_and_unload(), prompt) == ref, name
+        out[name] = (str(root / name), ref)
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    out[None] = (None, hf_greedy(base, prompt))
+    assert all(out[n][1] != out[None][1] for n in SPECS), "an adapter that changes nothing"
+    return out
+
+
+def engine(adapters, **overrides) -> LLMEngine:
+    cfg = dict(kv_cache_memory=0.25, max_model_len=512, dtype="float32", device="cpu",
+               enable_lora=True, lora_modules=tuple((n, adapters[n][0]) for n in SPECS),
+               max_loras=4, max_lora_rank=16)
+    cfg.update(overrides)
+    return LLMEngine(EngineConfig(**cfg))
+
+
+def run(eng, prompt, names) -> list[list[int]]:
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0, lora_name=n) for n in names]
+    return [choices[0] for choices in eng.generate([prompt] * len(names), params)]
+
+
+MIXED = ["attn8", "all16", None, "mlp4", "ko8", "all16", None, "attn8"]
+
+
+@pytest.mark.parametrize("quantization", ["none", "gguf"])
+def test_each_alone_and_mixed_match_peft(adapters, prompt, quantization):
+    """GGUF: the kernels' base products differ from the float32 reference by summation order
+    only; no near-tie met on this prompt."""
+    eng = engine(adapters, quantization=quantization)
+    for name in [*SPECS, None]:
+        assert run(eng, prompt, [name]) == [adapters[name][1]], name
+    assert run(eng, prompt, MIXED) == [adapters[n][1] for n in MIXED]
+
+
+def test_fewer_slots_and_host_adapters_than_adapters(adapters, prompt):
+    """Two slots, two adapters in host memory, four adapters mixed: requests of a third adapter
+    wait for a slot, slots are reloaded (and adapters re-read from disk), outputs unchanged."""
+    eng = engine(adapters, max_loras=2, max_cpu_loras=2)
+    assert run(eng, prompt, MIXED) == [adapters[n][1] for n in MIXED]
+    assert eng.lora.loads > 2 and len(eng.lora.cpu) == 2
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption(adapters, prompt, mode):
+    # 10 blocks = 160 slots: 8 requests of ~50 tokens cannot all run, so some are preempted
+    eng = engine(adapters, num_gpu_blocks_override=10, max_model_len=160, preemption_mode=mode,
+                 swap_space=0.05, enable_prefix_caching=False)
+    assert run(eng, prompt, MIXED) == [adapters[n][1] for n in MIXED]
+    assert eng.scheduler.counters.num_preemptions > 0
+
+
+def test_chunked_prefill_at_7_token_budget(adapters, prompt):
+    eng = engine(adapters, max_num_batched_tokens=7)
+    assert run(eng, prompt, MIXED) == [adapters[n][1] for n in MIXED]
+
+
+def test_prefix_cache_is_per_adapter(adapters, prompt):
+    eng = engine(adapters)
+    counters = eng.scheduler.counters
+
+    def hits(name):
+        before = counters.prefix_cache_hits
+        run(eng, prompt, [name])
+        return counters.prefix_cache_hits - before
+
+    full = len(prompt) // 16 * 16
+    assert hits("attn8") == 0 and hits("all16") == 0 and hits(None) == 0
+    assert hits("attn8") == hits("all16") == hits(None) == full
+
+
+def test_unknown_adapter_is_refused(adapters, prompt):
+    eng = engine(adapters)
+    with pytest.raises(ParamError) as e:
+        eng.add_request("x", prompt, SamplingParams(lora_name="nope"))
+    assert e.value.param == "model" and "nope" in str(e.value)
+    assert run(eng, prompt, ["mlp4"]) == [adapters["mlp4"][1]]
+
+
+def _edit(src, dst, config=None, drop=None, rename=None, reshape=None):
+    """A copy of adapter `src` at `dst` with its config updated, a key dropped, a key renamed,
+    or a tensor replaced by one of another shape."""
+    from safetensors.torch import load_file, save_file
+    dst.mkdir()
+    cfg = json.loads((src / "adapter_config.json").read_text())
+    cfg.update(config or {})
+    (dst / "adapter_config.json").write_text(json.dumps(cfg))
+    tensors = load_file(str(src / "adapter_model.safetensors"))
+    key = sorted(tensors)[0]
+    if drop:
+        del tensors[key]
+    if rename:
+        tensors[key.replace("q_proj", rename)] = tensors.pop(key)
+    if reshape:
+        tensors[key] = torch.zeros(tensors[key].shape[0], 7)
+    save_file(tensors, str(dst / "adapter_model.safetensors"))
+    return dst
+
+
+def test_bad_adapters_are_errors_naming_them(adapters, model_dir, tmp_path):
+    from engine.models.llama import ModelConfig
+    cfg = ModelConfig.from_dir(model_dir)
+    src = Path(adapters["attn8"][0])
+    cases = {
+        "missing": (tmp_path / "nothing", "does not exist"),
+        "rank": (src, "above --max-lora-rank 4"),
+        "dora": (_edit(src, tmp_path / "dora", {"use_dora": True}), "DoRA"),
+        "half": (_edit(src, tmp_path / "half", drop=True), "only"),
+        "target": (_edit(src, tmp_path / "target", rename="lm_head"), "not supported on"),
+        "shape": (_edit(src, tmp_path / "shape", reshape=True), "the model needs"),
+    }
+    for name, (path, words) in cases.items():
+        with pytest.raises(LoraError) as e:
+            load_adapter(name, path, cfg, max_rank=4 if name == "rank" else 16)
+        assert repr(name) in str(e.value) and words in str(e.value), (name, str(e.value))
+    with pytest.raises(LoraError):          # at engine start: the start fails naming it
+        engine(adapters, lora_modules=(("dora", str(tmp_path / "dora")),))

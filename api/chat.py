@@ -98,12 +98,14 @@ def completion_prompts(state, body: CompletionRequest) -> tuple[list, list[list[
     return raw, prompts
 
 
-def engine_params(state, body, prompt: list[int], so=None) -> SamplingParams:
+def engine_params(state, body, prompt: list[int], so=None,
+                  lora_name: str | None = None) -> SamplingParams:
     """The engine's `SamplingParams` of a body (max_tokens defaults to what `prompt` leaves of
-    max_model_len; `bad_words` tokenized as vLLM does). Raises: APIError 400 naming the field."""
+    max_model_len; `bad_words` tokenized as vLLM does; `lora_name` the adapter the `model`
+    field named). Raises: APIError 400 naming the field."""
     default_max = max(1, state.info["max_model_len"] - len(prompt))
     try:
-        params = body.to_sampling_params(default_max, so)
+        params = replace(body.to_sampling_params(default_max, so), lora_name=lora_name)
         if body.bad_words:
             params = replace(params, bad_words_token_ids=bad_words_token_ids(
                 state.tokenizer, body.bad_words))
@@ -154,7 +156,7 @@ def chat_context(state, request, body: ChatCompletionRequest, prompt: list[int],
         content = last.content
         echo = [content if isinstance(content, str) else
                 "".join(p.text for p in content or [])]
-    return ResponseContext(f"chatcmpl-{response_id(request, body)}", state.served_model_name,
+    return ResponseContext(f"chatcmpl-{response_id(request, body)}", body.model,
                            True, body.n, 1, state.tokenizer, want_logprobs=body.logprobs,
                            num_logprobs=body.top_logprobs or 0,
                            echo_texts=echo, tool_parsing=tool_parsing,
@@ -168,7 +170,7 @@ def completion_context(state, request, body: CompletionRequest, raw: list,
     echo = None
     if body.echo:
         echo = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in raw]
-    return ResponseContext(f"cmpl-{response_id(request, body)}", state.served_model_name,
+    return ResponseContext(f"cmpl-{response_id(request, body)}", body.model,
                            False, body.n, len(prompts), state.tokenizer,
                            want_logprobs=body.logprobs is not None, echo_texts=echo,
                            num_logprobs=body.logprobs or 0,

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from api.lora import engine_lora_settings
 from api.network import NetworkConfig, bool_flag, network_config
 from engine.config import EngineConfig
 from engine.profiles import PROFILE_FLAGS, resolve_profile
@@ -146,7 +147,8 @@ def engine_config(args: argparse.Namespace):
         max_waiting_requests=args.max_waiting_requests,
         speculative_config=args.speculative_config,
         tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
-        activation_quantization=args.activation_quantization, **tuned)
+        activation_quantization=args.activation_quantization,
+        **engine_lora_settings(args), **tuned)
 
 
 def _chat_template(value: str | None) -> str | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from engine.profiles import TUNING_PROFILES
+from api.lora import add_lora_flags
 from api.network import add_network_flags
 from engine.quant import ACTIVATION_METHODS
 from engine.quant import METHODS as QUANTIZATION_METHODS
@@ -106,6 +107,7 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                         "request and step by measured cost), e.g. "
                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
                         "(default: off)")
+    add_lora_flags(p)
     p.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="waiting-queue bound; past it requests get HTTP 503 (default: 1024)")
     p.add_argument("--api-key", default=None,

@@ -31,7 +31,7 @@ from api.beam_search import beam_search
 from api.chat import (chat_context, completion_context, completion_prompts, engine_params,
                       prepare_chat, request_constraint)
 from api.errors import APIError, bad_request, engine_error, error_response
-from api import embeddings, openapi
+from api import embeddings, lora, openapi
 from api.lifecycle import InFlightGate, Lifecycle
 from api.metrics import Metrics
 from api.network import grpc_credentials, log_request
@@ -75,6 +75,7 @@ class ServerState:
     v2: object = None                         # triton_compat V2Context
     stuck: bool = False                       # a model's code still ran at shutdown
     lifecycle: Lifecycle = field(default_factory=Lifecycle)
+    lora_paths: dict[str, str] = field(default_factory=dict)    # served LoRA adapters (api.lora)
 
     @property
     def engine_config(self) -> EngineConfig | None:
@@ -102,6 +103,7 @@ class ServerState:
         return self.config.http_max_input_size
 
     def __post_init__(self) -> None:
+        self.lora_paths = dict(self.config.engine.lora_modules)
         self.metrics = Metrics(self.served_model_name)
         self.lifecycle.abort_all = self.abort_all
 
@@ -311,10 +313,6 @@ def build_app(state: ServerState, load_in_background: bool = True):
                            headers={"Retry-After": "5"})
         return state.llm
 
-    def check_model(name: str) -> None:
-        if name != state.served_model_name:
-            raise APIError(404, f"The model `{name}` does not exist.", "NotFoundError",
-                           "model", "model_not_found")
 
     @app.get("/health")
     async def health():
@@ -340,7 +338,8 @@ def build_app(state: ServerState, load_in_background: bool = True):
         return {"object": "list", "data": [{
             "id": state.served_model_name, "object": "model", "created": int(state.started),
             "owned_by": "continuum", "root": state.info.get("model_dir"),
-            "max_model_len": state.info.get("max_model_len")}, *embeddings.model_cards(state)]}
+            "max_model_len": state.info.get("max_model_len")}, *lora.model_cards(state),
+            *embeddings.model_cards(state)]}
 
     def refuse_if_full() -> None:
         """Overload: refuse before reading the body (a refusal must cost next to nothing)."""
@@ -355,11 +354,11 @@ def build_app(state: ServerState, load_in_background: bool = True):
         refuse_if_full()
         body = await _parse(request, ChatCompletionRequest, state.http_max_input_size,
                             state.config.strict_openai)
-        check_model(body.model)
+        adapter = lora.resolve_model(state, body.model)
         llm = engine_or_503()
         prompt, so, tool_parsing = await prepare_chat(state, body)
         ctx = chat_context(state, request, body, prompt, tool_parsing)
-        params = engine_params(state, body, prompt, so)
+        params = engine_params(state, body, prompt, so, adapter)
         return await _respond(request, llm, ctx, body, [prompt], params, "messages", state)
 
     @app.post("/v1/completions")
@@ -367,7 +366,7 @@ def build_app(state: ServerState, load_in_background: bool = True):
         refuse_if_full()
         body = await _parse(request, CompletionRequest, state.http_max_input_size,
                             state.config.strict_openai)
-        check_model(body.model)
+        adapter = lora.resolve_model(state, body.model)
         llm = engine_or_503()
         raw, prompts = completion_prompts(state, body)
         if len(prompts) > llm.capacity:
@@ -376,10 +375,11 @@ def build_app(state: ServerState, load_in_background: bool = True):
                               "prompt")
         ctx = completion_context(state, request, body, raw, prompts)
         params = engine_params(state, body, min(prompts, key=len),
-                         await request_constraint(state, body))
+                               await request_constraint(state, body), adapter)
         return await _respond(request, llm, ctx, body, prompts, params, "prompt", state)
 
     embeddings.install(app, state, partial(_parse, strict=state.config.strict_openai))
+    lora.install(app, state, _parse)
     schemas: dict = {"ChatCompletionRequest": ChatCompletionRequest,
                      "CompletionRequest": CompletionRequest}
     bodies = {("post", "/v1/chat/completions"): "ChatCompletionRequest",

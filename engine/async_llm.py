@@ -29,6 +29,7 @@ import queue
 import signal
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import Future, InvalidStateError
 
@@ -65,13 +66,20 @@ class _StreamRouter:
         """Send a command to the core. Raises OSError when the core is gone."""
         raise NotImplementedError
 
-    def _submit_add(self, args: tuple, fut: Future) -> None:
+    def _submit_add(self, args: tuple, fut: Future, kind: str = "add") -> None:
         self._pending[args[0]] = fut
         try:
-            self._command("add", args)
+            self._command(kind, args)
         except OSError as e:          # the engine is gone
             self._pending.pop(args[0], None)
             _resolve(fut, EngineDeadError(f"the engine is not running: {e}"))
+
+    async def lora(self, op: str, *args) -> None:
+        """Run `LLMEngine.{op}_lora(*args)` in the engine between steps ("add": name, path;
+        "remove": name). Raises what it raises (`engine.lora.adapter.LoraError`)."""
+        fut: Future = Future()
+        self._submit_add((f"lora-{uuid.uuid4().hex}", op, args), fut, "lora")
+        await asyncio.wrap_future(fut)
 
     def _submit_abort(self, request_id: str) -> None:
         try:
@@ -282,6 +290,13 @@ class EngineCore:
                 self.emit("added", payload[0])
             except Exception as e:
                 self.emit("add_error", (payload[0], e))
+        elif kind == "lora":                 # runtime LoRA adapter (un)loading
+            call_id, op, args = payload
+            try:
+                getattr(engine, f"{op}_lora")(*args)
+                self.emit("added", call_id)
+            except Exception as e:
+                self.emit("add_error", (call_id, e))
         elif kind == "abort":
             engine.abort_request(payload)
             return True

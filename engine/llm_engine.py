@@ -28,6 +28,7 @@ from engine.device import resolve_device, resolve_dtype
 from engine.distributed.executor import TensorParallelRunner, start_tensor_parallel
 from engine.distributed.parallel import TensorParallelError, check_tensor_parallel
 from engine.linear import LINEAR_PATH_NAMES
+from engine.lora.adapter import LoraError
 from engine.loader import resolve_model
 from engine.model_runner import ModelRunner
 from engine.models.llama import ModelConfig, load_model
@@ -308,6 +309,20 @@ class LLMEngine:
                       priority, extra_keys=keys)
         self.scheduler.add_request(req)
         self.output_processor.add_request(request_id, req.prompt_token_ids, params, arrival)
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter at `path` as `name` from now on.
+        Raises: LoraError (LoRA off, a bad adapter, a name already loaded)."""
+        if self.lora is None:
+            raise LoraError("LoRA is not enabled: start the server with --enable-lora")
+        self.lora.register(name, path)
+
+    def remove_lora(self, name: str) -> None:
+        """Stop serving adapter `name` to new requests (those running finish with it).
+        Raises: LoraError (LoRA off, an unknown name)."""
+        if self.lora is None:
+            raise LoraError("LoRA is not enabled: start the server with --enable-lora")
+        self.lora.unregister(name)
 
     def _compile_grammar(self, so: StructuredOutputs) -> Future | None:
         """The scheduler's question at admission: None when `so`'s grammar is compiled already,

@@ -29,6 +29,7 @@ class LoraManager:
         self.model_cfg, self.slots = model_cfg, slots
         self.max_cpu_loras = max(max_cpu_loras, slots.max_loras)
         self.paths: dict[str, str] = {}
+        self.retired: dict[str, str] = {}      # unloaded while requests may still hold them
         self.cpu: OrderedDict[str, LoraAdapter] = OrderedDict()
         self.slot_of: OrderedDict[str, int] = OrderedDict()     # least recently used first
         self.loads = 0                                         # slot loads so far
@@ -45,14 +46,17 @@ class LoraManager:
             raise LoraError(f"LoRA adapter {name!r} is already loaded")
         adapter = load_adapter(name, path, self.model_cfg, self.slots.max_rank)
         self.paths[name] = str(path)
+        self.retired.pop(name, None)
+        self.slot_of.pop(name, None)         # a name loaded again: its new weights from now
         self._keep(adapter)
 
     def unregister(self, name: str) -> None:
-        """Forget adapter `name` (its slot is freed). Raises: LoraError if unknown."""
-        if self.paths.pop(name, None) is None:
+        """Stop serving adapter `name` to new requests; requests already holding it finish
+        with it (its weights stay until its slot is reused). Raises: LoraError if unknown."""
+        path = self.paths.pop(name, None)
+        if path is None:
             raise LoraError(f"LoRA adapter {name!r} is not loaded")
-        self.cpu.pop(name, None)
-        self.slot_of.pop(name, None)
+        self.retired[name] = path
 
     def _keep(self, adapter: LoraAdapter) -> None:
         self.cpu[adapter.name] = adapter
@@ -63,7 +67,8 @@ class LoraManager:
     def _adapter(self, name: str) -> LoraAdapter:
         adapter = self.cpu.get(name)
         if adapter is None:                  # evicted from host memory: read it again
-            adapter = load_adapter(name, self.paths[name], self.model_cfg, self.slots.max_rank)
+            path = self.paths.get(name) or self.retired[name]
+            adapter = load_adapter(name, path, self.model_cfg, self.slots.max_rank)
         self._keep(adapter)
         return adapter
 
@@ -75,7 +80,7 @@ class LoraManager:
             raise LoraError(f"{len(names)} adapters in one step; --max-loras is "
                             f"{self.slots.max_loras}")
         for name in names:
-            if name not in self.paths:
+            if name not in self.paths and name not in self.retired:
                 raise LoraError(f"LoRA adapter {name!r} is not loaded")
             if name in self.slot_of:
                 self.slot_of.move_to_end(name)

@@ -77,7 +77,8 @@ test-conformance: install $(TRITON_STAMP) $(VLLM_STAMP)
 	CONTINUUM_V2_TARGET=triton TRITON_VENV=$(TRITON_VENV) \
 	  $(PY) -m pytest -q -m "$(TEST_MARKS)" $(V2_TESTS)
 	CONTINUUM_VLLM_PYTHON=$(VLLM_VENV)/bin/python \
-	  $(PY) -m pytest -q -m "$(TEST_MARKS)" tests/test_vllm_differential.py
+	  $(PY) -m pytest -q -m "$(TEST_MARKS)" tests/test_vllm_differential.py \
+	    tests/test_vllm_lora_differential.py
 
 bench: install
 	$(PY) benchmarks/scheduler_bench.py

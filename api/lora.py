@@ -81,8 +81,8 @@ def resolve_model(state, name: str) -> str | None:
         return None
     if name in state.lora_paths:
         return name
-    raise APIError(404, f"The model `{name}` does not exist.", "NotFoundError", "model",
-                   "model_not_found")
+    raise APIError(404, f"The model `{name}` does not exist. Valid aliases: "
+                        f"{state.served_model_name}.", "NotFoundError", "model", "model_not_found")
 
 
 def model_cards(state) -> list[dict]:
@@ -101,15 +101,15 @@ def runtime_updates_allowed() -> bool:
 class LoadLoraAdapterRequest(BaseModel):
     """`POST /v1/load_lora_adapter` (vLLM's body)."""
 
-    lora_name: str = ""
-    lora_path: str = ""
+    lora_name: str
+    lora_path: str
     load_inplace: bool = False
 
 
 class UnloadLoraAdapterRequest(BaseModel):
     """`POST /v1/unload_lora_adapter` (vLLM's body)."""
 
-    lora_name: str = ""
+    lora_name: str
     lora_int_id: int | None = None                 # accepted, unused (as in vLLM)
 
 

@@ -76,10 +76,13 @@ class ResponseContext:
                 "total_tokens": prompt + completion}
 
     # ------------------------------------------------------------------ logprobs
-    def _token(self, token_id: int) -> str:
+    def _token(self, token_id: int, context: list[int] = ()) -> str:
+        """A logprob entry's token text: `token_id:N` with return_tokens_as_token_ids, else
+        its decoded text as vLLM corrects it (`decode_logprob_token`) after `context`, the
+        choice's tokens before this position."""
         if self.tokens_as_ids:                   # vLLM's return_tokens_as_token_ids
             return f"token_id:{token_id}"
-        return self.tokenizer.decode([token_id])
+        return decode_logprob_token(self.tokenizer, token_id, context)
 
     @staticmethod
     def _alternatives(entry, k: int) -> list[tuple[int, float]]:
@@ -90,45 +93,50 @@ class ResponseContext:
             alts.setdefault(t, v)
         return list(alts.items())[:k]
 
-    def chat_logprobs(self, lps: list[TokenLogprob]) -> dict | None:
+    def chat_logprobs(self, lps: list[TokenLogprob], before: list[int] = ()) -> dict | None:
         """Chat format: `{"content": [{token, logprob, bytes, top_logprobs}]}`, or None if not
-        asked; `top_logprobs` as vLLM lists them (see `_alternatives`)."""
+        asked; `top_logprobs` as vLLM lists them (see `_alternatives`); `before`: the choice's
+        tokens before `lps`."""
         if not self.want_logprobs:
             return None
-        content = []
+        content, context = [], list(before)
         for lp in lps:
-            tok = self._token(lp.token_id)
+            tok = self._token(lp.token_id, context)
+            tops = [(self._token(t, context), v) for t, v in self._alternatives(
+                lp, self.num_logprobs)]
             content.append({"token": tok, "logprob": _clamp(lp.logprob),
                             "bytes": list(tok.encode("utf-8")),
-                            "top_logprobs": [{"token": self._token(t), "logprob": _clamp(v),
-                                              "bytes": list(self._token(t).encode("utf-8"))}
-                                             for t, v in self._alternatives(
-                                                 lp, self.num_logprobs)]})
+                            "top_logprobs": [{"token": t, "logprob": _clamp(v),
+                                              "bytes": list(t.encode("utf-8"))}
+                                             for t, v in tops]})
+            context.append(lp.token_id)
         return {"content": content}
 
     def completion_logprobs(self, lps: list[TokenLogprob], offset: int,
-                            group: int | None = None) -> dict | None:
+                            group: int | None = None, before: list[int] = ()) -> dict | None:
         """Completions format (tokens, token_logprobs, top_logprobs: the token and `logprobs`
-        alternatives, text_offset in characters from `offset`), or None. With `group` (an
-        echo), the group's prompt tokens come first, scored by its prompt logprobs (the first
-        token has none), as vLLM echoes them."""
+        alternatives, text_offset in characters from `offset`), or None; `before`: the
+        choice's tokens before `lps`. With `group` (an echo), the group's prompt tokens come
+        first, scored by its prompt logprobs (the first token has none), as vLLM echoes them."""
         if not self.want_logprobs:
             return None
         rows: list = [(lp.token_id, lp) for lp in lps]
         if group is not None and self.echo_ids is not None:
             rows = list(zip(self.echo_ids[group], self.prompt_lps.get(group) or [])) + rows
-        tokens = [self._token(t) for t, _ in rows]
+        k = self.num_logprobs + 1
+        tokens, tops, context = [], [], list(before)
+        for t, e in rows:
+            tokens.append(self._token(t, context))
+            tops.append(None if e is None else {self._token(a, context): _clamp(v)
+                                                for a, v in self._alternatives(e, k)})
+            context.append(t)
         offsets, pos = [], offset
         for t in tokens:
             offsets.append(pos)
             pos += len(t)
-        k = self.num_logprobs + 1
         return {"tokens": tokens,
                 "token_logprobs": [None if e is None else _clamp(e.logprob) for _, e in rows],
-                "top_logprobs": [None if e is None else {self._token(t): _clamp(v) for t, v in
-                                                         self._alternatives(e, k)}
-                                 for _, e in rows],
-                "text_offset": offsets}
+                "top_logprobs": tops, "text_offset": offsets}
 
     def prompt_logprobs(self, group: int) -> list | None:
         """vLLM's `prompt_logprobs` of a group: None for the first token, then per token
@@ -194,15 +202,18 @@ class ResponseContext:
                 if not ch.started:
                     delta["role"] = "assistant"
                 delta["content"] = text        # (an echo went out in a chunk of its own)
-                body = {"index": i, "delta": delta, "logprobs": self.chat_logprobs(lps),
-                        "finish_reason": finish}
+                body = {"index": i, "delta": delta, "finish_reason": finish,
+                        "logprobs": self.chat_logprobs(lps, ch.token_ids[:len(ch.token_ids)
+                                                                         - len(out_ids)])}
             else:
                 echo = self.echo_texts[group] if self.echo_texts is not None else ""
                 prefix = "" if ch.started else echo        # the prompt rides on the first chunk
                 offset = len(echo) + len(ch.text) - len(text)
+                before = ch.token_ids[:len(ch.token_ids) - len(out_ids)]
                 body = {"index": i, "text": prefix + text, "finish_reason": finish,
-                        "logprobs": self.completion_logprobs(lps, offset) if ch.started or
-                        self.echo_texts is None else self.completion_logprobs(lps, 0, group)}
+                        "logprobs": self.completion_logprobs(lps, offset, before=before)
+                        if ch.started or self.echo_texts is None
+                        else self.completion_logprobs(lps, 0, group)}
             if finish is not None or not self.chat:     # completions: in every chunk (vLLM)
                 body["stop_reason"] = ch.stop_reason if finish is not None else None
             if self.prompt_ids is not None:         # return_token_ids
@@ -232,7 +243,9 @@ class ResponseContext:
                 ch.started = True
             last = k == len(deltas) - 1
             body = {"index": i, "delta": delta,
-                    "logprobs": self.chat_logprobs(lps) if k == 0 else None,
+                    "logprobs": self.chat_logprobs(lps, ch.token_ids[:len(ch.token_ids)
+                                                                     - len(lps)])
+                    if k == 0 else None,
                     "finish_reason": finish if last else None}
             if last and finish is not None:
                 body["stop_reason"] = ch.stop_reason
@@ -334,6 +347,34 @@ async def merge(streams: list[AsyncIterator[RequestOutput]]
         await asyncio.gather(*tasks, return_exceptions=True)    # pumps out of their streams
         for s in streams:
             await s.aclose()
+
+
+def decode_logprob_token(tokenizer, token_id: int, context: list[int]) -> str:
+    """A token's text for logprobs, as vLLM writes it (`v1/engine/logprobs.py:
+    _correct_decoded_token`): its own decode, unless that ends in U+FFFD (a byte of an
+    unfinished UTF-8 character); then the text it completes after up to 4 tokens of `context`
+    (the byte tokens before it, which showed as ""), or "" while the character is unfinished."""
+    text = tokenizer.decode([token_id])
+    if not text.endswith("\ufffd"):
+        return text
+    for n in range(1, min(len(context), 4) + 1):
+        ctx = list(context[-n:])
+        full = tokenizer.decode(ctx + [token_id])
+        if full.endswith("\ufffd"):
+            continue
+        clean = len(ctx)
+        while clean > 0 and tokenizer.decode([ctx[clean - 1]]).endswith("\ufffd"):
+            clean -= 1
+        prefix = tokenizer.decode(ctx[:clean]) if clean else ""
+        if full.startswith(prefix):
+            return full[len(prefix):]
+        common = 0
+        for a, b in zip(prefix, full):
+            if a != b:
+                break
+            common += 1
+        return full[common:]
+    return ""
 
 
 def _clamp(logprob: float) -> float:

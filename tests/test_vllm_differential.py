@@ -44,28 +44,36 @@ VLLM_ONLY_KEYS = {
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    """(vLLM base URL, Continuum base URL), both float32 on the embedded model, 1024 tokens."""
+def server_pair(tmp_path_factory, extra: list[str], env: dict | None = None,
+                url: str | None = VLLM_URL):
+    """Yield (vLLM base URL, Continuum base URL), both float32 on the embedded model, 1024
+    tokens, with the `serve` flags `extra` and environment `env` on both; `url`: a vLLM
+    already serving (then only Continuum is started)."""
     from engine.loader import resolve_model
 
     ours_log = tmp_path_factory.mktemp("ours") / "server.log"
-    proc, base = start_server(["--quantization", "none", "--dtype", "float32",
-                               "--max-model-len", "1024", "--kv-cache-memory", "0.25"],
-                              "/health/ready", ours_log)
-    if VLLM_URL:
-        yield VLLM_URL, base
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        proc, base = start_server(["--quantization", "none", "--dtype", "float32",
+                                   "--max-model-len", "1024", "--kv-cache-memory", "0.25",
+                                   *extra], "/health/ready", ours_log)
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    if url:
+        yield url, base
         stop_server(proc)
         return
-    model_dir = str(resolve_model(None))
     log = tmp_path_factory.mktemp("vllm") / "vllm.log"
     port = free_port()
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
     vllm = subprocess.Popen(
-        [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-         "--served-model-name", MODEL, "--dtype", "float32", "--max-model-len", "1024",
-         "--gpu-memory-utilization", "0.15", "--port", str(port)],
-        stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env)
+        [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model",
+         str(resolve_model(None)), "--served-model-name", MODEL, "--dtype", "float32",
+         "--max-model-len", "1024", "--gpu-memory-utilization", "0.15", "--port", str(port),
+         *extra], stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+        env=dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+                 **(env or {})))
     vbase = f"http://127.0.0.1:{port}"
     deadline = time.time() + 600
     while time.time() < deadline and vllm.poll() is None:
@@ -85,6 +93,12 @@ def servers(tmp_path_factory):
         vllm.wait(60)
     except subprocess.TimeoutExpired:
         vllm.kill()
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """(vLLM base URL, Continuum base URL): see `server_pair`."""
+    yield from server_pair(tmp_path_factory, [])
 
 
 def post(base: str, path: str, body: dict, headers: dict | None = None) -> httpx.Response:

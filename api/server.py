@@ -130,7 +130,8 @@ class ServerState:
                 from triton_compat.llm_model import LLMModel
                 repository.builtin[self.served_model_name] = LLMModel(
                     self.served_model_name, lambda: self.llm if self.ready else None,
-                    lambda: self.tokenizer)
+                    lambda: self.tokenizer, lambda: list(self.lora_paths)
+                    if self.config.engine.enable_lora else None)
             self.repository = repository
             freeze_heap()
             logger.info("v2 models (repository %s): %s", self.config.model_repository,

@@ -320,8 +320,17 @@ class EngineCore:
 def engine_snapshot(engine: LLMEngine, step_cost: bool = True) -> dict:
     """What the metrics layer reads of the engine: the scheduler's snapshot
     (`Scheduler.snapshot`: request counts, KV usage, prefill budget, counters; with
-    `step_cost`, the fitted step-cost model). The engine adds nothing of its own today."""
-    return engine.scheduler.snapshot(step_cost)
+    `step_cost`, the fitted step-cost model), and with LoRA on, `lora`: the adapters loaded,
+    `max_loras`, and the adapters of the running and the waiting requests (vLLM's
+    `lora_requests_info`)."""
+    snapshot = engine.scheduler.snapshot(step_cost)
+    if engine.lora is not None:
+        sched = engine.scheduler
+        snapshot["lora"] = {
+            "loaded": len(engine.lora.paths), "max_loras": engine.config.max_loras,
+            "running": sorted({r.sampling_params.lora_name for r in sched.running} - {None}),
+            "waiting": sorted({r.sampling_params.lora_name for _, r in sched.waiting} - {None})}
+    return snapshot
 
 
 def engine_info(engine: LLMEngine) -> dict:

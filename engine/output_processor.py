@@ -77,7 +77,8 @@ class OutputProcessor:
                     arrival_time: float) -> None:
         """Track a new request; `arrival_time` in seconds (`time.monotonic()`)."""
         self.requests[request_id] = _RequestState(request_id, params, prompt_token_ids,
-                                                  RequestMetrics(arrival_time))
+                                                  RequestMetrics(arrival_time,
+                                                                 lora_name=params.lora_name))
 
     def add_prompt_logprobs(self, scored: dict[str, tuple[int, list[PromptLogprob]]]) -> None:
         """Keep a step's prompt logprobs (`ModelRunnerOutput.prompt_logprobs`) until the

@@ -46,13 +46,15 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    """Timestamps in seconds (`time.monotonic()`), for TTFT / ITL / queue-time metrics."""
+    """Timestamps in seconds (`time.monotonic()`), for TTFT / ITL / queue-time metrics, and
+    the LoRA adapter the request ran with (None: the base model), for per-adapter counters."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    lora_name: str | None = None
 
 
 @dataclass

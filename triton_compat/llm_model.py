@@ -7,9 +7,10 @@ Owns: the model's configuration (Triton's `ModelConfig`: `text_input` BYTES [1];
 as JSON), `max_tokens` INT32 [1]; outputs `text_output` BYTES [-1], `finish_reason` BYTES [-1],
 `num_input_tokens` UINT32 [1], `num_output_tokens` UINT32 [-1]; decoupled transaction policy,
 `max_batch_size` 0: the engine batches), the translation of one request into engine
-`SamplingParams`, and `generate()`: an async iterator of response tensors — one per engine
-delta when streaming, else one with the whole text (the prompt first unless
-`exclude_input_in_output`, as the vLLM backend does). Statistics count requests like any model.
+`SamplingParams` (a `lora_name` parameter selects a LoRA adapter, as in the vLLM backend),
+and `generate()`: an async iterator of response tensors — one per engine delta when streaming,
+else one with the whole text (the prompt first unless `exclude_input_in_output`, as the vLLM
+backend does). Statistics count requests like any model.
 Reference: triton-inference-server/vllm_backend src/model.py, src/utils/request.py.
 """
 
@@ -86,12 +87,13 @@ def _coerce(key: str, value):
 
 
 def sampling_params(inputs: dict, default_max_tokens: int = 16,
-                    request_params: dict | None = None):
+                    request_params: dict | None = None, loras: list[str] | None = None):
     """Engine `SamplingParams` from the request's `sampling_parameters` (JSON) and
     `max_tokens`; without `sampling_parameters`, from the request's parameters (as the vLLM
     backend reads them: a generate body's `"parameters": {"temperature": 0}`), less the
-    request id and Triton's own `triton_*` keys. Raises InferError(400) naming a bad key or
-    value."""
+    request id and Triton's own `triton_*` keys. Their `lora_name` selects a LoRA adapter of
+    `loras` (None: LoRA is off), with the vLLM backend's errors. Raises InferError(400) naming
+    a bad key or value."""
     from scheduler.request import SamplingParams
 
     if "sampling_parameters" not in inputs and request_params:
@@ -105,6 +107,12 @@ def sampling_params(inputs: dict, default_max_tokens: int = 16,
         raise InferError(f"input 'sampling_parameters' is not valid JSON: {e}") from None
     if not isinstance(given, dict):
         raise InferError("input 'sampling_parameters' must be a JSON object")
+    lora_name = given.pop("lora_name", None)
+    if lora_name is not None:
+        if loras is None:
+            raise InferError("LoRA feature is not enabled.")
+        if lora_name not in loras:
+            raise InferError(f"LoRA {lora_name} is not supported, we currently support {loras}")
     unknown = sorted(set(given) - SAMPLING_KEYS)
     if unknown:
         raise InferError(f"sampling_parameters: unsupported key '{unknown[0]}' (supported: "
@@ -121,7 +129,7 @@ def sampling_params(inputs: dict, default_max_tokens: int = 16,
     if kwargs.get("logit_bias"):
         kwargs["logit_bias"] = {int(k): float(v) for k, v in kwargs["logit_bias"].items()}
     try:
-        return SamplingParams(**kwargs)
+        return SamplingParams(**kwargs, lora_name=lora_name)
     except (TypeError, ValueError) as e:
         raise InferError(f"sampling_parameters: {e}") from None
 
@@ -134,8 +142,10 @@ class LLMModel:
     decoupled = True
     runs_inline = False
 
-    def __init__(self, name: str, get_llm: Callable, get_tokenizer: Callable) -> None:
+    def __init__(self, name: str, get_llm: Callable, get_tokenizer: Callable,
+                 get_loras: Callable = lambda: None) -> None:
         self.name, self.get_llm, self.get_tokenizer = name, get_llm, get_tokenizer
+        self.get_loras = get_loras           # the LoRA adapters' names; None: LoRA off
         self.config = llm_config(name)
         self.signature = Signature(self.config)
         self.stats = ModelStats()
@@ -173,7 +183,7 @@ class LLMModel:
             ("exclude_input_in_output" in inputs and not flags["exclude_input_in_output"])
         if prepend and stream:
             raise InferError("When streaming, `exclude_input_in_output` = False is not allowed.")
-        params = sampling_params(inputs, request_params=parameters)
+        params = sampling_params(inputs, request_params=parameters, loras=self.get_loras())
         ids = tokenizer.encode(str(prompt))
         start = time.perf_counter_ns()
         texts, counts, reasons, ok = [""] * params.n, [0] * params.n, [None] * params.n, False

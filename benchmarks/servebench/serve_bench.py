@@ -109,8 +109,11 @@ async def run_point(base_url: str, model: str, endpoint: str, requests: list[Sam
                     request_rate: float, burstiness: float, max_concurrency: int | None,
                     ignore_eos: bool, request_timeout: float, max_duration: float, seed: int,
                     tokenizer, progress: bool = True, api_key: str | None = None,
-                    extra_body: dict | None = None) -> tuple[list[RequestResult], float]:
-    """Send every request once with the given arrival process; returns results and duration."""
+                    extra_body: dict | None = None, lora_modules: list[str] | None = None
+                    ) -> tuple[list[RequestResult], float]:
+    """Send every request once with the given arrival process; returns results and duration.
+    With `lora_modules`, each request names one of them, drawn at random (vLLM's
+    `--lora-modules`)."""
     from tqdm.asyncio import tqdm
 
     url = base_url.rstrip("/") + ("/v1/chat/completions" if endpoint == "chat"
@@ -119,13 +122,16 @@ async def run_point(base_url: str, model: str, endpoint: str, requests: list[Sam
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     bar = tqdm(total=len(requests), disable=not progress, desc=f"concurrency {max_concurrency}")
 
+    pick = random.Random(seed + 1)
+    models = {id(req): pick.choice(lora_modules) if lora_modules else model for req in requests}
+
     async def limited(client, req):
         if limit is None:
-            r = await send_request(client, url, model, endpoint, req, ignore_eos,
+            r = await send_request(client, url, models[id(req)], endpoint, req, ignore_eos,
                                    request_timeout, tokenizer, extra_body)
         else:
             async with limit:
-                r = await send_request(client, url, model, endpoint, req, ignore_eos,
+                r = await send_request(client, url, models[id(req)], endpoint, req, ignore_eos,
                                        request_timeout, tokenizer, extra_body)
         bar.update(1)
         return r
@@ -181,6 +187,8 @@ def add_arguments(p: argparse.ArgumentParser, with_base_url: bool = True) -> Non
     p.add_argument("--max-concurrency", default=None,
                    help="in-flight request bound; a comma list runs a sweep, e.g. 1,4,16,64")
     p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM extension)")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME",
+                   help="LoRA adapters the server serves: each request names one, at random")
     p.add_argument("--extra-body", type=json.loads, default=None, metavar="JSON",
                    help='fields added to every request body, e.g. \'{"min_tokens": 128}\'')
     p.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
@@ -238,7 +246,7 @@ def run(args) -> list[dict]:
             args.base_url, model, args.endpoint, requests, args.request_rate, args.burstiness,
             conc, args.ignore_eos, args.request_timeout, args.max_duration, seed,
             tokenizer, progress=not args.no_progress, api_key=args.api_key,
-            extra_body=args.extra_body))
+            extra_body=args.extra_body, lora_modules=args.lora_modules))
         metrics = calculate_metrics(per_request, duration, goodput_slos=slos or None)
         metrics.update({"backend": "openai", "base_url": args.base_url, "model_id": model,
                         "endpoint": args.endpoint, "dataset_name": args.dataset_name,

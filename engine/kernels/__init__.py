@@ -8,7 +8,8 @@ that its OpenMP runtime is torch's; and the typed Python entry points: `cache_wr
 `paged_decode` (attention), `add_rms_norm`, `silu_and_mul` and `rotary` (fused elementwise ops,
 vLLM's), `pack_linear` and `linear` (bfloat16-weight GEMM for hosts without oneDNN bfloat16),
 `quant_linear` (optionally with int8 activations, `q8_available`) and `quant_embed` (GGUF blocks
-and int8 read in place; `engine.quant`).
+and int8 read in place; `engine.quant`), and `lora_sgmv` (a step's multi-LoRA deltas of one
+projection, `engine.lora`).
 
 `load()` returns None — and the engine keeps its pure-torch attention — when there is no
 compiler, the build fails (logged once), `CONTINUUM_CPU_KERNELS=0` is set, or the dtype is
@@ -34,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 SOURCES = [HERE / "cpu_kernels.c", HERE / "gemm.c", HERE / "quant.c", HERE / "quant_panel.c",
-           HERE / "quant_q8.c"]
+           HERE / "quant_q8.c", HERE / "lora.c"]
 HEADERS = [HERE / "common.h", HERE / "vec.h", HERE / "quant_blocks.h"]
 BASE_CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
 
@@ -53,6 +54,8 @@ _SIGNATURES = {
     "add_rms_norm": ([_P, _P, _P, _P, _I, _I, _F, _I], None),
     "silu_and_mul": ([_P, _P, _I, _I, _I], None),
     "rotary": ([_P, _I64, _P, _P, _P, _I, _I, _I, _I], None),
+    "lora_sgmv": ([_P, _I64, _P, _I64, _I, _P, _P, _I, _P, _P, _I, _I, _I, _I, _P, _I],
+                  None),
 }
 # dtype-independent entry points.
 _PLAIN = {
@@ -254,6 +257,20 @@ class CpuKernels:
         self._fn["silu_and_mul", x.dtype](
             x.data_ptr(), out.data_ptr(), n, two_inter // 2, torch.get_num_threads())
         return out
+
+    def lora_sgmv(self, x: torch.Tensor, out: torch.Tensor, row_slot: torch.Tensor,
+                  present: torch.Tensor, a: torch.Tensor, bt: torch.Tensor,
+                  bands: torch.Tensor) -> None:
+        """`out [n, out_cols] += ` each row's LoRA delta, in place (lora.c): `x [n, in]` and
+        `out` of one dtype with unit column stride; `row_slot [n] int32` (-1: no adapter),
+        `present [slots] int32` (the slot has this projection), `a [slots, R, in]` and
+        `bt [slots, R, out_cols]` float32 contiguous, `bands [n_bands, 4] int32` (rank rows
+        r0:r1 feed output columns c0:c1)."""
+        n, n_in = x.shape
+        self._fn["lora_sgmv", x.dtype](
+            x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), n, row_slot.data_ptr(),
+            present.data_ptr(), present.shape[0], a.data_ptr(), bt.data_ptr(), n_in,
+            out.shape[1], a.shape[1], bands.shape[0], bands.data_ptr(), torch.get_num_threads())
 
     def rotary(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                sin_signed: torch.Tensor) -> None:

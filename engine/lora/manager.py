@@ -99,25 +99,29 @@ class LoraManager:
 
     def set_batch(self, row_adapters: list[tuple[str | None, int, int]]) -> None:
         """The step's rows: (adapter name or None, first row, row count) per request, in row
-        order. Groups the rows by slot (a slice when one request or contiguous rows)."""
+        order: each row's slot for the kernels, and the rows of each slot for the torch path
+        (a slice where they are contiguous)."""
         names = {n for n, _, _ in row_adapters if n is not None}
         if not names:
             self.slots.batch = None
             return
         slot_of = self.activate(names)
-        ranges: dict[int, list[tuple[int, int]]] = {}
+        total = sum(count for _, _, count in row_adapters)
+        row_slot = [-1] * total
+        spans: dict[int, list[tuple[int, int]]] = {}
         for name, start, count in row_adapters:
-            if name is not None and count:
-                spans = ranges.setdefault(slot_of[name], [])
-                if spans and spans[-1][1] == start:
-                    spans[-1] = (spans[-1][0], start + count)
-                else:
-                    spans.append((start, start + count))
-        batch = LoraBatch()
-        for slot, spans in ranges.items():
-            if len(spans) == 1:
-                batch.groups.append((slot, slice(*spans[0])))
+            if name is None or not count:
+                continue
+            slot = slot_of[name]
+            row_slot[start:start + count] = [slot] * count
+            mine = spans.setdefault(slot, [])
+            if mine and mine[-1][1] == start:
+                mine[-1] = (mine[-1][0], start + count)
             else:
-                batch.groups.append((slot, torch.cat([torch.arange(a, b) for a, b in spans])
-                                     .to(self.slots.a[0]["qkv"].device)))
+                mine.append((start, start + count))
+        device = self.slots.a[0]["qkv"].device
+        batch = LoraBatch(torch.tensor(row_slot, dtype=torch.int32, device=device))
+        for slot, ranges in spans.items():
+            batch.groups.append((slot, slice(*ranges[0]) if len(ranges) == 1 else torch.cat(
+                [torch.arange(a, b) for a, b in ranges]).to(device)))
         self.slots.batch = batch

@@ -1,15 +1,17 @@
 """The device pool of LoRA slots and the per-step LoRA delta on top of the base linears.
 
 Owns: for every layer and projection group of the model (`qkv`, `o`, `gate_up`, `down`: the
-model's fused linears), stacked weights `A [max_loras, R_g, in]` and `B [max_loras, out, R_g]`
-allocated once (a group of k modules has `R_g = k x max_rank`: each module's A rows and B
-block-diagonal columns sit in their own `max_rank` band, zero-padded), which adapters are in
-which slot, and the step's row → slot grouping (`LoraBatch`).
+model's fused linears), stacked float32 weights `A [max_loras, R_g, in]` and
+`Bt [max_loras, R_g, out]` (B transposed, its scaling folded in) allocated once; a group of k
+modules has `R_g = k x max_rank` rank rows, each module's in its own `max_rank` band feeding only
+its own output columns (`bands`); which slot holds which module of which layer (`present`); and
+the step's row → slot assignment (`LoraBatch`).
 
-The delta is computed per slot group, shrink then expand (punica's SGMV, Chen et al.,
-arXiv:2310.18547; vLLM's `punica_cpu` does the same in torch): for the rows of slot s,
-`out[rows] += (x[rows] @ A[s].T) @ B[s].T`. Rows of the base model are in no group and pay
-nothing; a group whose adapter has no weight for a module is skipped.
+The delta is punica's segmented gather matrix-vector product (Chen et al., arXiv:2310.18547;
+vLLM's `punica_cpu`): for each row of slot s, `out += (x @ A[s].T) @ Bt[s]` band by band. On the
+CPU kernels it is one call per projection for the whole step, whatever the adapters
+(`engine/kernels/lora.c`); elsewhere torch, per slot group of rows. Rows of the base model
+(slot -1) pay nothing.
 
 In: `LoraAdapter`s (engine.lora.adapter) to load into slots; the runner's `LoraBatch` per step.
 Out: the base linear's output with the deltas added (in place).
@@ -29,64 +31,67 @@ GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
 
 @dataclass
 class LoraBatch:
-    """The step's rows per slot: `groups` of (slot, rows), rows a slice of the flat token
-    batch or an int64 index tensor."""
+    """The step's rows: `row_slot [T] int32` (-1: the base model) for the kernels, and
+    `groups` of (slot, rows) for the torch path, rows a slice or an int64 index tensor."""
 
+    row_slot: torch.Tensor
     groups: list[tuple[int, slice | torch.Tensor]] = field(default_factory=list)
 
 
 class LoraSlots:
-    """`max_loras` device slots for adapters of rank ≤ `max_rank` on a model of `cfg`, in
-    `dtype` on `device` (see the module docstring)."""
+    """`max_loras` slots for adapters of rank ≤ `max_rank` on a model of `cfg`, on `device`;
+    `kernels` (`engine.kernels.CpuKernels` or None) computes the deltas where it exists."""
 
-    def __init__(self, cfg, max_loras: int, max_rank: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        self.max_loras, self.max_rank = max_loras, max_rank
+    def __init__(self, cfg, max_loras: int, max_rank: int, device: torch.device,
+                 kernels=None) -> None:
+        self.max_loras, self.max_rank, self.kernels = max_loras, max_rank, kernels
         shapes = module_shapes(cfg)
-        self.a: list[dict[str, torch.Tensor]] = []
-        self.b: list[dict[str, torch.Tensor]] = []
         self.offsets: dict[str, int] = {}          # module -> first output column in its group
+        self.bands: dict[str, torch.Tensor] = {}   # group -> [modules, 4] int32 (r0, r1, c0, c1)
+        for group, modules in GROUPS.items():
+            col, rows = 0, []
+            for i, m in enumerate(modules):
+                self.offsets[m] = col
+                rows.append([i * max_rank, (i + 1) * max_rank, col, col + shapes[m][1]])
+                col += shapes[m][1]
+            self.bands[group] = torch.tensor(rows, dtype=torch.int32)
+        self.a: list[dict[str, torch.Tensor]] = []
+        self.bt: list[dict[str, torch.Tensor]] = []
         for _ in range(cfg.num_layers):
-            a, b = {}, {}
+            a, bt = {}, {}
             for group, modules in GROUPS.items():
                 n_in = shapes[modules[0]][0]
                 n_out = sum(shapes[m][1] for m in modules)
-                a[group] = torch.zeros(max_loras, len(modules) * max_rank, n_in, dtype=dtype,
-                                       device=device)
-                b[group] = torch.zeros(max_loras, n_out, len(modules) * max_rank, dtype=dtype,
-                                       device=device)
+                a[group] = torch.zeros(max_loras, len(modules) * max_rank, n_in, device=device)
+                bt[group] = torch.zeros(max_loras, len(modules) * max_rank, n_out,
+                                        device=device)
             self.a.append(a)
-            self.b.append(b)
-        for modules in GROUPS.values():
-            col = 0
-            for m in modules:
-                self.offsets[m] = col
-                col += shapes[m][1]
-        self.present: list[set[tuple[int, str]]] = [set() for _ in range(max_loras)]
+            self.bt.append(bt)
+        # present[layer][group][slot]: 1 when the slot's adapter has weights there
+        self.present = torch.zeros(cfg.num_layers, len(GROUPS), max_loras, dtype=torch.int32)
+        self._group_index = {g: i for i, g in enumerate(GROUPS)}
         self.batch: LoraBatch | None = None
 
     @property
     def nbytes(self) -> int:
-        """Device memory of the pool (bytes)."""
-        return sum(t.nbytes for d in self.a + self.b for t in d.values())
+        """Memory of the pool (bytes)."""
+        return sum(t.nbytes for d in self.a + self.bt for t in d.values())
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
         """Copy `adapter` into `slot` (whatever was there is cleared)."""
         r = self.max_rank
-        for a, b in zip(self.a, self.b):
+        for a, bt in zip(self.a, self.bt):
             for group in GROUPS:
                 a[group][slot].zero_()
-                b[group][slot].zero_()
-        present = set()
+                bt[group][slot].zero_()
+        self.present[:, :, slot] = 0
         for (layer, module), (a_w, b_w) in adapter.weights.items():
             group = next(g for g, ms in GROUPS.items() if module in ms)
             band = GROUPS[group].index(module) * r
-            rank = a_w.shape[0]
-            col = self.offsets[module]
+            rank, col = a_w.shape[0], self.offsets[module]
             self.a[layer][group][slot, band:band + rank] = a_w
-            self.b[layer][group][slot, col:col + b_w.shape[0], band:band + rank] = b_w
-            present.add((layer, group))
-        self.present[slot] = present
+            self.bt[layer][group][slot, band:band + rank, col:col + b_w.shape[0]] = b_w.T
+            self.present[layer, self._group_index[group], slot] = 1
 
     def apply(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """`out` (`[T, out]`, the base linear's result for `x [T, in]`) plus each row's
@@ -94,15 +99,20 @@ class LoraSlots:
         batch = self.batch
         if batch is None:
             return out
-        a, b = self.a[layer][group], self.b[layer][group]
+        present = self.present[layer, self._group_index[group]]
+        a, bt = self.a[layer][group], self.bt[layer][group]
+        if self.kernels is not None and x.device.type == "cpu" and x.stride(1) == 1 \
+                and out.stride(1) == 1 and x.dtype == out.dtype:
+            self.kernels.lora_sgmv(x, out, batch.row_slot, present, a, bt, self.bands[group])
+            return out
         for slot, rows in batch.groups:
-            if (layer, group) not in self.present[slot]:
+            if not present[slot]:
                 continue
-            delta = (x[rows].to(a.dtype) @ a[slot].T) @ b[slot].T
+            delta = ((x[rows].float() @ a[slot].T) @ bt[slot]).to(out.dtype)
             if isinstance(rows, slice):
-                out[rows] += delta.to(out.dtype)
+                out[rows] += delta
             else:
-                out.index_add_(0, rows, delta.to(out.dtype))
+                out.index_add_(0, rows, delta)
         return out
 
 

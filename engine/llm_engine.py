@@ -163,8 +163,11 @@ class LLMEngine:
         from engine.lora.manager import LoraManager
         from engine.lora.slots import LoraSlots
 
+        import torch
+        kernels = self.device.kernels(self.dtype)
         slots = LoraSlots(self.model.cfg, config.max_loras, config.max_lora_rank,
-                          self.device.torch_device, self.device.kernels(self.dtype))
+                          self.device.torch_device, kernels,
+                          self.dtype if kernels is not None else torch.float32)
         self.model.enable_lora(slots)
         manager = LoraManager(self.model.cfg, slots, config.max_cpu_loras or config.max_loras)
         for name, path in config.lora_modules:

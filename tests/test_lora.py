@@ -193,7 +193,8 @@ def test_sgmv_kernel_matches_torch(lib, dtype):
     """engine/kernels/lora.c on every build (AVX-512, AVX2 caps, portable) against the torch
     formula: random rows of 3 slots and the base (-1) in any order, 1 to 40 rows (tiles of 16
     and their remainders), a slot without this projection, zero-padded rank rows, two bands
-    (a fused projection), strided x rows; float32 within 1e-5, bfloat16 within one rounding."""
+    (a fused projection), strided x rows; weights in x's dtype; float32 within 1e-5, bfloat16
+    within one rounding of the output."""
     g = torch.Generator().manual_seed(0)
     slots, rank, n_in, outs = 4, 8, 72, (40, 24)
     bands = torch.tensor([[0, rank, 0, outs[0]], [rank, 2 * rank, outs[0], sum(outs)]],
@@ -211,8 +212,8 @@ def test_sgmv_kernel_matches_torch(lib, dtype):
         want = out.float().clone()
         for r in range(n):
             s = int(row_slot[r])
-            if s >= 0 and present[s]:
-                want[r] += (x[r].float() @ a[s].T) @ bt[s]
-        lib.lora_sgmv(x, out, row_slot, present, a, bt, bands)
+            if s >= 0 and present[s]:       # the weights as the kernel holds them
+                want[r] += (x[r].float() @ a[s].to(dtype).float().T) @ bt[s].to(dtype).float()
+        lib.lora_sgmv(x, out, row_slot, present, a.to(dtype), bt.to(dtype), bands)
         tol = 1e-5 if dtype == torch.float32 else 2 ** -7
         assert torch.allclose(out.float(), want, rtol=tol, atol=tol * 4), (n, dtype)

@@ -264,8 +264,8 @@ class CpuKernels:
         """`out [n, out_cols] += ` each row's LoRA delta, in place (lora.c): `x [n, in]` and
         `out` of one dtype with unit column stride; `row_slot [n] int32` (-1: no adapter),
         `present [slots] int32` (the slot has this projection), `a [slots, R, in]` and
-        `bt [slots, R, out_cols]` float32 contiguous, `bands [n_bands, 4] int32` (rank rows
-        r0:r1 feed output columns c0:c1)."""
+        `bt [slots, R, out_cols]` contiguous, of x's dtype, `bands [n_bands, 4] int32` (rank
+        rows r0:r1 feed output columns c0:c1)."""
         n, n_in = x.shape
         self._fn["lora_sgmv", x.dtype](
             x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), n, row_slot.data_ptr(),

@@ -4,137 +4,158 @@
  * projection (present[s]),
  *     t = A[s] @ x[r]                      (shrink: R dot products of length `in`)
  *     out[r, c0:c1] += t[r0:r1] @ Bt[s, r0:r1, c0:c1]   for each band (r0, r1, c0, c1)
- * A [slots, R, in] and Bt [slots, R, out] are float32 (B transposed, its LoRA scaling folded in);
- * x and out are the step's rows (float32, or bfloat16 stored as uint16), row strides in elements.
- * A band is one module of a fused projection (q, k, v of qkv; gate, up of gate_up): its rank
- * rows and its own output columns, so the block-diagonal zeros of the stacked B are never read.
+ * A [slots, R, in] and Bt [slots, R, out] (B transposed, its LoRA scaling folded in), x and out
+ * (the step's rows, row strides in elements) are all of the suffix's type: float32, or bfloat16
+ * stored as uint16 (the weights then take half the bytes; every sum is float32). A band is one
+ * module of a fused projection (q, k, v of qkv; gate, up of gate_up): its rank rows and its own
+ * output columns, so the block-diagonal zeros of the stacked B are never read.
  *
  * The segmented gather matrix-vector product of punica (Chen et al., "Punica: Multi-Tenant LoRA
- * Serving", arXiv:2310.18547; vLLM's punica_cpu does it in torch), tiled: the rows are grouped
- * by slot (a counting sort) into tiles of up to LORA_RB rows of one slot, so each row of A and
- * of Bt is read once per tile rather than once per row (the weights, not the rows, are the
- * traffic). Tiles are split over OpenMP threads; each row's delta is summed in float32 and added
- * to `out` once (a bfloat16 element is rounded once, to nearest even).
+ * Serving", arXiv:2310.18547; vLLM's punica_cpu does it in torch), tiled: rows are grouped by
+ * slot (a counting sort) into tiles of up to LORA_RB rows of one slot, so each row of A and of
+ * Bt is read once per tile rather than once per row. The shrink keeps one accumulator chain per
+ * row of the tile in registers; the expand works in 16-column strips with the tile's sums in
+ * registers. Shrink tasks (tile x 16 rank rows) and expand tasks (tile x 256 columns) are split
+ * over OpenMP threads; each row's delta is added to `out` once (a bfloat16 element is rounded
+ * once, to nearest even).
  */
 #include "common.h"
 
 #define LORA_RB 16         /* rows per tile */
 #define LORA_CB 256        /* output columns per expand task */
+#define LORA_JB 16         /* rank rows per shrink task */
 
-/* tt[i * R + j] = A_j . x_i for the tile's m rows (x rows xt[i * in], float32), NR >= m rows
- * computed (rows m..NR-1 of xt are zero): the row of A is loaded once per vector and feeds NR
- * independent accumulators (one dependency chain per row keeps the FMA units busy). */
 #if HAVE_AVX512
-#define DEFINE_SHRINK(NR)                                                                    \
-INLINE void lora_shrink_##NR(const float *As, int R, int j0, int j1, int in,               \
-                             const float *xt, int m, float *tt) {                            \
+/* 16 weights as float32: all of them, or the first `mask` lanes (others zero). */
+INLINE __m512 w16_f32(const float *p) { return _mm512_loadu_ps(p); }
+INLINE __m512 w16m_f32(__mmask16 m, const float *p) { return _mm512_maskz_loadu_ps(m, p); }
+INLINE __m512 w16_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+INLINE __m512 w16m_bf16(__mmask16 m, const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+/* tt[i * R + j] = A_j . x_i for rank rows [j0, j1) and the tile's rows (xt [NR][in] float32,
+ * zero past the tile's m rows): a row of A is loaded once per vector and feeds NR independent
+ * accumulators. */
+#define DEFINE_SHRINK(NR, SUFFIX, W)                                                         \
+static __attribute__((noinline)) void shrink_##NR##_##SUFFIX(const W *As, int R, int j0,      \
+                                                             int j1, int in, const float *xt, \
+                                                             float *tt) {                     \
     const __mmask16 tail = (__mmask16)((1u << (in % 16)) - 1u);                              \
     for (int j = j0; j < j1; j++) {                                                          \
-        const float *a = As + (int64_t)j * in;                                               \
+        const W *a = As + (int64_t)j * in;                                                   \
         __m512 acc[NR];                                                                      \
+        _Pragma("GCC unroll 16")                                                             \
         for (int i = 0; i < NR; i++) acc[i] = _mm512_setzero_ps();                           \
         int k = 0;                                                                           \
         for (; k + 16 <= in; k += 16) {                                                      \
-            const __m512 av = _mm512_loadu_ps(a + k);                                        \
+            const __m512 av = w16_##SUFFIX(a + k);                                           \
+            _Pragma("GCC unroll 16")                                                         \
             for (int i = 0; i < NR; i++)                                                     \
                 acc[i] = _mm512_fmadd_ps(av, _mm512_loadu_ps(xt + i * in + k), acc[i]);      \
         }                                                                                    \
         if (k < in) {                                                                        \
-            const __m512 av = _mm512_maskz_loadu_ps(tail, a + k);                            \
+            const __m512 av = w16m_##SUFFIX(tail, a + k);                                    \
+            _Pragma("GCC unroll 16")                                                         \
             for (int i = 0; i < NR; i++)                                                     \
                 acc[i] = _mm512_fmadd_ps(av, _mm512_maskz_loadu_ps(tail, xt + i * in + k),   \
                                          acc[i]);                                            \
         }                                                                                    \
-        for (int i = 0; i < m; i++) tt[i * R + j] = _mm512_reduce_add_ps(acc[i]);            \
+        _Pragma("GCC unroll 16")                                                             \
+        for (int i = 0; i < NR; i++) tt[i * R + j] = _mm512_reduce_add_ps(acc[i]);           \
     }                                                                                        \
 }
-DEFINE_SHRINK(1)
-DEFINE_SHRINK(4)
-DEFINE_SHRINK(8)
-DEFINE_SHRINK(16)
-#endif
 
-/* The rank rows [j0, j1) of tt for the tile's m rows (xt: its rows, float32, zero past m up to
- * the NR chosen). */
-INLINE void lora_shrink(const float *As, int R, int j0, int j1, int in, const float *xt, int m,
-                        float *tt) {
-#if HAVE_AVX512
-    if (m == 1) lora_shrink_1(As, R, j0, j1, in, xt, m, tt);
-    else if (m <= 4) lora_shrink_4(As, R, j0, j1, in, xt, m, tt);
-    else if (m <= 8) lora_shrink_8(As, R, j0, j1, in, xt, m, tt);
-    else lora_shrink_16(As, R, j0, j1, in, xt, m, tt);
-#else
-    for (int j = j0; j < j1; j++) {
-        const float *a = As + (int64_t)j * in;
-        for (int i = 0; i < m; i++) {
-            const float *xi = xt + i * in;
-            float d = 0.f;
-#pragma omp simd reduction(+:d)
-            for (int k = 0; k < in; k++) d += a[k] * xi[k];
-            tt[i * R + j] = d;
-        }
-    }
-#endif
-}
-
-/* acc[i * LORA_CB + c] = sum over live rank rows j in [r0, r1) of tt[i * R + j] * B[j][c]
- * for c < cn (B rows `out_cols` apart), 16 columns at a time with the tile's rows' sums in
- * registers (NR >= m accumulators: one load of B feeds NR FMAs); the chunk of B it walks is
- * (r1 - r0) x cn floats, L1-sized. */
-#if HAVE_AVX512
-#define DEFINE_EXPAND(NR)                                                                    \
-INLINE void lora_expand_##NR(const float *B, int out_cols, int r0, int r1, int cn,           \
-                             const float *tt, int R, int m, const uint8_t *live,             \
-                             float *acc) {                                                   \
+/* acc[i * LORA_CB + c] = sum over live rank rows j in [r0, r1) of tt[i * R + j] * B[j][c] for
+ * c < cn (B rows `out_cols` apart), 16 columns at a time, NR row sums in registers. */
+#define DEFINE_EXPAND(NR, SUFFIX, W)                                                         \
+static __attribute__((noinline)) void expand_##NR##_##SUFFIX(const W *B, int out_cols, int r0, \
+                                                             int r1, int cn, const float *tt, \
+                                                             int R, const uint8_t *live,      \
+                                                             float *acc) {                    \
+    float tl[(r1 - r0) * NR];             /* tt's band, rank-major: constant offsets */      \
+    for (int j = r0; j < r1; j++)                                                            \
+        for (int i = 0; i < NR; i++) tl[(j - r0) * NR + i] = tt[i * R + j];                  \
     for (int c = 0; c < cn; c += 16) {                                                       \
         const int w = cn - c < 16 ? cn - c : 16;                                             \
         const __mmask16 mask = (__mmask16)(w == 16 ? 0xffffu : (1u << w) - 1u);              \
         __m512 v[NR];                                                                        \
+        _Pragma("GCC unroll 16")                                                             \
         for (int i = 0; i < NR; i++) v[i] = _mm512_setzero_ps();                             \
         for (int j = r0; j < r1; j++) {                                                      \
             if (!live[j]) continue;                                                          \
-            const __m512 b = _mm512_maskz_loadu_ps(mask, B + (int64_t)j * out_cols + c);     \
+            const __m512 b = w16m_##SUFFIX(mask, B + (int64_t)j * out_cols + c);             \
+            const float *t = tl + (j - r0) * NR;                                             \
+            _Pragma("GCC unroll 16")                                                         \
             for (int i = 0; i < NR; i++)                                                     \
-                v[i] = _mm512_fmadd_ps(_mm512_set1_ps(tt[i * R + j]), b, v[i]);              \
+                v[i] = _mm512_fmadd_ps(_mm512_set1_ps(t[i]), b, v[i]);                       \
         }                                                                                    \
-        for (int i = 0; i < m; i++) _mm512_storeu_ps(acc + i * LORA_CB + c, v[i]);           \
+        _Pragma("GCC unroll 16")                                                             \
+        for (int i = 0; i < NR; i++) _mm512_storeu_ps(acc + i * LORA_CB + c, v[i]);          \
     }                                                                                        \
 }
-DEFINE_EXPAND(1)
-DEFINE_EXPAND(4)
-DEFINE_EXPAND(8)
-DEFINE_EXPAND(16)
-#endif
 
-INLINE void lora_expand(const float *B, int out_cols, int r0, int r1, int cn, const float *tt,
-                        int R, int m, const uint8_t *live, float *acc) {
-#if HAVE_AVX512
-    if (m == 1) lora_expand_1(B, out_cols, r0, r1, cn, tt, R, m, live, acc);
-    else if (m <= 4) lora_expand_4(B, out_cols, r0, r1, cn, tt, R, m, live, acc);
-    else if (m <= 8) lora_expand_8(B, out_cols, r0, r1, cn, tt, R, m, live, acc);
-    else lora_expand_16(B, out_cols, r0, r1, cn, tt, R, m, live, acc);
-#else
-    for (int i = 0; i < m; i++) memset(acc + i * LORA_CB, 0, sizeof(float) * cn);
-    for (int j = r0; j < r1; j++) {
-        if (!live[j]) continue;
-        const float *bj = B + (int64_t)j * out_cols;
-        for (int i = 0; i < m; i++) {
-            const float tij = tt[i * R + j];
-            float *ai = acc + i * LORA_CB;
-#pragma omp simd
-            for (int c = 0; c < cn; c++) ai[c] += tij * bj[c];
-        }
-    }
-#endif
+#define DEFINE_TILE_OPS(SUFFIX, W)                                                           \
+DEFINE_SHRINK(1, SUFFIX, W) DEFINE_SHRINK(4, SUFFIX, W)                                      \
+DEFINE_SHRINK(8, SUFFIX, W) DEFINE_SHRINK(16, SUFFIX, W)                                     \
+DEFINE_EXPAND(1, SUFFIX, W) DEFINE_EXPAND(4, SUFFIX, W)                                      \
+DEFINE_EXPAND(8, SUFFIX, W) DEFINE_EXPAND(16, SUFFIX, W)                                     \
+INLINE void shrink_##SUFFIX(const W *As, int R, int j0, int j1, int in, const float *xt,     \
+                            int m, float *tt) {                                              \
+    if (m == 1) shrink_1_##SUFFIX(As, R, j0, j1, in, xt, tt);                                \
+    else if (m <= 4) shrink_4_##SUFFIX(As, R, j0, j1, in, xt, tt);                           \
+    else if (m <= 8) shrink_8_##SUFFIX(As, R, j0, j1, in, xt, tt);                           \
+    else shrink_16_##SUFFIX(As, R, j0, j1, in, xt, tt);                                      \
+}                                                                                            \
+INLINE void expand_##SUFFIX(const W *B, int out_cols, int r0, int r1, int cn,                \
+                            const float *tt, int R, int m, const uint8_t *live, float *acc) { \
+    if (m == 1) expand_1_##SUFFIX(B, out_cols, r0, r1, cn, tt, R, live, acc);                \
+    else if (m <= 4) expand_4_##SUFFIX(B, out_cols, r0, r1, cn, tt, R, live, acc);           \
+    else if (m <= 8) expand_8_##SUFFIX(B, out_cols, r0, r1, cn, tt, R, live, acc);           \
+    else expand_16_##SUFFIX(B, out_cols, r0, r1, cn, tt, R, live, acc);                      \
 }
-
-#define LORA_JB 16         /* rank rows per shrink task */
+#else
+/* The generic loops (any target): the same sums, auto-vectorized where the target allows. */
+#define DEFINE_TILE_OPS(SUFFIX, W)                                                           \
+INLINE void shrink_##SUFFIX(const W *As, int R, int j0, int j1, int in, const float *xt,     \
+                            int m, float *tt) {                                              \
+    for (int j = j0; j < j1; j++) {                                                          \
+        const W *a = As + (int64_t)j * in;                                                   \
+        for (int i = 0; i < m; i++) {                                                        \
+            const float *xi = xt + i * in;                                                   \
+            float d = 0.f;                                                                   \
+            _Pragma("omp simd reduction(+:d)")                                               \
+            for (int k = 0; k < in; k++) d += load_##SUFFIX(a[k]) * xi[k];                   \
+            tt[i * R + j] = d;                                                               \
+        }                                                                                    \
+    }                                                                                        \
+}                                                                                            \
+INLINE void expand_##SUFFIX(const W *B, int out_cols, int r0, int r1, int cn,                \
+                            const float *tt, int R, int m, const uint8_t *live, float *acc) { \
+    for (int i = 0; i < m; i++) memset(acc + i * LORA_CB, 0, sizeof(float) * cn);           \
+    for (int j = r0; j < r1; j++) {                                                          \
+        if (!live[j]) continue;                                                              \
+        const W *bj = B + (int64_t)j * out_cols;                                             \
+        for (int i = 0; i < m; i++) {                                                        \
+            const float tij = tt[i * R + j];                                                 \
+            float *ai = acc + i * LORA_CB;                                                   \
+            _Pragma("omp simd")                                                              \
+            for (int c = 0; c < cn; c++) ai[c] += tij * load_##SUFFIX(bj[c]);                \
+        }                                                                                    \
+    }                                                                                        \
+}
+#endif
 
 #define DEFINE_LORA(SUFFIX, T)                                                               \
+DEFINE_TILE_OPS(SUFFIX, T)                                                                   \
 void lora_sgmv_##SUFFIX(const T *x, int64_t x_stride, T *out, int64_t out_stride, int n,     \
                         const int32_t *row_slot, const int32_t *present, int n_slots,        \
-                        const float *A, const float *Bt, int in, int out_cols, int R,        \
-                        int n_bands, const int32_t *bands, int num_threads) {                \
+                        const T *A, const T *Bt, int in, int out_cols, int R, int n_bands,   \
+                        const int32_t *bands, int num_threads) {                             \
     if (n <= 0) return;                                                                      \
     int order[n], tile_first[n], tile_len[n];                                                \
     int count[n_slots + 1], start[n_slots + 1];                                              \
@@ -157,9 +178,9 @@ void lora_sgmv_##SUFFIX(const T *x, int64_t x_stride, T *out, int64_t out_stride
         const int s = row_slot[r];                                                           \
         if (s >= 0 && s < n_slots && present[s]) order[start[s]++] = r;                      \
     }                                                                                        \
-    /* rows in tile order as float32 (a tile padded with zero rows up to LORA_RB), then    \
+    /* the rows in tile order as float32 (each tile padded with zero rows to LORA_RB), then  \
      * their shrunk ranks tt [row][R] */                                                     \
-    const size_t padded = (size_t)(ntiles + 1) * LORA_RB;                                    \
+    const size_t padded = (size_t)ntiles * LORA_RB;                                          \
     float *xt = scratch(1, sizeof(float) * padded * ((size_t)in + R));                       \
     if (!xt) return;                                                                         \
     float *tt = xt + padded * in;                                                            \
@@ -182,9 +203,9 @@ void lora_sgmv_##SUFFIX(const T *x, int64_t x_stride, T *out, int64_t out_stride
             const int tile = task / njb, jb = task % njb;                                    \
             const int s = row_slot[order[tile_first[tile]]];                                 \
             const int j1 = (jb + 1) * LORA_JB < R ? (jb + 1) * LORA_JB : R;                  \
-            lora_shrink(A + (int64_t)s * R * in, R, jb * LORA_JB, j1, in,                    \
-                        xt + (size_t)tile * LORA_RB * in, tile_len[tile],                    \
-                        tt + (size_t)tile * LORA_RB * R);                                    \
+            shrink_##SUFFIX(A + (int64_t)s * R * in, R, jb * LORA_JB, j1, in,                \
+                            xt + (size_t)tile * LORA_RB * in, tile_len[tile],                \
+                            tt + (size_t)tile * LORA_RB * R);                                \
         }                                                                                    \
         _Pragma("omp for schedule(dynamic, 1)")                                              \
         for (int task = 0; task < ntiles * nchunk; task++) {                                 \
@@ -207,8 +228,8 @@ void lora_sgmv_##SUFFIX(const T *x, int64_t x_stride, T *out, int64_t out_stride
                 live[j] = 0;                                                                 \
                 for (int i = 0; i < m; i++) live[j] |= ttt[i * R + j] != 0.f;                \
             }                                                                                \
-            lora_expand(Bt + (int64_t)row_slot[rows[0]] * R * out_cols + cs, out_cols, r0,  \
-                        r1, cn, ttt, R, m, live, acc);                                       \
+            expand_##SUFFIX(Bt + (int64_t)row_slot[rows[0]] * R * out_cols + cs, out_cols,  \
+                            r0, r1, cn, ttt, R, m, live, acc);                               \
             for (int i = 0; i < m; i++) {                                                    \
                 T *o = out + (int64_t)rows[i] * out_stride + cs;                             \
                 const float *ai = acc + i * LORA_CB;                                         \

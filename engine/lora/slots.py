@@ -1,8 +1,8 @@
 """The device pool of LoRA slots and the per-step LoRA delta on top of the base linears.
 
 Owns: for every layer and projection group of the model (`qkv`, `o`, `gate_up`, `down`: the
-model's fused linears), stacked float32 weights `A [max_loras, R_g, in]` and
-`Bt [max_loras, R_g, out]` (B transposed, its scaling folded in) allocated once; a group of k
+model's fused linears), stacked weights `A [max_loras, R_g, in]` and `Bt [max_loras, R_g, out]`
+(B transposed, its scaling folded in; in the model's dtype) allocated once; a group of k
 modules has `R_g = k x max_rank` rank rows, each module's in its own `max_rank` band feeding only
 its own output columns (`bands`); which slot holds which module of which layer (`present`); and
 the step's row → slot assignment (`LoraBatch`).
@@ -40,10 +40,12 @@ class LoraBatch:
 
 class LoraSlots:
     """`max_loras` slots for adapters of rank ≤ `max_rank` on a model of `cfg`, on `device`;
-    `kernels` (`engine.kernels.CpuKernels` or None) computes the deltas where it exists."""
+    `kernels` (`engine.kernels.CpuKernels` or None) computes the deltas where it exists. The
+    weights are kept in `dtype` (the model's: bfloat16 halves the bytes a step reads; the
+    kernels sum in float32)."""
 
     def __init__(self, cfg, max_loras: int, max_rank: int, device: torch.device,
-                 kernels=None) -> None:
+                 kernels=None, dtype: torch.dtype = torch.float32) -> None:
         self.max_loras, self.max_rank, self.kernels = max_loras, max_rank, kernels
         shapes = module_shapes(cfg)
         self.offsets: dict[str, int] = {}          # module -> first output column in its group
@@ -62,8 +64,9 @@ class LoraSlots:
             for group, modules in GROUPS.items():
                 n_in = shapes[modules[0]][0]
                 n_out = sum(shapes[m][1] for m in modules)
-                a[group] = torch.zeros(max_loras, len(modules) * max_rank, n_in, device=device)
-                bt[group] = torch.zeros(max_loras, len(modules) * max_rank, n_out,
+                a[group] = torch.zeros(max_loras, len(modules) * max_rank, n_in, dtype=dtype,
+                                       device=device)
+                bt[group] = torch.zeros(max_loras, len(modules) * max_rank, n_out, dtype=dtype,
                                         device=device)
             self.a.append(a)
             self.bt.append(bt)
@@ -102,13 +105,13 @@ class LoraSlots:
         present = self.present[layer, self._group_index[group]]
         a, bt = self.a[layer][group], self.bt[layer][group]
         if self.kernels is not None and x.device.type == "cpu" and x.stride(1) == 1 \
-                and out.stride(1) == 1 and x.dtype == out.dtype:
+                and out.stride(1) == 1 and x.dtype == out.dtype == a.dtype:
             self.kernels.lora_sgmv(x, out, batch.row_slot, present, a, bt, self.bands[group])
             return out
         for slot, rows in batch.groups:
             if not present[slot]:
                 continue
-            delta = ((x[rows].float() @ a[slot].T) @ bt[slot]).to(out.dtype)
+            delta = ((x[rows].float() @ a[slot].float().T) @ bt[slot].float()).to(out.dtype)
             if isinstance(rows, slice):
                 out[rows] += delta
             else:

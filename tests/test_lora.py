@@ -94,7 +94,8 @@ def run(eng, prompt, names) -> list[list[int]]:
 MIXED = ["attn8", "all16", None, "mlp4", "ko8", "all16", None, "attn8"]
 
 
-@pytest.mark.parametrize("quantization", ["none", "gguf"])
+@pytest.mark.parametrize("quantization", ["none", pytest.param("gguf",
+                                                                 marks=pytest.mark.extended)])
 def test_each_alone_and_mixed_match_peft(adapters, prompt, quantization):
     """GGUF: the kernels' base products differ from the float32 reference by summation order
     only; no near-tie met on this prompt."""
@@ -112,7 +113,7 @@ def test_fewer_slots_and_host_adapters_than_adapters(adapters, prompt):
     assert eng.lora.loads > 2 and len(eng.lora.cpu) == 2
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("mode", ["recompute", pytest.param("swap", marks=pytest.mark.extended)])
 def test_preemption(adapters, prompt, mode):
     # 10 blocks = 160 slots: 8 requests of ~50 tokens cannot all run, so some are preempted
     eng = engine(adapters, num_gpu_blocks_override=10, max_model_len=160, preemption_mode=mode,

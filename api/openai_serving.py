@@ -212,7 +212,7 @@ class ResponseContext:
                 before = ch.token_ids[:len(ch.token_ids) - len(out_ids)]
                 body = {"index": i, "text": prefix + text, "finish_reason": finish,
                         "logprobs": self.completion_logprobs(lps, offset, before=before)
-                        if ch.started or self.echo_texts is None
+                        if ch.started or self.echo_ids is None
                         else self.completion_logprobs(lps, 0, group)}
             if finish is not None or not self.chat:     # completions: in every chunk (vLLM)
                 body["stop_reason"] = ch.stop_reason if finish is not None else None
@@ -285,8 +285,10 @@ class ResponseContext:
                 g = i // self.n
                 echo = self.echo_texts is not None
                 choices.append({"index": i, "text": (self.echo_texts[g] if echo else "") + ch.text,
-                                "logprobs": self.completion_logprobs(ch.logprobs, 0,
-                                                                     g if echo else None),
+                                "logprobs": self.completion_logprobs(
+                                    ch.logprobs, 0 if self.echo_ids is not None else
+                                    len(self.echo_texts[g]) if echo else 0,
+                                    g if echo else None),
                                 "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason,
                                 "prompt_logprobs": self.prompt_logprobs(g)})
                 if self.prompt_ids is not None:

@@ -105,6 +105,7 @@ def test_each_alone_and_mixed_match_peft(adapters, prompt, quantization):
     assert run(eng, prompt, MIXED) == [adapters[n][1] for n in MIXED]
 
 
+@pytest.mark.extended
 def test_fewer_slots_and_host_adapters_than_adapters(adapters, prompt):
     """Two slots, two adapters in host memory, four adapters mixed: requests of a third adapter
     wait for a slot, slots are reloaded (and adapters re-read from disk), outputs unchanged."""
@@ -113,7 +114,8 @@ def test_fewer_slots_and_host_adapters_than_adapters(adapters, prompt):
     assert eng.lora.loads > 2 and len(eng.lora.cpu) == 2
 
 
-@pytest.mark.parametrize("mode", ["recompute", pytest.param("swap", marks=pytest.mark.extended)])
+@pytest.mark.extended
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption(adapters, prompt, mode):
     # 10 blocks = 160 slots: 8 requests of ~50 tokens cannot all run, so some are preempted
     eng = engine(adapters, num_gpu_blocks_override=10, max_model_len=160, preemption_mode=mode,
@@ -122,11 +124,13 @@ def test_preemption(adapters, prompt, mode):
     assert eng.scheduler.counters.num_preemptions > 0
 
 
+@pytest.mark.extended
 def test_chunked_prefill_at_7_token_budget(adapters, prompt):
     eng = engine(adapters, max_num_batched_tokens=7)
     assert run(eng, prompt, MIXED) == [adapters[n][1] for n in MIXED]
 
 
+@pytest.mark.extended
 def test_prefix_cache_is_per_adapter(adapters, prompt):
     eng = engine(adapters)
     counters = eng.scheduler.counters
@@ -218,3 +222,20 @@ def test_sgmv_kernel_matches_torch(lib, dtype):
         lib.lora_sgmv(x, out, row_slot, present, a.to(dtype), bt.to(dtype), bands)
         tol = 1e-5 if dtype == torch.float32 else 2 ** -7
         assert torch.allclose(out.float(), want, rtol=tol, atol=tol * 4), (n, dtype)
+
+
+@pytest.mark.extended
+def test_forked_choices_and_structured_outputs_keep_the_adapter(adapters, prompt):
+    """n > 1 forks after the prompt: every choice runs with the request's adapter (greedy: each
+    is the adapter's reference); a grammar constrains an adapter's output as the base's."""
+    from scheduler.request import StructuredOutputs
+
+    eng = engine(adapters)
+    [choices] = eng.generate([prompt], SamplingParams(n=3, max_tokens=MAX_TOKENS, temperature=0,
+                                                      lora_name="all16"))
+    assert choices == [adapters["all16"][1]] * 3
+    so = StructuredOutputs("choice", json.dumps(["yes", "no", "maybe"]))
+    for name in ("mlp4", None):
+        [[ids]] = eng.generate([prompt], SamplingParams(max_tokens=4, temperature=0,
+                                                        structured_outputs=so, lora_name=name))
+        assert eng.tokenizer.decode(ids, skip_special_tokens=True) in ("yes", "no", "maybe")

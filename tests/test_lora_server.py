@@ -22,7 +22,7 @@ from tests.conftest import MODEL, free_port, metric, start_server, stop_server
 from tests.test_lora import SPECS, hf_greedy, make_adapter
 from tests.test_triton_llm import llm_inputs
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.extended]   # a server of its own: CI's stress tier
 peft = pytest.importorskip("peft", reason="peft is not installed (pip install -e '.[test]')")
 NAMES = ["attn8", "all16"]                       # served from the start; mlp4 loaded later
 PROMPT = "The capital of France is"

@@ -96,6 +96,7 @@ def test_prefix_cache_is_not_read_for_them(prompts, reference):
     assert eng.scheduler.counters.prefix_cache_hits > hits
 
 
+@pytest.mark.extended
 def test_recompute_preemption_delivers_them_once(prompts, reference):
     eng = engine(num_gpu_blocks_override=12, max_model_len=192, preemption_mode="recompute",
                  max_num_batched_tokens=64)
@@ -107,6 +108,7 @@ def test_recompute_preemption_delivers_them_once(prompts, reference):
         check(entries, p, reference[prompts.index(p)], 0)
 
 
+@pytest.mark.extended
 def test_n_choices_and_whole_vocabulary(prompts, reference, model_dir):
     params = SamplingParams(n=2, max_tokens=3, temperature=1.0, seed=0, prompt_logprobs=-1)
     entries = run(engine(), [prompts[2]], params)[0]

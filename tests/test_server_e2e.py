@@ -94,8 +94,13 @@ def test_echo_and_logprobs(client):
     r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4,
                                   temperature=0, echo=True, logprobs=3)
     c = r.choices[0]
-    assert c.text.startswith("Once upon a time") and len(c.logprobs.tokens) == 4
-    assert all(len(t) == 3 for t in c.logprobs.top_logprobs)
+    # vLLM's echo: the prompt's tokens first, scored by its prompt logprobs (the first has
+    # none); each position lists its token and the top 3 (3 entries when it is among them)
+    n_prompt = r.usage.prompt_tokens
+    assert c.text.startswith("Once upon a time") and len(c.logprobs.tokens) == n_prompt + 4
+    assert "".join(c.logprobs.tokens) == c.text and c.logprobs.token_logprobs[0] is None
+    assert c.logprobs.top_logprobs[0] is None
+    assert all(len(t) in (3, 4) for t in c.logprobs.top_logprobs[1:])
     chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, temperature=0,
                                           logprobs=True, top_logprobs=2)
     content = chat.choices[0].logprobs.content

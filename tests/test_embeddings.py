@@ -316,6 +316,7 @@ def test_tokenizer_parameter_resolves_packages_folders_and_paths(tmp_path):
         tokenizer_file("missing.json", tmp_path)
 
 
+@pytest.mark.extended          # a server of its own: the stress tier (make test-stress)
 def test_the_llm_alone_answers_embeddings_with_a_400(tmp_path):
     """A server with the LLM and no model repository: embeddings naming the LLM are a 400 in
     OpenAI's shape naming `model` (it was a 500: the LLM's entry has no repository folder),

@@ -323,6 +323,7 @@ def test_model_not_decoupled_answers_through_its_sender(server):
     assert result.as_numpy("OUT").tolist() == [30]
 
 
+@pytest.mark.extended          # a server of its own: the stress tier (make test-stress)
 @pytest.mark.slow
 @continuum_only("the LLM (a python pipeline calling it through BLS)")
 def test_bls_pipeline_calls_the_llm(tmp_path_factory):

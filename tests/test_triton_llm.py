@@ -183,6 +183,7 @@ def test_a_cancelled_grpc_stream_aborts_the_generation(server, server_grpc):
     alive(server)
 
 
+@pytest.mark.extended          # a server of its own: the stress tier (make test-stress)
 def test_the_llm_is_a_v2_model_without_a_repository(tmp_path):
     """`continuum serve --grpc-port P` with no model repository: the LLM answers every v2 route
     a Triton client uses for a vLLM-backend model, over HTTP and gRPC (index, metadata, config,

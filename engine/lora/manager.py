@@ -121,6 +121,9 @@ class LoraManager:
                 mine.append((start, start + count))
         device = self.slots.a[0]["qkv"].device
         batch = LoraBatch(torch.tensor(row_slot, dtype=torch.int32, device=device))
+        if self.slots.kernels is not None:       # the kernels read row_slot alone
+            self.slots.batch = batch
+            return
         for slot, ranges in spans.items():
             batch.groups.append((slot, slice(*ranges[0]) if len(ranges) == 1 else torch.cat(
                 [torch.arange(a, b) for a, b in ranges]).to(device)))

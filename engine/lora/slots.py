@@ -72,6 +72,9 @@ class LoraSlots:
             self.bt.append(bt)
         # present[layer][group][slot]: 1 when the slot's adapter has weights there
         self.present = torch.zeros(cfg.num_layers, len(GROUPS), max_loras, dtype=torch.int32)
+        # per layer and group, a view of its present[] row (set in place by `load`)
+        self._present = [{g: self.present[layer, i] for i, g in enumerate(GROUPS)}
+                         for layer in range(cfg.num_layers)]
         self._group_index = {g: i for i, g in enumerate(GROUPS)}
         self.batch: LoraBatch | None = None
 
@@ -102,7 +105,7 @@ class LoraSlots:
         batch = self.batch
         if batch is None:
             return out
-        present = self.present[layer, self._group_index[group]]
+        present = self._present[layer][group]
         a, bt = self.a[layer][group], self.bt[layer][group]
         if self.kernels is not None and x.device.type == "cpu" and x.stride(1) == 1 \
                 and out.stride(1) == 1 and x.dtype == out.dtype == a.dtype:

@@ -129,6 +129,3 @@ class EngineConfig:
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"--max-cpu-loras ({self.max_cpu_loras}) must be at least "
                              f"--max-loras ({self.max_loras})")
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise ValueError("--enable-lora is not supported with --tensor-parallel-size > 1 "
-                             "yet")

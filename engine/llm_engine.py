@@ -29,6 +29,7 @@ from engine.distributed.executor import TensorParallelRunner, start_tensor_paral
 from engine.distributed.parallel import TensorParallelError, check_tensor_parallel
 from engine.linear import LINEAR_PATH_NAMES
 from engine.lora.adapter import LoraError
+from engine.lora.manager import LoraSpec, LoraUpdate
 from engine.loader import resolve_model
 from engine.model_runner import ModelRunner
 from engine.models.llama import ModelConfig, load_model
@@ -69,6 +70,9 @@ class LLMEngine:
                                           self.dtype, config.activation_quantization)
         self.max_model_len = self._max_model_len(mcfg)
         self.runner = None
+        self.lora_spec = LoraSpec(config.max_loras, config.max_lora_rank,
+                                  config.max_cpu_loras or config.max_loras,
+                                  config.lora_modules) if config.enable_lora else None
         self._tp = self._start_tensor_parallel(mcfg) if config.tensor_parallel_size > 1 else None
         try:
             self._build(config, mcfg)
@@ -82,7 +86,7 @@ class LLMEngine:
         self.device.kernels(self.dtype)          # compiled once, before the ranks load it
         return start_tensor_parallel(self.config.tensor_parallel_size, self.device, self.dtype,
                                      str(self.model_dir), self.max_model_len, self._rank_died,
-                                     self.quant)
+                                     self.quant, self.lora_spec)
 
     def _rank_died(self, message: str) -> None:
         logger.error("%s; the engine stops", message)
@@ -158,22 +162,15 @@ class LLMEngine:
                     self.device.cpu_isa() or "n/a")
 
     def _lora_manager(self, config: EngineConfig):
-        """The LoRA slots on the model and the manager with `--lora-modules` registered.
-        Raises: LoraError (a bad adapter stops the start, naming it)."""
-        from engine.lora.manager import LoraManager
-        from engine.lora.slots import LoraSlots
-
-        import torch
-        kernels = self.device.kernels(self.dtype)
-        slots = LoraSlots(self.model.cfg, config.max_loras, config.max_lora_rank,
-                          self.device.torch_device, kernels,
-                          self.dtype if kernels is not None else torch.float32)
-        self.model.enable_lora(slots)
-        manager = LoraManager(self.model.cfg, slots, config.max_cpu_loras or config.max_loras)
-        for name, path in config.lora_modules:
-            manager.register(name, path)
-        logger.info("LoRA: %d slots of rank <= %d (%.1f MiB), adapters: %s", config.max_loras,
-                    config.max_lora_rank, slots.nbytes / 2**20, ", ".join(manager.names) or "none")
+        """The LoRA slots on the model (this rank's shard under tensor parallelism) and the
+        manager with `--lora-modules` registered. Raises: LoraError (a bad adapter stops the
+        start, naming it)."""
+        from engine.lora.manager import build_lora
+        manager = build_lora(self.model, self.model_config, self.device, self.dtype,
+                             self.lora_spec, self._tp[0] if self._tp is not None else None)
+        logger.info("LoRA: %d slots of rank <= %d (%.1f MiB%s), adapters: %s",
+                    config.max_loras, config.max_lora_rank, manager.slots.nbytes / 2**20,
+                    "" if self._tp is None else " per rank", ", ".join(manager.names) or "none")
         return manager
 
     def _linear_description(self) -> str:
@@ -319,6 +316,8 @@ class LLMEngine:
         if self.lora is None:
             raise LoraError("LoRA is not enabled: start the server with --enable-lora")
         self.lora.register(name, path)
+        if self._tp is not None:               # each rank reads it and keeps its shard
+            self._tp[1].send(LoraUpdate("load", name, path))
 
     def remove_lora(self, name: str) -> None:
         """Stop serving adapter `name` to new requests (those running finish with it).
@@ -326,6 +325,8 @@ class LLMEngine:
         if self.lora is None:
             raise LoraError("LoRA is not enabled: start the server with --enable-lora")
         self.lora.unregister(name)
+        if self._tp is not None:
+            self._tp[1].send(LoraUpdate("unload", name))
 
     def _compile_grammar(self, so: StructuredOutputs) -> Future | None:
         """The scheduler's question at admission: None when `so`'s grammar is compiled already,

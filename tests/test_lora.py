@@ -105,6 +105,25 @@ def test_each_alone_and_mixed_match_peft(adapters, prompt, quantization):
     assert run(eng, prompt, MIXED) == [adapters[n][1] for n in MIXED]
 
 
+def test_tensor_parallel_three_ranks(adapters, prompt):
+    """Three ranks, each holding its shard of every adapter (B split by output row on Q/K/V and
+    gate/up, A by input column on O and down): the mixed batch gives peft's tokens; an adapter
+    loaded at run time reaches every rank before the next step, and unloading it refuses new
+    requests for it."""
+    eng = engine(adapters, tensor_parallel_size=3, quantization="none")
+    try:
+        assert eng.model.cfg.num_heads == 3 and eng.lora.slots.a[0]["o"].shape[-1] == 192
+        assert run(eng, prompt, MIXED) == [adapters[n][1] for n in MIXED]
+        eng.add_lora("late", adapters["ko8"][0])
+        assert run(eng, prompt, ["late", "attn8"]) == [adapters["ko8"][1], adapters["attn8"][1]]
+        eng.remove_lora("late")
+        with pytest.raises(ParamError):
+            eng.add_request("x", prompt, SamplingParams(lora_name="late"))
+        assert run(eng, prompt, [None]) == [adapters[None][1]]
+    finally:
+        eng.shutdown()
+
+
 @pytest.mark.extended
 def test_fewer_slots_and_host_adapters_than_adapters(adapters, prompt):
     """Two slots, two adapters in host memory, four adapters mixed: requests of a third adapter

@@ -4,7 +4,8 @@ Owns: the worker processes (ranks 1..N-1, `engine.distributed.worker`), the cont
 pickle per step written down each worker's stdin), a monitor thread per worker that reports
 an unexpected exit at once, and `TensorParallelRunner`, the `ModelRunner` of rank 0 that sends
 each `SchedulerOutput` to the workers before executing it itself. In: the engine's start-up
-facts (`WorkerSpec`, then `CacheSpec`) and one `SchedulerOutput` per step; out: rank 0's
+facts (`WorkerSpec`, then `CacheSpec`), one `SchedulerOutput` per step and, between steps, a
+`LoraUpdate` per adapter loaded or unloaded at run time; out: rank 0's
 `ModelRunnerOutput` (every rank computes the same logits; rank 0's tokens are the ones kept).
 """
 
@@ -24,6 +25,7 @@ import torch
 
 from engine.distributed.parallel import TensorParallelError, TensorParallelGroup
 from engine.distributed.worker import CacheSpec, WorkerSpec
+from engine.lora.manager import LoraSpec, LoraUpdate
 from engine.model_runner import ModelRunner
 from engine.quant import Quantization
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
@@ -52,7 +54,7 @@ class TensorParallelWorkers:
 
     def __init__(self, world_size: int, device: str, dtype: str, model_dir: str,
                  max_model_len: int, on_death: Callable[[str], None] | None = None,
-                 quant: Quantization | None = None) -> None:
+                 quant: Quantization | None = None, lora: LoraSpec | None = None) -> None:
         self.port = _free_port()
         self.on_death = on_death
         self.failure: str | None = None
@@ -66,7 +68,7 @@ class TensorParallelWorkers:
             self.procs.append(proc)
             self._write(proc, pickle.dumps(WorkerSpec(
                 rank, world_size, self.port, device, dtype, model_dir, max_model_len, threads,
-                quant)))
+                quant, lora)))
             threading.Thread(target=self._watch, args=(rank, proc), daemon=True,
                              name=f"continuum-tp-monitor-{rank}").start()
 
@@ -88,7 +90,7 @@ class TensorParallelWorkers:
             raise TensorParallelError(self.diagnose() or f"a tensor-parallel worker's pipe "
                                       f"closed: {e}") from None
 
-    def send(self, obj: SchedulerOutput | CacheSpec | None) -> None:
+    def send(self, obj: SchedulerOutput | CacheSpec | LoraUpdate | None) -> None:
         """Pickle `obj` once and hand it to every worker. Raises TensorParallelError if a
         worker is gone."""
         if self.failure is not None:
@@ -127,15 +129,16 @@ class TensorParallelWorkers:
 
 def start_tensor_parallel(world_size: int, device, dtype: torch.dtype, model_dir: str,
                           max_model_len: int, on_death: Callable[[str], None] | None = None,
-                          quant: Quantization | None = None
+                          quant: Quantization | None = None, lora: LoraSpec | None = None
                           ) -> tuple[TensorParallelGroup, TensorParallelWorkers]:
-    """Start ranks 1..N-1 and join the group as rank 0 (`device`: `engine.device.Device`).
+    """Start ranks 1..N-1 and join the group as rank 0 (`device`: `engine.device.Device`;
+    with `lora`, every rank puts LoRA slots on its shard and reads the adapters itself).
     Sets this process's torch threads to its share of the cores. Raises TensorParallelError
     when the group cannot form (a worker died at start, or the rendezvous timed out)."""
     torch.set_num_threads(threads_per_rank(world_size))
     dtype_name = str(dtype).removeprefix("torch.")
     workers = TensorParallelWorkers(world_size, device.kind, dtype_name, model_dir,
-                                    max_model_len, on_death, quant)
+                                    max_model_len, on_death, quant, lora)
     try:
         group = TensorParallelGroup.init(device.dist_backend, 0, world_size, workers.port)
     except Exception as e:           # torch's DistStoreError / RuntimeError

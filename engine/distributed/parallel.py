@@ -12,6 +12,10 @@ attention head, each rank keeping whole heads and the KV heads its query heads r
 gate/up (by intermediate row); row-parallel O and down (by input column), each followed by an
 all-reduce; the embedding and the LM head split by vocabulary row (the embedding masks ids
 outside its range and all-reduces; the head's partial logits are all-gathered).
+`shard_lora` splits a LoRA adapter along with its layers: a column-parallel projection's B by
+output row (A whole), a row-parallel projection's A by input column (B whole), so each rank's
+delta of O / down is a partial sum that the layer's all-reduce adds up with the base's (vLLM's
+`ColumnParallelLinearWithLoRA` / `RowParallelLinearWithLoRA` split them the same way).
 """
 
 from __future__ import annotations
@@ -159,3 +163,26 @@ def shard_weights(cfg, weights: dict, rank: int, world_size: int):
                                 num_kv_heads=cfg.num_kv_heads // n,
                                 intermediate_size=mlp_rows)
     return local, out
+
+
+# Megatron roles of the LoRA-targetable projections (engine.lora.adapter.MODULES)
+_ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+def shard_lora(cfg, weights: dict, rank: int, world_size: int) -> dict:
+    """Rank's shard of a LoRA adapter's `{(layer, module): (A [r, in], B [out, r])}` for the
+    full model `cfg` (see the module docstring); the same keys, contiguous float tensors."""
+    d, n = cfg.head_dim, world_size
+    out_rows = {"q_proj": cfg.num_heads // n * d, "k_proj": cfg.num_kv_heads // n * d,
+                "v_proj": cfg.num_kv_heads // n * d, "gate_proj": cfg.intermediate_size // n,
+                "up_proj": cfg.intermediate_size // n}
+    out = {}
+    for (layer, module), (a, b) in weights.items():
+        if module in _ROW_PARALLEL:
+            per = a.shape[1] // n
+            a = a[:, rank * per:(rank + 1) * per].contiguous()
+        else:
+            per = out_rows[module]
+            b = b[rank * per:(rank + 1) * per].contiguous()
+        out[(layer, module)] = (a, b)
+    return out

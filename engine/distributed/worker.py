@@ -2,7 +2,8 @@
 
 In (pickled objects on stdin, from rank 0's `executor.TensorParallelWorkers`): a `WorkerSpec`,
 then a `CacheSpec` once rank 0 has sized the KV cache, then one `SchedulerOutput` per engine
-step, then None (stop) or EOF (rank 0 is gone). Out: nothing but its part in the collectives;
+step (with a `LoraUpdate` between steps for an adapter loaded or unloaded at run time), then
+None (stop) or EOF (rank 0 is gone). Out: nothing but its part in the collectives;
 it logs to stderr. Any failure exits non-zero, which rank 0 sees (its collectives fail and its
 monitor reports the exit code) and turns into an engine stop.
 """
@@ -16,6 +17,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.lora.manager import LoraSpec, LoraUpdate
 from engine.quant import Quantization
 
 logger = logging.getLogger("continuum.tp")
@@ -34,6 +36,7 @@ class WorkerSpec:
     max_model_len: int         # tokens: the rotary table's length
     num_threads: int           # torch intra-op threads of this rank
     quant: Quantization | None = None    # `--quantization` as rank 0 resolved it
+    lora: LoraSpec | None = None         # `--enable-lora`'s slots and adapters
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,9 @@ def run(spec: WorkerSpec, stream) -> None:
 
     from engine.device import DTYPES, resolve_device
     from engine.distributed.parallel import TensorParallelGroup
+    from engine.lora.manager import build_lora
     from engine.model_runner import ModelRunner
+    from engine.models.llama import ModelConfig
     from engine.models.llama import load_model
 
     torch.set_num_threads(spec.num_threads)
@@ -63,11 +68,18 @@ def run(spec: WorkerSpec, stream) -> None:
     try:
         model = load_model(Path(spec.model_dir), device, DTYPES[spec.dtype], spec.max_model_len,
                            tp=group, quant=spec.quant)
+        lora = None if spec.lora is None else build_lora(
+            model, ModelConfig.from_dir(Path(spec.model_dir)), device, DTYPES[spec.dtype],
+            spec.lora, group)
         cache: CacheSpec = pickle.load(stream)
         runner = ModelRunner(model, device, cache.block_size, cache.num_gpu_blocks,
                              cache.num_cpu_blocks, cache.eos_token_ids, cache.seed)
+        runner.lora = lora
         group.barrier()                              # rank 0 waits here for every shard
         while (out := pickle.load(stream)) is not None:
+            if isinstance(out, LoraUpdate):
+                lora.update(out)
+                continue
             runner.execute(out)
     except EOFError:                                 # rank 0 is gone: nothing left to run
         pass

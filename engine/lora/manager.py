@@ -8,12 +8,15 @@ step). The scheduler keeps the running requests' distinct adapters within `max_l
 step's adapters fit.
 
 In: adapter names per step (`activate`), registrations. Out: slot numbers; `LoraError` for an
-adapter that cannot be served.
+adapter that cannot be served. `build_lora` sets it all up on a model (rank 0 and every
+tensor-parallel rank alike: a rank reads each adapter itself and keeps its shard of it).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -21,12 +24,35 @@ from engine.lora.adapter import LoraAdapter, LoraError, load_adapter
 from engine.lora.slots import LoraBatch, LoraSlots
 
 
-class LoraManager:
-    """See the module docstring. `model_cfg` is the base model's `ModelConfig`; `slots` its
-    device pool."""
+@dataclass(frozen=True)
+class LoraSpec:
+    """The LoRA flags every rank builds its slots from (`engine.config.EngineConfig`'s)."""
 
-    def __init__(self, model_cfg, slots: LoraSlots, max_cpu_loras: int) -> None:
-        self.model_cfg, self.slots = model_cfg, slots
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int
+    modules: tuple[tuple[str, str], ...] = ()      # (name, PEFT directory) served at start
+
+
+@dataclass(frozen=True)
+class LoraUpdate:
+    """An adapter registered ("load", with its PEFT directory) or unregistered ("unload") at
+    run time on rank 0, which has read and checked it already; every tensor-parallel rank
+    applies it (`LoraManager.update`, reading its own shard) before the next step."""
+
+    op: str
+    name: str
+    path: str | None = None
+
+
+class LoraManager:
+    """See the module docstring. `model_cfg` is the base model's (whole) `ModelConfig`, which
+    adapters are checked against; `slots` its device pool; `shard`, under tensor parallelism,
+    turns an adapter's whole weights into this rank's (`parallel.shard_lora`)."""
+
+    def __init__(self, model_cfg, slots: LoraSlots, max_cpu_loras: int,
+                 shard: Callable[[dict], dict] | None = None) -> None:
+        self.model_cfg, self.slots, self.shard = model_cfg, slots, shard
         self.max_cpu_loras = max(max_cpu_loras, slots.max_loras)
         self.paths: dict[str, str] = {}
         self.retired: dict[str, str] = {}      # unloaded while requests may still hold them
@@ -44,7 +70,7 @@ class LoraManager:
         Raises: LoraError (a bad adapter, or a name already registered)."""
         if name in self.paths:
             raise LoraError(f"LoRA adapter {name!r} is already loaded")
-        adapter = load_adapter(name, path, self.model_cfg, self.slots.max_rank)
+        adapter = self._read(name, path)
         self.paths[name] = str(path)
         self.retired.pop(name, None)
         self.slot_of.pop(name, None)         # a name loaded again: its new weights from now
@@ -58,6 +84,19 @@ class LoraManager:
             raise LoraError(f"LoRA adapter {name!r} is not loaded")
         self.retired[name] = path
 
+    def update(self, update: LoraUpdate) -> None:
+        """Apply a `LoraUpdate`. Raises: LoraError as `register` / `unregister`."""
+        if update.op == "load":
+            self.register(update.name, update.path)
+        else:
+            self.unregister(update.name)
+
+    def _read(self, name: str, path: str) -> LoraAdapter:
+        adapter = load_adapter(name, path, self.model_cfg, self.slots.max_rank)
+        if self.shard is not None:
+            adapter.weights = self.shard(adapter.weights)
+        return adapter
+
     def _keep(self, adapter: LoraAdapter) -> None:
         self.cpu[adapter.name] = adapter
         self.cpu.move_to_end(adapter.name)
@@ -68,7 +107,7 @@ class LoraManager:
         adapter = self.cpu.get(name)
         if adapter is None:                  # evicted from host memory: read it again
             path = self.paths.get(name) or self.retired[name]
-            adapter = load_adapter(name, path, self.model_cfg, self.slots.max_rank)
+            adapter = self._read(name, path)
         self._keep(adapter)
         return adapter
 
@@ -128,3 +167,26 @@ class LoraManager:
             batch.groups.append((slot, slice(*ranges[0]) if len(ranges) == 1 else torch.cat(
                 [torch.arange(a, b) for a, b in ranges]).to(device)))
         self.slots.batch = batch
+
+
+def build_lora(model, model_cfg, device, dtype: torch.dtype, spec: LoraSpec,
+               tp=None) -> LoraManager:
+    """LoRA slots on `model` (a `LlamaForCausalLM`, this rank's shard under `tp`, an
+    `engine.distributed.TensorParallelGroup`) on `device` (`engine.device.Device`), and the
+    manager with `spec.modules` registered, adapters checked against the whole model's
+    `model_cfg`. Slot weights are kept in `dtype` where the CPU kernels compute the deltas,
+    else in float32. Raises: LoraError (a bad adapter, naming it)."""
+    kernels = device.kernels(dtype)
+    slots = LoraSlots(model.cfg, spec.max_loras, spec.max_lora_rank, device.torch_device,
+                      kernels, dtype if kernels is not None else torch.float32)
+    model.enable_lora(slots)
+    shard = None
+    if tp is not None:
+        from engine.distributed.parallel import shard_lora
+
+        def shard(weights: dict) -> dict:
+            return shard_lora(model_cfg, weights, tp.rank, tp.world_size)
+    manager = LoraManager(model_cfg, slots, spec.max_cpu_loras, shard)
+    for name, path in spec.modules:
+        manager.register(name, path)
+    return manager

@@ -218,7 +218,8 @@ def test_sgmv_kernel_matches_torch(lib, dtype):
     formula: random rows of 3 slots and the base (-1) in any order, 1 to 40 rows (tiles of 16
     and their remainders), a slot without this projection, zero-padded rank rows, two bands
     (a fused projection), strided x rows; weights in x's dtype; float32 within 1e-5, bfloat16
-    within one rounding of the output."""
+    within one rounding of the output plus one of each shrunk rank (AVX512-BF16 hosts round
+    them to bfloat16 for vdpbf16ps, as vLLM's punica kernels do)."""
     g = torch.Generator().manual_seed(0)
     slots, rank, n_in, outs = 4, 8, 72, (40, 24)
     bands = torch.tensor([[0, rank, 0, outs[0]], [rank, 2 * rank, outs[0], sum(outs)]],
@@ -233,14 +234,19 @@ def test_sgmv_kernel_matches_torch(lib, dtype):
         row_slot = torch.randint(-1, slots, (n,), generator=g, dtype=torch.int32)
         x = torch.randn(n, 2 * n_in, generator=g).to(dtype)[:, :n_in]       # strided rows
         out = torch.randn(n, sum(outs), generator=g).to(dtype)
-        want = out.float().clone()
+        want, spread = out.float().clone(), torch.zeros(n, sum(outs))
         for r in range(n):
             s = int(row_slot[r])
             if s >= 0 and present[s]:       # the weights as the kernel holds them
-                want[r] += (x[r].float() @ a[s].to(dtype).float().T) @ bt[s].to(dtype).float()
+                t = x[r].float() @ a[s].to(dtype).float().T
+                want[r] += t @ bt[s].to(dtype).float()
+                spread[r] = t.abs() @ bt[s].to(dtype).float().abs()
         lib.lora_sgmv(x, out, row_slot, present, a.to(dtype), bt.to(dtype), bands)
-        tol = 1e-5 if dtype == torch.float32 else 2 ** -7
-        assert torch.allclose(out.float(), want, rtol=tol, atol=tol * 4), (n, dtype)
+        err = (out.float() - want).abs()
+        if dtype == torch.float32:
+            assert (err <= 1e-5 * (want.abs() + spread) + 1e-5).all(), (n, dtype)
+        else:
+            assert (err <= 2 ** -8 * (want.abs() + spread) + 1e-3).all(), (n, dtype)
 
 
 @pytest.mark.extended

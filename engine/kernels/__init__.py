@@ -26,6 +26,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 
@@ -266,11 +267,22 @@ class CpuKernels:
         `present [slots] int32` (the slot has this projection), `a [slots, R, in]` and
         `bt [slots, R, out_cols]` contiguous, of x's dtype, `bands [n_bands, 4] int32` (rank
         rows r0:r1 feed output columns c0:c1)."""
-        n, n_in = x.shape
-        self._fn["lora_sgmv", x.dtype](
-            x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), n, row_slot.data_ptr(),
-            present.data_ptr(), present.shape[0], a.data_ptr(), bt.data_ptr(), n_in,
-            out.shape[1], a.shape[1], bands.shape[0], bands.data_ptr(), torch.get_num_threads())
+        self.lora_sgmv_bound(present, a, bt, bands)(x, out, row_slot.data_ptr(),
+                                                     torch.get_num_threads())
+
+    def lora_sgmv_bound(self, present: torch.Tensor, a: torch.Tensor, bt: torch.Tensor,
+                        bands: torch.Tensor) -> Callable:
+        """`lora_sgmv` with one projection's weights bound once (the tensors must outlive it
+        and stay where they are): `f(x, out, row_slot_ptr, num_threads)`, the per-step call of
+        the LoRA hot path, which passes only the step's rows."""
+        fn = self._fn["lora_sgmv", a.dtype]
+        fixed = (present.data_ptr(), present.shape[0], a.data_ptr(), bt.data_ptr(), a.shape[2],
+                 bt.shape[2], a.shape[1], bands.shape[0], bands.data_ptr())
+
+        def call(x: torch.Tensor, out: torch.Tensor, row_slot_ptr: int, num_threads: int):
+            fn(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), x.shape[0],
+               row_slot_ptr, *fixed, num_threads)
+        return call
 
     def rotary(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                sin_signed: torch.Tensor) -> None:

@@ -31,11 +31,16 @@ GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
 
 @dataclass
 class LoraBatch:
-    """The step's rows: `row_slot [T] int32` (-1: the base model) for the kernels, and
-    `groups` of (slot, rows) for the torch path, rows a slice or an int64 index tensor."""
+    """The step's rows: `row_slot [T] int32` (-1: the base model) for the kernels (with its
+    address and the step's thread count, read once), and `groups` of (slot, rows) for the
+    torch path, rows a slice or an int64 index tensor."""
 
     row_slot: torch.Tensor
     groups: list[tuple[int, slice | torch.Tensor]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.row_slot_ptr = self.row_slot.data_ptr()
+        self.num_threads = torch.get_num_threads()
 
 
 class LoraSlots:
@@ -77,6 +82,11 @@ class LoraSlots:
                          for layer in range(cfg.num_layers)]
         self._group_index = {g: i for i, g in enumerate(GROUPS)}
         self.batch: LoraBatch | None = None
+        # per layer and group, the kernel with that projection's weights bound (CPU only)
+        self._sgmv = [{g: kernels.lora_sgmv_bound(self._present[layer][g], self.a[layer][g],
+                                                  self.bt[layer][g], self.bands[g])
+                       for g in GROUPS} for layer in range(cfg.num_layers)] \
+            if kernels is not None and torch.device(device).type == "cpu" else None
 
     @property
     def nbytes(self) -> int:
@@ -107,9 +117,9 @@ class LoraSlots:
             return out
         present = self._present[layer][group]
         a, bt = self.a[layer][group], self.bt[layer][group]
-        if self.kernels is not None and x.device.type == "cpu" and x.stride(1) == 1 \
-                and out.stride(1) == 1 and x.dtype == out.dtype == a.dtype:
-            self.kernels.lora_sgmv(x, out, batch.row_slot, present, a, bt, self.bands[group])
+        if self._sgmv is not None and x.stride(1) == 1 and out.stride(1) == 1 \
+                and x.dtype == out.dtype == a.dtype:
+            self._sgmv[layer][group](x, out, batch.row_slot_ptr, batch.num_threads)
             return out
         for slot, rows in batch.groups:
             if not present[slot]:

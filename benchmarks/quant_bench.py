@@ -26,6 +26,10 @@ quantized linears' single-row time as a fraction of the bound bytes / bandwidth,
 and with int8 activations.
 
     python benchmarks/quant_bench.py --llama-python /tmp/llamacpp/bin/python
+
+`--model FILE.gguf` serves another GGUF (a Llama with the embedded model's tokenizer, e.g. a
+random-weight one built for a size where weights dominate memory) instead of the embedded one;
+the per-token weight figures are then skipped (they read the embedded file's layout).
 """
 
 from __future__ import annotations
@@ -221,24 +225,29 @@ def main() -> None:
                     help="python of a venv with llama-cpp-python[server]: add llama.cpp")
     ap.add_argument("--llama-n-ctx", type=int, default=4096)
     ap.add_argument("--save-result", default="benchmarks/results/quant_bench.json")
+    ap.add_argument("--model", default=None,
+                    help="a GGUF file to serve instead of the embedded model")
     args = ap.parse_args()
 
     from engine.kernels.isa import cpu_flags, cpu_isa
     from engine.loader import embedded_gguf_path, resolve_model
 
-    tokenizer, gguf = str(resolve_model(None)), str(embedded_gguf_path())
+    gguf = args.model or str(embedded_gguf_path())
+    tokenizer = str(resolve_model(args.model))
     result = {"host": {"isa": cpu_isa(), "avx512_bf16": "avx512_bf16" in cpu_flags(),
                        "cpus": len(__import__("os").sched_getaffinity(0))},
               "workload": {k: getattr(args, k) for k in ("num_prompts", "c1_prompts",
                                                          "input_len", "output_len",
-                                                         "concurrency", "kv_cache_memory", "rounds")}}
-    result["weights"] = weight_bytes()
+                                                         "concurrency", "kv_cache_memory", "rounds",
+                                                         "model")}}
+    if args.model is None:
+        result["weights"] = weight_bytes()
     print(json.dumps(result, indent=1), flush=True)
     runs: dict[str, list] = {}
     for _ in range(args.rounds):               # rounds alternate the servers: drift hits all
         for name in args.servers.split(","):
-            flags = SERVERS[name] + ["--kv-cache-memory", args.kv_cache_memory,
-                                     "--max-model-len", "2048"]
+            flags = ([gguf] if args.model else []) + SERVERS[name] + [
+                "--kv-cache-memory", args.kv_cache_memory, "--max-model-len", "2048"]
             with continuum(flags) as srv:
                 runs.setdefault(name, []).append(
                     bench_server(name, srv.base, srv.proc.pid, tokenizer, args))

@@ -85,7 +85,7 @@ def weight_bytes() -> dict:
     from engine.quant.gguf_weights import read_gguf_weights
 
     lib = kernels.load()
-    weights, _ = read_gguf_weights(embedded_gguf_path(), 9, 3)
+    weights, _, _ = read_gguf_weights(embedded_gguf_path(), 9, 3)
     head = weights["model.embed_tokens.weight"]
     linears = []                        # as the model calls them: QKV and gate / up fused
     for i in range(30):

@@ -119,7 +119,7 @@ def test_gguf_tensors_are_transformers_conversion(model_dir):
     from engine.loader import embedded_gguf_path
     from engine.quant.gguf_weights import read_gguf_weights
 
-    ours, kept = read_gguf_weights(embedded_gguf_path(), 9, 3)
+    ours, kept, _ = read_gguf_weights(embedded_gguf_path(), 9, 3)
     assert kept == ["Q4_1", "Q8_0"]
     theirs = load_file(str(model_dir / "model.safetensors"))
     assert set(ours) == set(theirs)

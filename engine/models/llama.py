@@ -309,16 +309,22 @@ def load_model(model_dir: Path, device: Device, dtype: torch.dtype,
     kernels = device.kernels(dtype)
     path = device.linear_path(dtype)
     cfg = ModelConfig.from_dir(model_dir)
+    mapping = None
     if quant.method == "gguf":
         from engine.quant.gguf_weights import read_gguf_weights
-        weights, _ = read_gguf_weights(Path(quant.gguf), cfg.num_heads, cfg.num_kv_heads)
+        weights, _, mapping = read_gguf_weights(Path(quant.gguf), cfg.num_heads,
+                                                cfg.num_kv_heads)
     else:
         weights = _read_safetensors(Path(model_dir))
     if quant.method == "int8":
         weights = {k: quantize_int8(v) if _is_int8_target(k, v) else v
                    for k, v in weights.items()}
-    return LlamaForCausalLM(cfg, weights, device.torch_device, dtype, max_positions, path,
-                            kernels, tp, quant.int8_activations)
+    model = LlamaForCausalLM(cfg, weights, device.torch_device, dtype, max_positions, path,
+                             kernels, tp, quant.int8_activations)
+    if mapping is not None:          # the blocks copied into fused projections: mapped once
+        del weights
+        mapping.release()
+    return model
 
 
 def _is_int8_target(name: str, t: torch.Tensor) -> bool:

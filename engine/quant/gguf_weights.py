@@ -7,12 +7,15 @@ so blocks stay intact), and the choice per tensor: a `QuantWeight` where `quant.
 for its type, else float32 dequantized at load (gguf-py), named in one log line.
 
 In: the GGUF path and the HF `config.json` numbers (`ModelConfig`). Out: `{HF name: torch
-float32 tensor | QuantWeight}`, and the set of type names served quantized.
+float32 tensor | QuantWeight}`, the set of type names served quantized, and the file's mapping,
+whose pages the model builder gives back once it has copied what it copies (fused projections,
+permuted rows): otherwise the process holds those bytes twice, as copies and as mapped pages.
 """
 
 from __future__ import annotations
 
 import logging
+import mmap
 from collections import Counter
 from pathlib import Path
 
@@ -62,13 +65,30 @@ def _float_tensor(t, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.from_numpy(data.astype(np.float32)).reshape(shape)
 
 
+class GgufMapping:
+    """The memory map under a GGUF's `QuantWeight`s (gguf-py's copy-on-write `np.memmap`)."""
+
+    def __init__(self, data: np.memmap) -> None:
+        self._mmap = getattr(data, "_mmap", None)
+
+    def release(self) -> None:
+        """Drop the mapping's pages from this process's resident memory (madvise
+        MADV_DONTNEED). Weights still viewing the file read their pages again from the page
+        cache when next touched; those copied out of it are never touched again, so only
+        their copies stay resident. The pages are clean (nothing writes to the weights), so
+        nothing is lost. A no-op where the platform lacks madvise."""
+        if self._mmap is not None and hasattr(mmap, "MADV_DONTNEED"):
+            self._mmap.madvise(mmap.MADV_DONTNEED)
+
+
 def read_gguf_weights(path: Path, num_heads: int, num_kv_heads: int,
                       keep_types: set[int] | None = None
-                      ) -> tuple[dict[str, torch.Tensor | QuantWeight], list[str]]:
-    """`{HF name: weight}` of the GGUF at `path`, and the names of the quantized types served
-    as blocks. Two-dimensional tensors of a type in `keep_types` (default: every type of
-    `KERNEL_TYPES`) stay `QuantWeight`s; the other quantized ones are dequantized to float32
-    here, and one log line names their types; 1-d tensors (norms, biases) are float32.
+                      ) -> tuple[dict[str, torch.Tensor | QuantWeight], list[str], GgufMapping]:
+    """`{HF name: weight}` of the GGUF at `path`, the names of the quantized types served as
+    blocks, and the file's mapping (see `GgufMapping.release`). Two-dimensional tensors of a
+    type in `keep_types` (default: every type of `KERNEL_TYPES`) stay `QuantWeight`s; the other
+    quantized ones are dequantized to float32 here, and one log line names their types; 1-d
+    tensors (norms, biases) are float32.
 
     Raises ModelLoadError (unreadable file, a tensor the model does not know)."""
     from gguf import GGMLQuantizationType, GGUFReader
@@ -114,4 +134,4 @@ def read_gguf_weights(path: Path, num_heads: int, num_kv_heads: int,
         logger.warning("GGUF tensor types without a CPU kernel, dequantized at load to the "
                        "serving dtype: %s", ", ".join(f"{k} ({v} tensors)"
                                                       for k, v in sorted(dequantized.items())))
-    return out, sorted(kept)
+    return out, sorted(kept), GgufMapping(reader.data)

@@ -34,6 +34,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import Future, InvalidStateError
 
 from engine.config import EngineConfig
+from engine.device import trim_heap
 from engine.distributed.parallel import TensorParallelError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
@@ -266,9 +267,11 @@ class EngineCore:
     def run(self, commands) -> None:
         """Serve `commands` (`wait()` blocks until one is there, `poll()` says whether one is,
         `recv()` takes it) and step until "stop"."""
-        engine = self.engine
+        engine, busy = self.engine, False
         while True:
             if not engine.has_unfinished_requests():
+                if busy:                      # idle now: the burst's freed memory goes back
+                    trim_heap()
                 commands.wait()
             aborted = False
             while commands.poll():
@@ -276,7 +279,8 @@ class EngineCore:
                 if kind == "stop":
                     return
                 aborted = self.handle(kind, payload) or aborted
-            if engine.has_unfinished_requests():
+            busy = engine.has_unfinished_requests()
+            if busy:
                 self.step()
             elif aborted:
                 self.emit("stats", ([], [], engine_snapshot(engine)))

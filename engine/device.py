@@ -8,6 +8,8 @@ the engine talks to the device through torch with the `torch.device` returned he
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import importlib
 from dataclasses import dataclass
 
@@ -160,3 +162,16 @@ def resolve_dtype(name: str, device: Device) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {name!r}")
     return DTYPES[name]
+
+
+def trim_heap() -> None:
+    """Give the heap's free memory back to the operating system (glibc's `malloc_trim(0)`;
+    nothing elsewhere). Freed activations of a burst otherwise stay resident: glibc raises its
+    mmap threshold as large blocks are freed, so later ones come from the heap and keep it
+    grown (measured: 270-550 MiB of heap left in an idle engine after 64 concurrent requests).
+    The engine core calls it when it goes idle."""
+    name = ctypes.util.find_library("c")
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):      # not glibc
+        pass

@@ -205,7 +205,8 @@ def test_preemption_is_exact(mode, prompts, assert_greedy):
 
 
 @pytest.mark.parametrize("options", [
-    {"target_itl_ms": 1.0}, {"scheduling_policy": "sjf"},
+    pytest.param({"target_itl_ms": 1.0}, marks=pytest.mark.extended),
+    pytest.param({"scheduling_policy": "sjf"}, marks=pytest.mark.extended),
     # low_latency sets the most (sjf, target auto, preemption auto); the others run in CI
     *(pytest.param({"profile": name}, marks=() if name == "low_latency"
                    else pytest.mark.extended) for name in TUNING_PROFILES)], ids=str)

@@ -105,6 +105,7 @@ def test_each_alone_and_mixed_match_peft(adapters, prompt, quantization):
     assert run(eng, prompt, MIXED) == [adapters[n][1] for n in MIXED]
 
 
+@pytest.mark.extended          # ~17 s; make test keeps the TP parity and the LoRA parity
 def test_tensor_parallel_three_ranks(adapters, prompt):
     """Three ranks, each holding its shard of every adapter (B split by output row on Q/K/V and
     gate/up, A by input column on O and down): the mixed batch gives peft's tokens; an adapter

@@ -191,6 +191,7 @@ def test_int8_serves_its_dequantized_model_and_stays_near_float32(model_dir, tok
     assert kl.mean() < 0.01 and kl.quantile(0.99) < 0.1
 
 
+@pytest.mark.extended          # a second variant of the draft-model tests
 def test_a_quantized_draft_for_a_float32_target(model_dir):
     """The GGUF's blocks as the draft of the float32 weights: the target's exact tokens."""
     from engine.config import EngineConfig

@@ -222,6 +222,7 @@ def test_engine_death_fails_in_flight_requests_and_exits_non_zero(tmp_path):
     assert "engine process exited unexpectedly (exit code -9)" in text
 
 
+@pytest.mark.extended          # ~15 s; make test keeps the drain and the clean stop
 def test_a_model_that_never_returns_does_not_hold_the_exit(tmp_path):
     """A request is stuck in a python model's execute (and its finalize would wait forever
     too): SIGTERM still ends the server within its bounded shutdown, with status 0 and no

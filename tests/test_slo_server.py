@@ -29,6 +29,7 @@ def slo_server(tmp_path_factory):
     stop_server(proc)
 
 
+@pytest.mark.extended          # its own server (~19 s); the engine's SLO tests stay
 def test_low_latency_profile_streams_preempts_by_cost_and_budgets_prefill(slo_server, server):
     from openai import OpenAI
 

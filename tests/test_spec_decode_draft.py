@@ -81,6 +81,7 @@ def sit_out(monkeypatch, skip) -> None:
     monkeypatch.setattr(scheduler_module, "plan_drafts", plan)
 
 
+@pytest.mark.extended          # second variants (~19 s with the prefix-hit one): CI runs them
 def test_own_draft_catches_up_after_sitting_out(monkeypatch, prompts, expected):
     """Requests draft one step in three: each time the draft must first compute the positions
     it skipped (prompt included), or a draft would be rejected."""
@@ -91,6 +92,7 @@ def test_own_draft_catches_up_after_sitting_out(monkeypatch, prompts, expected):
     assert_drained(eng)
 
 
+@pytest.mark.extended
 def test_prefix_hit_on_blocks_the_draft_never_computed(monkeypatch, prompts, tokenizer):
     """A first turn decodes without drafting, so its output blocks hold the target's K/V only;
     the second turn's prompt (first prompt + answer + a new question) hits those blocks in the

@@ -88,7 +88,8 @@ def test_chunked_prefill_and_prefix_hits_match(prompts, expected):
     assert_drained(eng)
 
 
-@pytest.mark.parametrize("mode", ["recompute", pytest.param("swap", marks=pytest.mark.extended)])
+@pytest.mark.extended          # ~10 s a mode; the engine-correctness preemption tests stay
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_matches(mode, prompts, expected, tokenizer):
     """A ~300-token copy prompt first (it runs throughout), then the others, on 26 blocks (416
     slots): later arrivals are preempted while drafts come and go."""
@@ -134,6 +135,7 @@ def spec_server(tmp_path_factory):
     stop_server(proc)
 
 
+@pytest.mark.extended          # its own server (~15 s to start); the engine tests stay
 def test_server_streams_with_speculation_and_reports_it(spec_server, server):
     from openai import OpenAI
 

@@ -9,9 +9,9 @@ the engine talks to the device through torch with the `torch.device` returned he
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import importlib
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -170,8 +170,15 @@ def trim_heap() -> None:
     mmap threshold as large blocks are freed, so later ones come from the heap and keep it
     grown (measured: 270-550 MiB of heap left in an idle engine after 64 concurrent requests).
     The engine core calls it when it goes idle."""
-    name = ctypes.util.find_library("c")
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@lru_cache(maxsize=1)
+def _malloc_trim():
+    """glibc's malloc_trim from this process's own symbols, or None (another C library)."""
     try:
-        ctypes.CDLL(name).malloc_trim(0)
-    except (OSError, AttributeError, TypeError):      # not glibc
-        pass
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None

@@ -59,8 +59,7 @@ def run(spec: WorkerSpec, stream) -> None:
     from engine.distributed.parallel import TensorParallelGroup
     from engine.lora.manager import build_lora
     from engine.model_runner import ModelRunner
-    from engine.models.llama import ModelConfig
-    from engine.models.llama import load_model
+    from engine.models.llama import ModelConfig, load_model
 
     torch.set_num_threads(spec.num_threads)
     device = resolve_device(spec.device).for_rank(spec.rank)

@@ -124,9 +124,9 @@ static __attribute__((noinline)) void expand_##NR##_##SUFFIX(const W *B, int out
 #if LORA_DOT
 /* tt[i * R + j] = A_j . x_i as vdpbf16ps pairs (xt [NR][in] bfloat16, zero past m rows). */
 #define DEFINE_SHRINK_DOT(NR)                                                                \
-static __attribute__((noinline)) void shrink_dot_##NR(const uint16_t *As, int R, int j0,      \
-                                                      int j1, int in, const uint16_t *xt,    \
-                                                      float *tt) {                           \
+static __attribute__((noinline)) void shrink_##NR##_bf16(const uint16_t *As, int R, int j0,   \
+                                                         int j1, int in, const uint16_t *xt, \
+                                                         float *tt) {                        \
     const __mmask32 tail = (__mmask32)((1ull << (in % 32)) - 1u);                            \
     for (int j = j0; j < j1; j++) {                                                          \
         const uint16_t *a = As + (int64_t)j * in;                                            \
@@ -156,9 +156,10 @@ static __attribute__((noinline)) void shrink_dot_##NR(const uint16_t *As, int R,
 /* The expand as vdpbf16ps over pairs of rank rows (j, j + 1): the tile's sums rounded to
  * bfloat16 pairs, B's two rows interleaved into 16 column pairs per vector. */
 #define DEFINE_EXPAND_DOT(NR)                                                                \
-static __attribute__((noinline)) void expand_dot_##NR(const uint16_t *B, int out_cols, int r0, \
-                                                      int r1, int cn, const float *tt, int R, \
-                                                      const uint8_t *live, float *acc) {     \
+static __attribute__((noinline)) void expand_##NR##_bf16(const uint16_t *B, int out_cols,     \
+                                                         int r0, int r1, int cn,             \
+                                                         const float *tt, int R,             \
+                                                         const uint8_t *live, float *acc) {  \
     const int np = (r1 - r0 + 1) / 2;                                                        \
     uint32_t tp[np * NR];                 /* (t[j], t[j + 1]) per pair and row */            \
     uint8_t lp[np];                                                                          \
@@ -202,30 +203,12 @@ static __attribute__((noinline)) void expand_dot_##NR(const uint16_t *B, int out
 }
 DEFINE_SHRINK_DOT(1) DEFINE_SHRINK_DOT(4) DEFINE_SHRINK_DOT(8) DEFINE_SHRINK_DOT(16)
 DEFINE_EXPAND_DOT(1) DEFINE_EXPAND_DOT(4) DEFINE_EXPAND_DOT(8) DEFINE_EXPAND_DOT(16)
-#define DEFINE_TILE_OPS_DOT(SUFFIX, W)                                                       \
-INLINE void shrink_##SUFFIX(const W *As, int R, int j0, int j1, int in, const uint16_t *xt,  \
-                            int m, float *tt) {                                              \
-    if (m == 1) shrink_dot_1(As, R, j0, j1, in, xt, tt);                                     \
-    else if (m <= 4) shrink_dot_4(As, R, j0, j1, in, xt, tt);                                \
-    else if (m <= 8) shrink_dot_8(As, R, j0, j1, in, xt, tt);                                \
-    else shrink_dot_16(As, R, j0, j1, in, xt, tt);                                           \
-}                                                                                            \
-INLINE void expand_##SUFFIX(const W *B, int out_cols, int r0, int r1, int cn,                \
-                            const float *tt, int R, int m, const uint8_t *live, float *acc) { \
-    if (m == 1) expand_dot_1(B, out_cols, r0, r1, cn, tt, R, live, acc);                     \
-    else if (m <= 4) expand_dot_4(B, out_cols, r0, r1, cn, tt, R, live, acc);                \
-    else if (m <= 8) expand_dot_8(B, out_cols, r0, r1, cn, tt, R, live, acc);                \
-    else expand_dot_16(B, out_cols, r0, r1, cn, tt, R, live, acc);                           \
-}
 #endif
 
-#define DEFINE_TILE_OPS(SUFFIX, W)                                                           \
-DEFINE_SHRINK(1, SUFFIX, W) DEFINE_SHRINK(4, SUFFIX, W)                                      \
-DEFINE_SHRINK(8, SUFFIX, W) DEFINE_SHRINK(16, SUFFIX, W)                                     \
-DEFINE_EXPAND(1, SUFFIX, W) DEFINE_EXPAND(4, SUFFIX, W)                                      \
-DEFINE_EXPAND(8, SUFFIX, W) DEFINE_EXPAND(16, SUFFIX, W)                                     \
-INLINE void shrink_##SUFFIX(const W *As, int R, int j0, int j1, int in, const float *xt,     \
-                            int m, float *tt) {                                              \
+/* shrink_SUFFIX / expand_SUFFIX: the register tile of 1, 4, 8 or 16 rows for a tile of m. */
+#define DEFINE_TILE_DISPATCH(SUFFIX, W)                                                      \
+INLINE void shrink_##SUFFIX(const W *As, int R, int j0, int j1, int in,                      \
+                            const XT_##SUFFIX *xt, int m, float *tt) {                       \
     if (m == 1) shrink_1_##SUFFIX(As, R, j0, j1, in, xt, tt);                                \
     else if (m <= 4) shrink_4_##SUFFIX(As, R, j0, j1, in, xt, tt);                           \
     else if (m <= 8) shrink_8_##SUFFIX(As, R, j0, j1, in, xt, tt);                           \
@@ -238,6 +221,12 @@ INLINE void expand_##SUFFIX(const W *B, int out_cols, int r0, int r1, int cn,   
     else if (m <= 8) expand_8_##SUFFIX(B, out_cols, r0, r1, cn, tt, R, live, acc);           \
     else expand_16_##SUFFIX(B, out_cols, r0, r1, cn, tt, R, live, acc);                      \
 }
+#define DEFINE_TILE_OPS(SUFFIX, W)                                                           \
+DEFINE_SHRINK(1, SUFFIX, W) DEFINE_SHRINK(4, SUFFIX, W)                                      \
+DEFINE_SHRINK(8, SUFFIX, W) DEFINE_SHRINK(16, SUFFIX, W)                                     \
+DEFINE_EXPAND(1, SUFFIX, W) DEFINE_EXPAND(4, SUFFIX, W)                                      \
+DEFINE_EXPAND(8, SUFFIX, W) DEFINE_EXPAND(16, SUFFIX, W)                                     \
+DEFINE_TILE_DISPATCH(SUFFIX, W)
 #else
 /* The generic loops (any target): the same sums, auto-vectorized where the target allows. */
 #define DEFINE_TILE_OPS(SUFFIX, W)                                                           \
@@ -362,8 +351,8 @@ void lora_sgmv_##SUFFIX(const T *x, int64_t x_stride, T *out, int64_t out_stride
 
 DEFINE_TILE_OPS(f32, float)
 DEFINE_LORA(f32, float)
-#if LORA_DOT
-DEFINE_TILE_OPS_DOT(bf16, uint16_t)
+#if LORA_DOT          /* the vdpbf16ps tiles are defined above */
+DEFINE_TILE_DISPATCH(bf16, uint16_t)
 #else
 DEFINE_TILE_OPS(bf16, uint16_t)
 #endif

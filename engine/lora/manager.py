@@ -145,28 +145,33 @@ class LoraManager:
             self.slots.batch = None
             return
         slot_of = self.activate(names)
-        total = sum(count for _, _, count in row_adapters)
-        row_slot = [-1] * total
+        row_slot = [-1] * sum(count for _, _, count in row_adapters)
+        for name, start, count in row_adapters:
+            if name is not None:
+                row_slot[start:start + count] = [slot_of[name]] * count
+        device = self.slots.a[0]["qkv"].device
+        batch = LoraBatch(torch.tensor(row_slot, dtype=torch.int32, device=device))
+        if self.slots.kernels is None:           # the kernels read row_slot alone
+            batch.groups = self._groups(row_adapters, slot_of, device)
+        self.slots.batch = batch
+
+    @staticmethod
+    def _groups(row_adapters, slot_of: dict[str, int], device) -> list:
+        """(slot, rows) per slot for the torch path: a slice where its rows are contiguous."""
         spans: dict[int, list[tuple[int, int]]] = {}
         for name, start, count in row_adapters:
             if name is None or not count:
                 continue
-            slot = slot_of[name]
-            row_slot[start:start + count] = [slot] * count
-            mine = spans.setdefault(slot, [])
+            mine = spans.setdefault(slot_of[name], [])
             if mine and mine[-1][1] == start:
                 mine[-1] = (mine[-1][0], start + count)
             else:
                 mine.append((start, start + count))
-        device = self.slots.a[0]["qkv"].device
-        batch = LoraBatch(torch.tensor(row_slot, dtype=torch.int32, device=device))
-        if self.slots.kernels is not None:       # the kernels read row_slot alone
-            self.slots.batch = batch
-            return
+        groups = []
         for slot, ranges in spans.items():
-            batch.groups.append((slot, slice(*ranges[0]) if len(ranges) == 1 else torch.cat(
+            groups.append((slot, slice(*ranges[0]) if len(ranges) == 1 else torch.cat(
                 [torch.arange(a, b) for a, b in ranges]).to(device)))
-        self.slots.batch = batch
+        return groups
 
 
 def build_lora(model, model_cfg, device, dtype: torch.dtype, spec: LoraSpec,

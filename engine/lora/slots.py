@@ -52,6 +52,7 @@ class LoraSlots:
     def __init__(self, cfg, max_loras: int, max_rank: int, device: torch.device,
                  kernels=None, dtype: torch.dtype = torch.float32) -> None:
         self.max_loras, self.max_rank, self.kernels = max_loras, max_rank, kernels
+        self.dtype = dtype                 # of the slot weights
         shapes = module_shapes(cfg)
         self.offsets: dict[str, int] = {}          # module -> first output column in its group
         self.bands: dict[str, torch.Tensor] = {}   # group -> [modules, 4] int32 (r0, r1, c0, c1)
@@ -115,12 +116,12 @@ class LoraSlots:
         batch = self.batch
         if batch is None:
             return out
-        present = self._present[layer][group]
-        a, bt = self.a[layer][group], self.bt[layer][group]
         if self._sgmv is not None and x.stride(1) == 1 and out.stride(1) == 1 \
-                and x.dtype == out.dtype == a.dtype:
+                and x.dtype == out.dtype == self.dtype:
             self._sgmv[layer][group](x, out, batch.row_slot_ptr, batch.num_threads)
             return out
+        present = self._present[layer][group]
+        a, bt = self.a[layer][group], self.bt[layer][group]
         for slot, rows in batch.groups:
             if not present[slot]:
                 continue

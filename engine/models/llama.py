@@ -321,8 +321,7 @@ def load_model(model_dir: Path, device: Device, dtype: torch.dtype,
                    for k, v in weights.items()}
     model = LlamaForCausalLM(cfg, weights, device.torch_device, dtype, max_positions, path,
                              kernels, tp, quant.int8_activations)
-    if mapping is not None:          # the blocks copied into fused projections: mapped once
-        del weights
+    if mapping is not None:          # the blocks copied into fused projections: resident once
         mapping.release()
     return model
 

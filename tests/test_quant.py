@@ -68,11 +68,13 @@ def test_blocks_match_gguf_py(lib, name, m):
     assert_close(y, x, reference(w), bias, 1e-6)
 
 
-@pytest.mark.parametrize("m", [1, 3, 8, 40])
-def test_bfloat16_activations(lib, m):
+@pytest.mark.parametrize("name", GGUF_TYPES)
+@pytest.mark.parametrize("m", [1, 3, 8, 13, 29, 40])
+def test_bfloat16_activations(lib, name, m):
     """A bfloat16 model's call: bfloat16 in and out. Above four rows an AVX512-BF16 host rounds
-    the weights to bfloat16 as the bfloat16 model does and multiplies in bfloat16 pairs."""
-    w = random_blocks("Q4_1", 70, 256, seed=m)
+    the weights to bfloat16 as the bfloat16 model does and multiplies in bfloat16 pairs (8
+    rows: the fused nest; 13, 29 and 40: panels, tiles of 12 rows and what is left)."""
+    w = random_blocks(name, 70, 256, seed=m)
     x = torch.randn(m, 256).bfloat16()
     y = lib.quant_linear(x, w)
     assert y.dtype == torch.bfloat16

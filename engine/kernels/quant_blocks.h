@@ -155,8 +155,16 @@ INLINE __m512i lo_nibbles(__m128i raw) {
 INLINE __m512i hi_nibbles(__m128i raw) {
     return _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(15)));
 }
+INLINE V f16_bcast(const uint8_t *p) {          /* the IEEE half at p, in every lane */
+    int16_t h;
+    memcpy(&h, p, 2);
+    return _mm512_cvtph_ps(_mm256_set1_epi16(h));
+}
+INLINE V iota16(void) {
+    return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
 INLINE void dqv_q8_0(const uint8_t *b, V *out) {
-    const V d = vset1(f16(b));
+    const V d = f16_bcast(b);
     for (int j = 0; j < 2; j++)
         out[j] = vmul(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
             _mm_loadu_si128((const void *)(b + 2 + 16 * j)))));
@@ -165,18 +173,20 @@ INLINE void dqv_i8(const uint8_t *b, V *out) {
     out[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const void *)b)));
     out[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const void *)(b + 16))));
 }
+/* The 4-bit types through a table: the 16 values a block can hold (d * (q - 8), or d * q + m),
+ * computed once in one vector, then looked up by nibble (vpermps): the same products and sums
+ * as dq_*, on one vector instead of two, and no int-to-float conversions. */
 INLINE void dqv_q4_0(const uint8_t *b, V *out) {
-    const V d = vset1(f16(b));
+    const V lut = vmul(f16_bcast(b), _mm512_sub_ps(iota16(), vset1(8.f)));
     const __m128i raw = _mm_loadu_si128((const void *)(b + 2));
-    const __m512i eight = _mm512_set1_epi32(8);
-    out[0] = vmul(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(lo_nibbles(raw), eight)));
-    out[1] = vmul(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(hi_nibbles(raw), eight)));
+    out[0] = _mm512_permutexvar_ps(lo_nibbles(raw), lut);
+    out[1] = _mm512_permutexvar_ps(hi_nibbles(raw), lut);
 }
 INLINE void dqv_q4_1(const uint8_t *b, V *out) {
-    const V d = vset1(f16(b)), m = vset1(f16(b + 2));
+    const V lut = vadd(vmul(f16_bcast(b), iota16()), f16_bcast(b + 2));
     const __m128i raw = _mm_loadu_si128((const void *)(b + 4));
-    out[0] = vadd(vmul(d, _mm512_cvtepi32_ps(lo_nibbles(raw))), m);
-    out[1] = vadd(vmul(d, _mm512_cvtepi32_ps(hi_nibbles(raw))), m);
+    out[0] = _mm512_permutexvar_ps(lo_nibbles(raw), lut);
+    out[1] = _mm512_permutexvar_ps(hi_nibbles(raw), lut);
 }
 #elif HAVE_AVX2
 INLINE void nibbles(const uint8_t *p, __m256i q[4]) {  /* 32 values: low then high nibbles */
@@ -238,9 +248,22 @@ INLINE __m512i dqb_##T(const uint8_t *b) {                                      
     return (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]);                                          \
 }
 DEFINE_DQB_VIA_FLOAT(q8_0)
-DEFINE_DQB_VIA_FLOAT(q4_0)
-DEFINE_DQB_VIA_FLOAT(q4_1)
 DEFINE_DQB_VIA_FLOAT(i8)
+/* The 4-bit types: their 16-value table rounded to bfloat16 once, then looked up by nibble
+ * (vpermw), 32 values at a time: no int-to-float conversion, one rounding per table entry. */
+INLINE __m512i dqb_lut(V lut, const uint8_t *nibbles) {
+    const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(lut));
+    const __m128i raw = _mm_loadu_si128((const void *)nibbles), mask = _mm_set1_epi8(15);
+    const __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+    const __m256i idx = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+    return _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(idx), table);
+}
+INLINE __m512i dqb_q4_0(const uint8_t *b) {
+    return dqb_lut(vmul(f16_bcast(b), _mm512_sub_ps(iota16(), vset1(8.f))), b + 2);
+}
+INLINE __m512i dqb_q4_1(const uint8_t *b) {
+    return dqb_lut(vadd(vmul(f16_bcast(b), iota16()), f16_bcast(b + 2)), b + 4);
+}
 
 #else
 #define HAVE_BF16_DOT 0

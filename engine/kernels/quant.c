@@ -159,9 +159,12 @@ static int kernels_for(int type, qkernels *k) {
 /* x [m, k] (row stride x_stride; bfloat16 if x_bf16) as a contiguous copy [rows][kp], zero
  * past k and past m (rows >= m): bfloat16 if as_bf16, else float32; with qk_major (a block
  * size) bfloat16 in blocks [kp / qk_major][rows][qk_major]. In the calling thread's scratch
- * (not to be freed); NULL if out of memory. */
+ * (not to be freed; read only); x itself where it is already that (a prefill's x is
+ * megabytes, copied by one thread); NULL if out of memory. */
 void *quant_copy_x(const void *x, int64_t x_stride, int x_bf16, int64_t m, int64_t rows,
                    int64_t k, int64_t kp, int as_bf16, int qk_major) {
+    if (!qk_major && rows == m && kp == k && x_stride == k && as_bf16 == x_bf16)
+        return (void *)x;
     const size_t elem = as_bf16 ? 2 : 4;
     void *xc = scratch(0, (size_t)(rows > 0 ? rows : 1) * (size_t)kp * elem);
     if (!xc) return NULL;

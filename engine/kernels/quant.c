@@ -212,9 +212,11 @@ static void fused_chunk(const qkernels *kn, int nest, const uint8_t *w, int64_t 
     if (nest == NEST_SMALL) kn->small(w + n0 * row_bytes, row_bytes, n1 - n0, nb, xc, kp,
                                       (int)m, out);
     else kn->mid(w + n0 * row_bytes, row_bytes, n1 - n0, nb, xc, out);
-    for (int64_t j = 0; j < n1 - n0; j++)
-        for (int64_t r = 0; r < m; r++)
-            store_out(y, ldy, y_f32, r, n0 + j, out[j * width + r], row_scale, bias);
+    float row[NC];
+    for (int64_t r = 0; r < m; r++) {
+        for (int64_t j = 0; j < n1 - n0; j++) row[j] = out[j * width + r];
+        store_row(row, (int)(n1 - n0), y, ldy, y_f32, r, n0, row_scale, bias);
+    }
 }
 
 /* y [m, n] (row stride ldy; float32 if y_f32 else bfloat16) = x [m, k] @ dequant(W)^T, times

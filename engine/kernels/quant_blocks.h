@@ -284,6 +284,23 @@ INLINE void store_out(void *y, int64_t ldy, int y_f32, int64_t r, int64_t n, flo
     else ((uint16_t *)y)[r * ldy + n] = store_bf16(v);
 }
 
+/* y[r, n0 .. n0 + count) = v[0 .. count) (* row_scale[n]) (+ bias[n]), as store_out for a run
+ * of outputs (v is overwritten): each step a loop the compiler vectorizes, where one store_out
+ * an output cost a panel of 16 rows about a third of its products' time. */
+INLINE void store_row(float *v, int count, void *y, int64_t ldy, int y_f32, int64_t r,
+                      int64_t n0, const float *row_scale, const float *bias) {
+    if (row_scale)
+        for (int c = 0; c < count; c++) v[c] *= row_scale[n0 + c];
+    if (bias)
+        for (int c = 0; c < count; c++) v[c] += bias[n0 + c];
+    if (y_f32) {
+        memcpy((float *)y + r * ldy + n0, v, sizeof(float) * (size_t)count);
+    } else {
+        uint16_t *dst = (uint16_t *)y + r * ldy + n0;
+        for (int c = 0; c < count; c++) dst[c] = store_bf16(v[c]);
+    }
+}
+
 /* quant.c: x [m, k] as a contiguous, zero-padded copy in the calling thread's scratch (see
  * there); NULL if out of memory. */
 void *quant_copy_x(const void *x, int64_t x_stride, int x_bf16, int64_t m, int64_t rows,

@@ -21,12 +21,12 @@
 #endif
 #define NP (NPV * VL)
 
-/* Store a tile acc [mr][NP] (columns n0 .. n0 + ncols - 1 of y) for rows r0 .. r0 + mr - 1. */
-static void store_tile(const float *acc, int mr, int64_t r0, int64_t n0, int ncols, void *y,
+/* Store a tile acc [mr][NP] (columns n0 .. n0 + ncols - 1 of y) for rows r0 .. r0 + mr - 1;
+ * acc is overwritten. */
+static void store_tile(float *acc, int mr, int64_t r0, int64_t n0, int ncols, void *y,
                        int64_t ldy, int y_f32, const float *row_scale, const float *bias) {
     for (int r = 0; r < mr; r++)
-        for (int c = 0; c < ncols; c++)
-            store_out(y, ldy, y_f32, r0 + r, n0 + c, acc[r * NP + c], row_scale, bias);
+        store_row(acc + r * NP, ncols, y, ldy, y_f32, r0 + r, n0, row_scale, bias);
 }
 
 /* acc [mr][NP] = x [mr rows, stride kp] . panel [kp][NP]; mr a constant once inlined. */

@@ -2,8 +2,9 @@
  * Quantized weight blocks, as the CPU kernels read them (quant.c, quant_panel.c): GGUF's Q8_0,
  * Q4_0, Q4_1, Q4_K and Q6_K (llama.cpp's layouts, ggml-common.h, and its dequantize_row_*
  * formulas, ggml-quants.c) and Continuum's int8 weight-only "I8" (32 int8 a block, one float32
- * scale per output row). A block is dequantized to float32 exactly as ggml does (d * q,
- * d * q + m, d * sc * q ...: a product, then a sum, never fused), by
+ * scale per output row). A block is dequantized to float32 with ggml's formulas (d * q,
+ * d * q + m, d * sc * q ...; GCC may fuse a product and its sum into one FMA, as in ggml's own
+ * build, so a weight can differ from gguf-py's twice-rounded value by one rounding), by
  *   dq_T   (plain C the compiler vectorizes) into a float buffer, any type;
  *   dqv_T  into QK / VL vectors (the 32-value types straight from registers, per ISA);
  *   dqb_T  straight into 32 bfloat16, rounded to nearest even (AVX512-BF16 hosts).
@@ -146,7 +147,7 @@ INLINE void dq_q6_k(const uint8_t *b, float *y) {
 }
 
 /* The 32-value blocks straight into QK / VL vectors, no trip through memory (the same
- * arithmetic as dq_*: d * q, d * q + m as a product then a sum, never fused). */
+ * arithmetic as dq_*). */
 #define NV (QK / VL)
 #if HAVE_AVX512
 INLINE __m512i lo_nibbles(__m128i raw) {

@@ -56,15 +56,15 @@ def assert_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias, rel: f
 @pytest.mark.parametrize("name", GGUF_TYPES)
 @pytest.mark.parametrize("m", [1, 3, 5, 33])
 def test_blocks_match_gguf_py(lib, name, m):
-    """Every nest (1 and 3 rows fused, 5 and 33 in panels: 33 = tiles of 12, 12, 8 and 1 rows;
-    37 W rows leave a partial panel), strided x, bias."""
+    """Every nest (1 and 3 rows fused, 5 and 33 in panels: 33 = four tiles of 8 rows and one of
+    1 on AVX-512; 53 W rows: a whole panel of 48 and a partial one), strided x, bias."""
     k = 512 if KERNEL_TYPES[TYPE_IDS[name]][1] == 256 else 96
-    w = random_blocks(name, 37, k, seed=m)
+    w = random_blocks(name, 53, k, seed=m)
     wide = torch.randn(m, k + 8)
     x = wide[:, 3:3 + k]                                   # rows strided, columns contiguous
-    bias = torch.randn(37) if m % 2 else None
+    bias = torch.randn(53) if m % 2 else None
     y = lib.quant_linear(x, w, bias, torch.float32)
-    assert y.shape == (m, 37) and y.dtype == torch.float32
+    assert y.shape == (m, 53) and y.dtype == torch.float32
     assert_close(y, x, reference(w), bias, 1e-6)
 
 
@@ -73,7 +73,7 @@ def test_blocks_match_gguf_py(lib, name, m):
 def test_bfloat16_activations(lib, name, m):
     """A bfloat16 model's call: bfloat16 in and out. Above four rows an AVX512-BF16 host rounds
     the weights to bfloat16 as the bfloat16 model does and multiplies in bfloat16 pairs (8
-    rows: the fused nest; 13, 29 and 40: panels, tiles of 12 rows and what is left)."""
+    rows: the fused nest; 13, 29 and 40: panels, tiles of 8 rows and what is left)."""
     w = random_blocks(name, 70, 256, seed=m)
     x = torch.randn(m, 256).bfloat16()
     y = lib.quant_linear(x, w)

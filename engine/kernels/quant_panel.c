@@ -9,9 +9,10 @@
  */
 #include "quant_blocks.h"
 
-#if HAVE_AVX512
-#define NPV 2
-#define ML 12
+#if HAVE_AVX512      /* 8 x 48: 24 accumulators; same-run A/B against 12 x 32, the model's
+                        linears at 12 / 16 / 64 rows: 11 / 11 / 5 % faster, 2048 rows equal */
+#define NPV 3
+#define ML 8
 #elif HAVE_AVX2
 #define NPV 2
 #define ML 6

@@ -75,8 +75,8 @@ def session_rss_mib(pid: int) -> float:
 def weight_bytes() -> dict:
     """Bytes read per decoded token (linears and LM head; the embedding lookup reads one row)
     by each weight format, the host's read bandwidth, and the quantized linears' single-row
-    GB/s (best of 20) as a fraction of it: through the Python wrapper, and the C kernels alone,
-    with float32 and with int8 activations."""
+    GB/s (best of 20) as a fraction of it: through the Python wrapper, the C kernels alone, and
+    one C call over all layers' gate / up rows, with float32 and with int8 activations."""
     import torch
 
     from engine import kernels
@@ -104,6 +104,9 @@ def weight_bytes() -> dict:
                                "int8": params + 4 * sum(w.shape[0] for w in linears + [head])},
            "host_read_gbs": round(read_gbs, 1), "int8_activations": lib.q8_available}
     ys = {w.shape[0]: torch.empty(1, w.shape[0]) for w in linears}
+    big_w = QuantWeight.cat([weights[f"model.layers.{i}.mlp.{n}_proj.weight"]
+                             for i in range(30) for n in ("gate", "up")])
+    big_y = torch.empty(1, big_w.shape[0])
     for name, int8_x in (("gguf", False), ("gguf_q8", True)):
         # through CpuKernels.quant_linear (as the model calls it: Python wrapper, new output)
         # and the C entry point alone with its arguments made beforehand (the kernel's rate)
@@ -114,6 +117,14 @@ def weight_bytes() -> dict:
                   ys[w.shape[0]].data_ptr(), w.shape[0], 1, 1, w.shape[0], w.shape[1],
                   torch.get_num_threads()) for w in linears]
         t_c = min(_timed(lambda: [fn(*a) for a in calls]) for _ in range(20))
+        # one call over the 30 layers' gate / up rows stacked (33 MB): the inner loop's rate
+        # without the ~2 us of call and fork / join that each of the 120 calls pays
+        args = (*big_w.kernel_args, None, xs[576].data_ptr(), 576, 0, big_y.data_ptr(),
+                big_w.shape[0], 1, 1, big_w.shape[0], 576, torch.get_num_threads())
+        t_loop = min(_timed(lambda: fn(*args)) for _ in range(20))
+        out[f"{name}_one_call_gbs"] = round(big_w.nbytes / t_loop / 1e9, 1)
+        out[f"{name}_one_call_fraction_of_bound"] = round(big_w.nbytes / t_loop / 1e9 / read_gbs,
+                                                          2)
         for sfx, t in (("", t_py), ("_kernel", t_c)):
             out[f"{name}_linears{sfx}_ms"] = round(t * 1e3, 2)
             out[f"{name}_linears{sfx}_gbs"] = round(lin_bytes / t / 1e9, 1)

@@ -12,7 +12,6 @@ Start-up: the server listens at once; the engine loads in the background (`/heal
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import logging
 import threading
@@ -38,21 +37,13 @@ from api.network import grpc_credentials, log_request
 from api.openai_serving import ResponseContext, merge, sse_events
 from api.protocol import ChatCompletionRequest, CompletionRequest, split_unknown
 from engine.async_llm import ProcessAsyncLLM, RequestFailedError
+from engine.device import freeze_heap
 from api.serve_config import ServeConfig
 from engine.config import EngineConfig
 from scheduler.request import ParamError, QueueFullError, SamplingParams
 
 logger = logging.getLogger("continuum.api")
 VERSION = "0.1.0"
-
-
-def freeze_heap() -> None:
-    """Collect, then move every object alive (imports, models, tokenizer: ~0.5 M objects with
-    torch) to the collector's permanent generation (`gc.freeze`): a full collection then scans
-    only what requests allocate. Measured: one over the start-up heap took 230 ms, a stall of
-    every request on the serving thread. Called when a load finishes (start-up, in a thread)."""
-    gc.collect()
-    gc.freeze()
 
 
 @dataclass

@@ -119,8 +119,9 @@ def weight_bytes() -> dict:
         t_c = min(_timed(lambda: [fn(*a) for a in calls]) for _ in range(20))
         # one call over the 30 layers' gate / up rows stacked (33 MB): the inner loop's rate
         # without the ~2 us of call and fork / join that each of the 120 calls pays
-        args = (*big_w.kernel_args, None, xs[576].data_ptr(), 576, 0, big_y.data_ptr(),
-                big_w.shape[0], 1, 1, big_w.shape[0], 576, torch.get_num_threads())
+        n, k = big_w.shape
+        args = (*big_w.kernel_args, None, xs[k].data_ptr(), k, 0, big_y.data_ptr(), n, 1, 1, n,
+                k, torch.get_num_threads())
         t_loop = min(_timed(lambda: fn(*args)) for _ in range(20))
         out[f"{name}_one_call_gbs"] = round(big_w.nbytes / t_loop / 1e9, 1)
         out[f"{name}_one_call_fraction_of_bound"] = round(big_w.nbytes / t_loop / 1e9 / read_gbs,

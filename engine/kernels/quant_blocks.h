@@ -161,8 +161,15 @@ INLINE V f16_bcast(const uint8_t *p) {          /* the IEEE half at p, in every 
     memcpy(&h, p, 2);
     return _mm512_cvtph_ps(_mm256_set1_epi16(h));
 }
-INLINE V iota16(void) {
-    return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+/* The 16 values a 4-bit block can hold, lane q: d * (q - 8) (Q4_0), d * q + m (Q4_1). */
+INLINE V lut_q4_0(const uint8_t *b) {
+    return vmul(f16_bcast(b), _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1,
+                                             0, 1, 2, 3, 4, 5, 6, 7));
+}
+INLINE V lut_q4_1(const uint8_t *b) {
+    return vadd(vmul(f16_bcast(b), _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7,
+                                                   8, 9, 10, 11, 12, 13, 14, 15)),
+                f16_bcast(b + 2));
 }
 INLINE void dqv_q8_0(const uint8_t *b, V *out) {
     const V d = f16_bcast(b);
@@ -177,18 +184,13 @@ INLINE void dqv_i8(const uint8_t *b, V *out) {
 /* The 4-bit types through a table: the 16 values a block can hold (d * (q - 8), or d * q + m),
  * computed once in one vector, then looked up by nibble (vpermps): the same products and sums
  * as dq_*, on one vector instead of two, and no int-to-float conversions. */
-INLINE void dqv_q4_0(const uint8_t *b, V *out) {
-    const V lut = vmul(f16_bcast(b), _mm512_sub_ps(iota16(), vset1(8.f)));
-    const __m128i raw = _mm_loadu_si128((const void *)(b + 2));
+INLINE void dqv_lut(V lut, const uint8_t *nibbles, V *out) {
+    const __m128i raw = _mm_loadu_si128((const void *)nibbles);
     out[0] = _mm512_permutexvar_ps(lo_nibbles(raw), lut);
     out[1] = _mm512_permutexvar_ps(hi_nibbles(raw), lut);
 }
-INLINE void dqv_q4_1(const uint8_t *b, V *out) {
-    const V lut = vadd(vmul(f16_bcast(b), iota16()), f16_bcast(b + 2));
-    const __m128i raw = _mm_loadu_si128((const void *)(b + 4));
-    out[0] = _mm512_permutexvar_ps(lo_nibbles(raw), lut);
-    out[1] = _mm512_permutexvar_ps(hi_nibbles(raw), lut);
-}
+INLINE void dqv_q4_0(const uint8_t *b, V *out) { dqv_lut(lut_q4_0(b), b + 2, out); }
+INLINE void dqv_q4_1(const uint8_t *b, V *out) { dqv_lut(lut_q4_1(b), b + 4, out); }
 #elif HAVE_AVX2
 INLINE void nibbles(const uint8_t *p, __m256i q[4]) {  /* 32 values: low then high nibbles */
     const __m128i raw = _mm_loadu_si128((const void *)p), mask = _mm_set1_epi8(15);
@@ -260,10 +262,10 @@ INLINE __m512i dqb_lut(V lut, const uint8_t *nibbles) {
     return _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(idx), table);
 }
 INLINE __m512i dqb_q4_0(const uint8_t *b) {
-    return dqb_lut(vmul(f16_bcast(b), _mm512_sub_ps(iota16(), vset1(8.f))), b + 2);
+    return dqb_lut(lut_q4_0(b), b + 2);
 }
 INLINE __m512i dqb_q4_1(const uint8_t *b) {
-    return dqb_lut(vadd(vmul(f16_bcast(b), iota16()), f16_bcast(b + 2)), b + 4);
+    return dqb_lut(lut_q4_1(b), b + 4);
 }
 
 #else

@@ -14,6 +14,11 @@ import time
 
 import pytest
 
+# Triton's kernels run in its interpreter (numpy) where no GPU is: read when a kernel is defined,
+# so it is set before any test imports one (tests/test_triton_attention.py).
+if not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"
 MAX_LEN = 1024

@@ -141,6 +141,7 @@ def engine_config(args: argparse.Namespace):
         model=args.model, dtype=args.dtype, device=args.device, seed=args.seed,
         max_model_len=args.max_model_len, block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory, num_gpu_blocks_override=args.num_gpu_blocks_override,
+        gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         enable_chunked_prefill=args.enable_chunked_prefill,
         enable_prefix_caching=args.enable_prefix_caching,
         sjf_aging_ms_per_token=args.sjf_aging_ms_per_token,

@@ -71,7 +71,14 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-gpu-blocks-override", type=int, default=None,
                    help="KV-cache size in blocks; overrides --kv-cache-memory")
     p.add_argument("--kv-cache-memory", type=float, default=None,
-                   help="KV-cache size in GiB (default: 2 on CPU, 90%% of free device memory)")
+                   help="KV-cache size in GiB (default: 2 on CPU; on a GPU / NPU what "
+                        "--gpu-memory-utilization leaves after the weights and a profiled step)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of the GPU's / NPU's memory the engine may use: the KV cache "
+                        "takes what is left of it after the weights and a profiled peak step; "
+                        "unused on the CPU (default: 0.9)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs: decode steps run eagerly (default: graphs on CUDA)")
     p.add_argument("--scheduling-policy", default=None, choices=POLICIES,
                    help="fcfs; priority: lower value first; sjf: shortest job (prompt + "
                         "max_tokens) first, with aging (default: fcfs)")

@@ -100,10 +100,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     Args:
         q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (post-RoPE).
         k_cache, v_cache: [num_kv_heads, num_blocks, block_size, head_dim].
-        meta: the step's `AttentionMetadata`. scale: softmax scale (1/sqrt(head_dim)).
+        meta: the step's `AttentionMetadata`, or an accelerator backend's `SeqMetadata`
+            (`engine.accel.metadata`), whose backend then does both. scale: softmax scale (1/sqrt(head_dim)).
 
     Returns: [T, num_heads * head_dim].
     """
+    backend = getattr(meta, "backend", None)
+    if backend is not None:                 # an accelerator's (engine.accel): SeqMetadata
+        return backend.forward(q, k, v, k_cache, v_cache, meta, scale)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads

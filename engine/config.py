@@ -23,8 +23,12 @@ class EngineConfig:
 
     model: HF checkpoint directory or .gguf file; None = the embedded SmolLM2-135M-Instruct.
     max_model_len: None = the model's `max_position_embeddings`.
-    kv_cache_memory: device memory for the KV cache; None = 2 GiB on CPU, 90% of free device
-        memory after the weights on an accelerator. `num_gpu_blocks_override` wins over it.
+    kv_cache_memory: device memory for the KV cache; None = 2 GiB on CPU; on an accelerator
+        what is left of `gpu_memory_utilization` of the device's memory after the weights and
+        a profiled peak step (`engine.accel.memory`). `num_gpu_blocks_override` wins over both.
+    gpu_memory_utilization: fraction (0, 1] of the accelerator's memory this engine may use
+        (vLLM's flag; unused on the CPU).
+    enforce_eager: no CUDA graphs (vLLM's flag): decode steps run eagerly as every other step.
     preemption_mode: "recompute", "swap" or "auto" (a swap pool of `swap_space` GiB exists
         with swap and auto).
     target_itl_ms: None = off; milliseconds, or "auto" = twice the unloaded decode step,
@@ -50,6 +54,8 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory: float | None = None
     num_gpu_blocks_override: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
     swap_space: float = 4.0
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
@@ -83,6 +89,9 @@ class EngineConfig:
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError("--num-gpu-blocks-override must be at least 1, "
                              f"got {self.num_gpu_blocks_override}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("--gpu-memory-utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization}")
         if self.swap_space < 0:
             raise ValueError(f"--swap-space must be non-negative (GiB), got {self.swap_space}")
         if self.max_num_seqs < 1:

@@ -38,13 +38,17 @@ class Device:
         elif self.kind == "npu":
             torch.npu.synchronize(self.torch_device)  # type: ignore[attr-defined]
 
-    def free_memory_bytes(self) -> int | None:
-        """Free device memory in bytes, or None on CPU (host memory is sized by flags)."""
-        if self.kind == "cuda":
-            return torch.cuda.mem_get_info(self.torch_device)[0]
-        if self.kind == "npu":
-            return torch.npu.mem_get_info(self.torch_device)[0]  # type: ignore[attr-defined]
-        return None
+    def memory_info(self) -> tuple[int, int] | None:
+        """(free, total) device memory in bytes, or None on CPU (host memory is sized by
+        flags)."""
+        if self.kind == "cpu":
+            return None
+        return tuple(getattr(torch, self.kind).mem_get_info(self.torch_device))
+
+    def memory_stats(self):
+        """The accelerator's torch allocator module (`torch.cuda` / `torch.npu`: its
+        `max_memory_allocated`, `memory_reserved`, `reset_peak_memory_stats`), None on CPU."""
+        return None if self.kind == "cpu" else getattr(torch, self.kind)
 
     def kernels(self, dtype: torch.dtype):
         """The model runner's compiled kernels (paged attention, fused elementwise ops) for

@@ -118,7 +118,10 @@ class LLMEngine:
         block_bytes = (self.model.cfg.kv_bytes_per_token(self.dtype) + (
             draft.cfg.kv_bytes_per_token(draft.dtype) if draft is not None else 0)
         ) * config.block_size
-        num_gpu_blocks = self._num_gpu_blocks(block_bytes)
+        sched = self._scheduler_config(None)
+        step_sizes = dict(max_num_tokens=sched.max_num_batched_tokens + sched.max_num_seqs * (
+            sched.num_speculative_tokens + 1), max_num_seqs=sched.max_num_seqs)
+        num_gpu_blocks = self._num_gpu_blocks(block_bytes, **step_sizes)
         num_cpu_blocks = (int(config.swap_space * GIB // block_bytes)
                           if config.preemption_mode in ("swap", "auto") else 0)
         self.grammars = GrammarCompiler(self.tokenizer, mcfg.vocab_size)
@@ -133,12 +136,15 @@ class LLMEngine:
             self.runner = TensorParallelRunner(*self._tp, self.model, self.device,
                                                config.block_size, num_gpu_blocks, num_cpu_blocks,
                                                eos_ids, config.seed, self.grammars,
-                                               proposer=self._proposer())
+                                               proposer=self._proposer(), **step_sizes)
         else:
             self.runner = ModelRunner(self.model, self.device, config.block_size,
                                       num_gpu_blocks, num_cpu_blocks, eos_ids, config.seed,
-                                      self.grammars, draft, proposer=self._proposer())
+                                      self.grammars, draft, proposer=self._proposer(),
+                                      **step_sizes)
         self.runner.lora = self.lora
+        if self._tp is None and self.lora is None:      # CUDA graphs of the decode steps
+            self.runner.capture_graphs(config.enforce_eager)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stat_loggers: list[Callable[[StepStats], None]] = []
         if target == "auto":
@@ -260,15 +266,21 @@ class LLMEngine:
                              "tokens")
         return wanted
 
-    def _num_gpu_blocks(self, block_bytes: int) -> int:
+    def _num_gpu_blocks(self, block_bytes: int, max_num_tokens: int, max_num_seqs: int) -> int:
+        """KV blocks: `--num-gpu-blocks-override`, else `--kv-cache-memory`, else 2 GiB on the
+        CPU, else (an accelerator) what `--gpu-memory-utilization` leaves after the weights
+        and a profiled peak step (`engine.accel.memory`)."""
         cfg = self.config
         if cfg.num_gpu_blocks_override:
             return cfg.num_gpu_blocks_override
         if cfg.kv_cache_memory is not None:
             budget = cfg.kv_cache_memory * GIB
+        elif self.device.kind == "cpu":
+            budget = 2 * GIB
         else:
-            free = self.device.free_memory_bytes()
-            budget = 2 * GIB if free is None else 0.9 * free
+            from engine.accel.memory import profiled_kv_budget
+            budget = profiled_kv_budget(self.model, self.device, cfg.gpu_memory_utilization,
+                                        max_num_tokens, max_num_seqs, cfg.block_size)
         return max(1, int(budget // block_bytes))
 
     # ------------------------------------------------------------------ requests

@@ -33,6 +33,9 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.accel import attention_backend
+from engine.accel.metadata import StepBuffers
+from engine.accel.step import prepare_step
 from engine.attention import (SMALL_DECODE_BATCH, AttentionMetadata, DecodeGroup, PrefillChunk,
                               build_prefill_mask)
 from engine.device import Device
@@ -97,6 +100,18 @@ def _row_spans(ordered: list[ScheduledRequest], num_decodes: int
     return starts, counts
 
 
+def _head_major(num_layers: int, num_kv_heads: int, num_blocks: int, block_size: int,
+                head_dim: int) -> tuple[int, ...]:
+    """The CPU path's cache shape (`engine.attention`): block axis 3."""
+    return (num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim)
+
+
+def _index_pair(pairs: list[tuple[int, int]], device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(source, destination) block ids of `pairs` as int64 tensors on `device`."""
+    t = torch.tensor(pairs, dtype=torch.long, device=device)
+    return t[:, 0], t[:, 1]
+
+
 @dataclass
 class _RequestState:
     block_table: list[int]
@@ -111,8 +126,15 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, device: Device, block_size: int,
                  num_gpu_blocks: int, num_cpu_blocks: int, eos_token_ids: tuple[int, ...],
                  seed: int = 0, grammars=None, draft_model: LlamaForCausalLM | None = None,
-                 proposer=None) -> None:
+                 proposer=None, max_num_tokens: int = 8192, max_num_seqs: int = 256) -> None:
         self.model, self.device, self.block_size = model, device, block_size
+        # an accelerator's attention backend (engine.accel) and the step buffers it reads
+        self.backend = attention_backend(device.kind, model.cfg.sliding_window)
+        self.block_dim = self.backend.block_dim if self.backend is not None else 3
+        self.buffers = None if self.backend is None else StepBuffers(
+            device.torch_device, max_num_tokens, max_num_seqs,
+            -(-model.cos.shape[0] // block_size))
+        self.graphs = None            # engine.accel.cuda_graphs.CudaGraphRunner, see capture_graphs
         self.kv_cache, self.cpu_cache = self._caches(model, num_gpu_blocks, num_cpu_blocks)
         self.drafter = self.draft_kv_cache = self.draft_cpu_cache = None
         if draft_model is not None:       # speculative decoding with a draft model
@@ -123,7 +145,7 @@ class ModelRunner:
         self.proposer = proposer
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler(device.torch_device, seed)
-        self.kernels = device.kernels(model.dtype)
+        self.kernels = device.kernels(model.dtype) if self.backend is None else None
         model.set_kernels(self.kernels)
         self.states: dict[str, _RequestState] = {}
         self.grammars = grammars      # engine.structured.grammar.GrammarCompiler, or None
@@ -133,15 +155,28 @@ class ModelRunner:
 
     def _caches(self, model: LlamaForCausalLM, num_gpu_blocks: int, num_cpu_blocks: int):
         """(device cache, CPU swap cache or None) for `model`, block-aligned with each other."""
-        cfg = model.cfg
-        shape = (cfg.num_layers, 2, cfg.num_kv_heads, num_gpu_blocks, self.block_size,
-                 cfg.head_dim)
+        cfg, bd = model.cfg, self.block_dim
+        layout = self.backend.cache_shape if self.backend is not None else _head_major
+        shape = layout(cfg.num_layers, cfg.num_kv_heads, num_gpu_blocks, self.block_size,
+                       cfg.head_dim)
         gpu = torch.zeros(shape, dtype=model.dtype, device=self.device.torch_device)
         cpu = None
         if num_cpu_blocks:
-            cpu = torch.zeros(shape[:3] + (num_cpu_blocks,) + shape[4:], dtype=model.dtype,
+            cpu = torch.zeros(shape[:bd] + (num_cpu_blocks,) + shape[bd + 1:], dtype=model.dtype,
                               pin_memory=self.device.pin_memory)
         return gpu, cpu
+
+    def capture_graphs(self, enforce_eager: bool = False) -> None:
+        """Capture the decode steps' CUDA graphs (`engine.accel.cuda_graphs`) on a CUDA device
+        with the Triton backend, unless `enforce_eager`; set any LoRA adapters first (steps with
+        adapters run eagerly)."""
+        if enforce_eager or self.device.kind != "cuda" or getattr(self.backend, "name", "") \
+                != "triton":
+            return
+        from engine.accel.cuda_graphs import CudaGraphRunner
+        self.graphs = CudaGraphRunner(self.model, self.kv_cache, self.buffers, self.backend,
+                                      self.buffers.max_seqs)
+        self.graphs.capture()
 
     # ------------------------------------------------------------------ block movement
     def _move_blocks(self, out: SchedulerOutput) -> None:
@@ -150,24 +185,25 @@ class ModelRunner:
         pairs = [(self.kv_cache, self.cpu_cache)]
         if self.drafter is not None:
             pairs.append((self.draft_kv_cache, self.draft_cpu_cache))
-        # Block dimension is 3: [layer, k/v, kv_head, block, slot, dim].
+        # The block axis: 3 in [layer, k/v, kv_head, block, slot, dim]; the backend's otherwise.
+        bd = self.block_dim
         self.last_swap = None
         if out.blocks_to_swap_out or out.blocks_to_swap_in:
             t0 = time.perf_counter()
             for gpu, cpu in pairs:
                 if out.blocks_to_swap_out:
-                    src, dst = zip(*out.blocks_to_swap_out)
-                    cpu[:, :, :, list(dst)] = gpu[:, :, :, list(src)].to("cpu")
+                    src, dst = _index_pair(out.blocks_to_swap_out)
+                    cpu.index_copy_(bd, dst, gpu.index_select(bd, src.to(dev)).to("cpu"))
                 if out.blocks_to_swap_in:
-                    src, dst = zip(*out.blocks_to_swap_in)
-                    gpu[:, :, :, list(dst)] = cpu[:, :, :, list(src)].to(dev)
+                    src, dst = _index_pair(out.blocks_to_swap_in)
+                    gpu.index_copy_(bd, dst.to(dev), cpu.index_select(bd, src).to(dev))
             self.device.synchronize()
             self.last_swap = (len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in),
                               time.perf_counter() - t0)
         if out.blocks_to_copy:
-            src, dst = zip(*out.blocks_to_copy)
+            src, dst = _index_pair(out.blocks_to_copy, dev)
             for gpu, _ in pairs:
-                gpu[:, :, :, list(dst)] = gpu[:, :, :, list(src)]
+                gpu.index_copy_(bd, dst, gpu.index_select(bd, src))
         if self.drafter is not None:
             self.drafter.moved(out)
 
@@ -222,19 +258,25 @@ class ModelRunner:
         if drafter is not None:               # draft, then score (engine.spec_decode.draft_model)
             scheduled = drafter.run(self, scheduled, by_id, self.draft_kv_cache)
         decodes = [s for s in scheduled if len(s.token_ids) == 1]
-        if self.kernels is None:
+        if self.kernels is None and self.backend is None:
             decodes.sort(key=lambda s: s.start_position)      # by context, for decode_groups
         prefills = [s for s in scheduled if len(s.token_ids) > 1]
         ordered = decodes + prefills
         states = [by_id[s.request_id] for s in ordered]
-        input_ids, positions, meta, sample_idx = self._prepare(ordered, states, len(decodes))
+        bucket = (self.graphs.bucket_for(len(ordered)) if self.graphs is not None and not prefills
+                  and self.lora is None else None)          # a decode step under a CUDA graph
+        input_ids, positions, meta, sample_idx = self._prepare(ordered, states, len(decodes),
+                                                               pad_to=bucket)
         rows_at = [i for i, _ in sample_idx]
         rows = self._sampling_rows(ordered, states, rows_at)
         masks = self._start_masks(rows)         # computed while the forward pass runs
         if self.lora is not None:               # each row's adapter slot (engine.lora)
             self.lora.set_batch([(st.row.params.lora_name, start, n) for st, start, n in
                                  zip(states, *_row_spans(ordered, len(decodes)))])
-        hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
+        if bucket is not None:
+            hidden = self.graphs.replay(bucket)[:len(ordered)]
+        else:
+            hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
         scored = chunks_to_score(ordered, states, len(decodes))
         prompt_lps = score_prompt_logprobs(self.model, hidden, scored) if scored else None
         if not sample_idx:
@@ -316,9 +358,13 @@ class ModelRunner:
             lambda: (constrained, fill_bitmask(matchers, self.model.cfg.vocab_size)))
 
     def _prepare(self, ordered: list[ScheduledRequest], states: list[_RequestState],
-                 num_decodes: int, kernels=False):
+                 num_decodes: int, kernels=False, pad_to: int | None = None):
         """Flat input ids, positions, slot mapping and attention metadata for the step (for
-        `kernels`, by default the target's: a draft model's may differ)."""
+        `kernels`, by default the target's: a draft model's may differ). With an accelerator
+        backend, in its step buffers (`engine.accel.step`; `pad_to`: a CUDA graph's batch)."""
+        if self.backend is not None:
+            return prepare_step(self.buffers, self.backend, ordered, states, num_decodes,
+                                self.block_size, pad_to)
         kernels = self.kernels if kernels is False else kernels
         bs, dev = self.block_size, self.device.torch_device
         ids: list[int] = []

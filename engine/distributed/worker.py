@@ -48,6 +48,8 @@ class CacheSpec:
     num_cpu_blocks: int
     eos_token_ids: tuple[int, ...]
     seed: int
+    max_num_tokens: int = 8192  # an accelerator's step buffers (engine.accel.metadata)
+    max_num_seqs: int = 256
 
 
 def run(spec: WorkerSpec, stream) -> None:
@@ -72,7 +74,8 @@ def run(spec: WorkerSpec, stream) -> None:
             spec.lora, group)
         cache: CacheSpec = pickle.load(stream)
         runner = ModelRunner(model, device, cache.block_size, cache.num_gpu_blocks,
-                             cache.num_cpu_blocks, cache.eos_token_ids, cache.seed)
+                             cache.num_cpu_blocks, cache.eos_token_ids, cache.seed,
+                             max_num_tokens=cache.max_num_tokens, max_num_seqs=cache.max_num_seqs)
         runner.lora = lora
         group.barrier()                              # rank 0 waits here for every shard
         while (out := pickle.load(stream)) is not None:

@@ -1,0 +1,64 @@
+"""Random-weight checkpoints built from configs, with the embedded model's tokenizer: how model
+families other than the embedded one are tested and benchmarked without downloading weights.
+
+Owns: `CONFIGS` (named config overrides: `tiny` for the tests, `smollm2` = the embedded model's
+own config, `llama-3.2-1b` = Llama-3.2-1B's shapes) and `build_checkpoint`. In: the embedded
+model's directory (`engine.loader.resolve_model(None)`: config.json and tokenizer files). Out: a
+directory with config.json, model.safetensors (transformers' `LlamaForCausalLM` initialisation
+under a fixed seed) and the tokenizer, loadable by Continuum and transformers alike.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+# Overrides of the embedded model's config.json. Llama-3.2-1B's published config: hidden 2048,
+# 16 layers, 32 heads over 8 KV heads (head_dim 64), MLP 8192, vocabulary 128256, rope theta
+# 500000 with llama3 scaling, tied embeddings. Its vocabulary is larger than the tokenizer's
+# (49152): ids past the tokenizer decode to nothing, as padded vocabularies do.
+CONFIGS: dict[str, dict] = {
+    "tiny": dict(hidden_size=192, intermediate_size=384, num_hidden_layers=2,
+                 num_attention_heads=6, num_key_value_heads=2, head_dim=32,
+                 max_position_embeddings=1024, initializer_range=0.2),
+    "smollm2": {},
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                         vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+                         rope_scaling={"factor": 32.0, "high_freq_factor": 4.0,
+                                       "low_freq_factor": 1.0,
+                                       "original_max_position_embeddings": 8192,
+                                       "rope_type": "llama3"},
+                         tie_word_embeddings=True),
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json", "vocab.json", "merges.txt")
+
+
+def build_checkpoint(base_dir: str | Path, out_dir: str | Path, name: str, seed: int = 0,
+                     **overrides) -> Path:
+    """Write a random-weight checkpoint of config `name` (`CONFIGS`, then `overrides`) to
+    `out_dir` (float32 on disk; a no-op when it is already there with the same config), with
+    `base_dir`'s tokenizer. Returns `out_dir`. Raises KeyError for an unknown name."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = Path(out_dir)
+    cfg = json.loads((Path(base_dir) / "config.json").read_text())
+    for k in ("quantization_config", "torch_dtype", "dtype", "transformers_version"):
+        cfg.pop(k, None)
+    cfg.update(CONFIGS[name], **overrides)
+    cfg.update(architectures=["LlamaForCausalLM"], model_type="llama")
+    stamp = out / ".built"
+    if stamp.exists() and json.loads(stamp.read_text()) == [cfg, seed]:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**cfg)).to(torch.float32).eval()
+    model.save_pretrained(str(out), safe_serialization=True)
+    for f in TOKENIZER_FILES:
+        if (Path(base_dir) / f).exists():
+            shutil.copy(Path(base_dir) / f, out / f)
+    stamp.write_text(json.dumps([cfg, seed]))
+    return out

@@ -1,0 +1,47 @@
+"""A step's flat batch as an accelerator backend reads it: token ids, positions, slot mapping
+and per-sequence metadata, copied into the runner's `StepBuffers`.
+
+Owns: `prepare_step`. In: the model runner's ordered requests (decodes first, then prefill
+chunks; `engine.model_runner`) and their block tables. Out: (input_ids, positions,
+`SeqMetadata`, sample_idx), the same contract as the CPU path's `ModelRunner._prepare`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.accel.metadata import SeqMetadata, StepBuffers
+
+
+def prepare_step(buffers: StepBuffers, backend, ordered, states, num_decodes: int,
+                 block_size: int, pad_to: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, SeqMetadata, list[tuple[int, int]]]:
+    """Build the step for `ordered` (`ScheduledRequest`s, decodes first) with their runner
+    `states` (block tables). sample_idx: (request index, flat row) for each sampled row — the
+    last token of a chunk that samples, every token of a chunk verifying drafts. `pad_to`: a
+    CUDA graph's batch size (decode-only steps). Raises ValueError past the buffers' sizes."""
+    ids: list[int] = []
+    slots: list[int] = []
+    positions: list[int] = []
+    query_lens, seq_lens, tables = [], [], []
+    sample_idx: list[tuple[int, int]] = []
+    row = 0
+    for i, (s, st) in enumerate(zip(ordered, states)):
+        n, start = len(s.token_ids), s.start_position
+        ids.extend(s.token_ids)
+        table = st.block_table[:-(-(start + n) // block_size)]
+        for p in range(start, start + n):
+            positions.append(p)
+            slots.append(table[p // block_size] * block_size + p % block_size)
+        query_lens.append(n)
+        seq_lens.append(start + n)
+        tables.append(table)
+        if i >= num_decodes and s.num_drafts:          # verify: a row at every position
+            sample_idx.extend((i, row + j) for j in range(n))
+        elif s.sample:
+            sample_idx.append((i, row + n - 1))
+        row += n
+    input_ids, pos, meta = buffers.fill(backend, ids, torch.tensor(positions, dtype=torch.long),
+                                        torch.tensor(slots, dtype=torch.long), query_lens,
+                                        seq_lens, tables, num_decodes, pad_to)
+    return input_ids, pos, meta, sample_idx

@@ -58,11 +58,23 @@ def _seed_for(seed: int, choice_index: int, output_index: int) -> int:
 
 
 class Sampler:
-    """Stateless apart from the shared generator for unseeded requests."""
+    """Stateless apart from the shared generator for unseeded requests and the device buffers
+    the per-row parameters (temperature, min_p, top_k, top_p) are copied into each step
+    (`_row_tensor`: allocated once per name, regrown only past the largest batch seen)."""
 
     def __init__(self, device: torch.device, seed: int = 0) -> None:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self._rows: dict[str, torch.Tensor] = {}
+
+    def _row_tensor(self, name: str, values: list, dtype: torch.dtype,
+                    device: torch.device) -> torch.Tensor:
+        """`values` as a `[len(values)]` view of the persistent device buffer `name`."""
+        buf = self._rows.get(name)
+        if buf is None or buf.numel() < len(values) or buf.dtype != dtype:
+            buf = self._rows[name] = torch.empty(max(256, len(values)), dtype=dtype,
+                                                 device=device)
+        return buf[:len(values)].copy_(torch.tensor(values, dtype=dtype), non_blocking=True)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
                  grammar: tuple[list[int], torch.Tensor] | None = None) -> SampleResult:
@@ -91,8 +103,8 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Temperature, filters, softmax and one draw per row of `logits [R, vocab]` (scaled
         in place)."""
-        temps = torch.tensor([r.params.temperature for r in rows], device=logits.device,
-                             dtype=logits.dtype)
+        temps = self._row_tensor("temperature", [r.params.temperature for r in rows],
+                                 logits.dtype, logits.device)
         return self._draw(self._filtered_probs(logits.div_(temps[:, None]), rows), rows)
 
     def _draw(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -158,13 +170,12 @@ class Sampler:
                 counts = torch.bincount(out, minlength=vocab)[:vocab].to(logits.dtype)
                 logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
 
-    @staticmethod
-    def _filtered_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def _filtered_probs(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """min_p, then top_k / top_p masking (vLLM's order), then softmax."""
         min_ps = [r.params.min_p for r in rows]
         if any(min_ps):
             probs = logits.softmax(dim=-1)
-            min_p = torch.tensor(min_ps, device=logits.device, dtype=logits.dtype)
+            min_p = self._row_tensor("min_p", min_ps, logits.dtype, logits.device)
             threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
             logits = logits.masked_fill(probs < threshold, _MASK)
         top_ks = [r.params.top_k if r.params.top_k > 0 else logits.shape[1] for r in rows]
@@ -172,10 +183,10 @@ class Sampler:
         if any(k < logits.shape[1] for k in top_ks) or any(p < 1.0 for p in top_ps):
             sorted_logits, order = logits.sort(dim=-1, descending=False)
             vocab = logits.shape[1]
-            k = torch.tensor(top_ks, device=logits.device)
+            k = self._row_tensor("top_k", top_ks, torch.long, logits.device)
             kth = sorted_logits.gather(1, (vocab - k).clamp(min=0)[:, None])
             sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, _MASK)
-            top_p = torch.tensor(top_ps, device=logits.device, dtype=logits.dtype)
+            top_p = self._row_tensor("top_p", top_ps, logits.dtype, logits.device)
             cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
             drop = cum <= (1 - top_p)[:, None]
             drop[:, -1] = False                      # always keep the most likely token

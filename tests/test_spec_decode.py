@@ -224,7 +224,8 @@ def test_rejection_sample_emits_the_target_law(case):
 
 def _filtered(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
     row = SamplingRow(SamplingParams(temperature=temperature, top_p=top_p), [1], [], 0, ())
-    return Sampler._filtered_probs(logits.div(temperature)[None].clone(), [row])[0]
+    return Sampler(torch.device("cpu"))._filtered_probs(logits.div(temperature)[None].clone(),
+                                                        [row])[0]
 
 
 def test_rejection_sample_after_temperature_and_top_p():

@@ -128,8 +128,11 @@ class ModelRunner:
                  seed: int = 0, grammars=None, draft_model: LlamaForCausalLM | None = None,
                  proposer=None, max_num_tokens: int = 8192, max_num_seqs: int = 256) -> None:
         self.model, self.device, self.block_size = model, device, block_size
-        # an accelerator's attention backend (engine.accel) and the step buffers it reads
-        self.backend = attention_backend(device.kind, model.cfg.sliding_window)
+        # An accelerator's attention backend (engine.accel) and the step buffers it reads. No
+        # sliding window: the engine caps max_model_len at the model's window (LLMEngine).
+        self.backend = attention_backend(device.kind)
+        if self.backend is not None:
+            self.backend.check_dtype(model.dtype)
         self.block_dim = self.backend.block_dim if self.backend is not None else 3
         self.buffers = None if self.backend is None else StepBuffers(
             device.torch_device, max_num_tokens, max_num_seqs,

@@ -197,6 +197,8 @@ def test_npu_backend_through_the_engine(tiny, prompts, monkeypatch):
     hf = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
     cpu_errors = logprob_errors(engine(tiny, backend="auto", dtype="bfloat16"), prompts, hf)
     fake = install(monkeypatch)
+    with pytest.raises(ValueError, match="runs float16 or bfloat16, not float32"):
+        engine(tiny, backend="npu", dtype="float32")               # refused at start
     eng = engine(tiny, backend="npu", dtype="bfloat16", max_num_batched_tokens=48)
     cfg = eng.model.cfg
     assert eng.runner.kv_cache.shape[2:] == (eng.runner.kv_cache.shape[2], 16, cfg.num_kv_heads,

@@ -2,10 +2,11 @@
 language) and Ascend NPUs (torch_npu's fused operators), the step's device buffers, CUDA graphs
 for decode steps, and the KV-cache memory profile behind `--gpu-memory-utilization`.
 
-Owns: the choice of attention backend for a device (`attention_backend`). In: the device and
-the model's config. Out: a backend object with `name`, `block_dim` (the block axis of the
-runner's cache), `cache_shape(...)` and `forward(q, k, v, k_cache, v_cache, meta, scale)`, or
-None where the model runner keeps its CPU path (`engine.attention`: compiled C kernels or torch).
+Owns: the choice of attention backend for a device (`attention_backend`). In: the device
+kind. Out: a backend object with `name`, `block_dim` (the block axis of the runner's cache),
+`cache_shape(...)`, `check_dtype(dtype)` (ValueError, one line, for a dtype it cannot run) and
+`forward(q, k, v, k_cache, v_cache, meta, scale)`, or None where the model runner keeps its CPU
+path (`engine.attention`: compiled C kernels or torch).
 
 `CONTINUUM_ATTENTION_BACKEND` = `triton` or `npu` forces a backend on any device: with
 `TRITON_INTERPRET=1` (Triton's numpy interpreter) or a stand-in `torch_npu` module the whole

@@ -78,7 +78,7 @@ def profiled_kv_budget(model, device, utilization: float, max_num_tokens: int,
     stats = device.memory_stats()
     stats.empty_cache()
     stats.reset_peak_memory_stats(device.torch_device)
-    profile_peak_step(model, attention_backend(device.kind, model.cfg.sliding_window), device,
+    profile_peak_step(model, attention_backend(device.kind), device,
                       max_num_tokens, max_num_seqs, block_size)
     peak = stats.max_memory_allocated(device.torch_device)
     free, total = device.memory_info()

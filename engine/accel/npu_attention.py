@@ -91,6 +91,13 @@ class NpuAttention:
         self._step: _StepArgs | None = None
 
     @staticmethod
+    def check_dtype(dtype: torch.dtype) -> None:
+        """Raise ValueError (one line, at start) for a dtype the operators do not take."""
+        if dtype not in DTYPES:
+            raise ValueError(f"the npu attention backend runs float16 or bfloat16, not "
+                             f"{str(dtype).removeprefix('torch.')}; use --dtype bfloat16")
+
+    @staticmethod
     def cache_shape(num_layers: int, num_kv_heads: int, num_blocks: int, block_size: int,
                     head_dim: int) -> tuple[int, ...]:
         """The runner's whole cache: `[num_layers, 2, num_blocks, block_size, num_kv_heads,
@@ -161,9 +168,7 @@ class NpuAttention:
         """Write the step's K/V, then attend: `q [T, H, D]`, `k, v [T, KVH, D]` (views are
         fine), caches `[num_blocks, block_size, KVH, D]` → `[T, H * D]`. Raises ValueError for
         a dtype other than float16 or bfloat16."""
-        if q.dtype not in DTYPES:
-            raise ValueError(f"the npu attention backend runs float16 or bfloat16, not "
-                             f"{q.dtype}; use --dtype bfloat16")
+        self.check_dtype(q.dtype)
         step = self._step_args(meta)
         n = step.num_tokens
         self.cache_write(k[:n], v[:n], k_cache, v_cache, step.slots)

@@ -18,7 +18,8 @@ online softmax):
 - grid `(num_seqs, cdiv(max_query_len, BLOCK_Q), num_kv_heads)`: a program owns BLOCK_Q query
   tokens of one sequence and all `G = num_heads / num_kv_heads` query heads that share one KV
   head (GQA), packed as BLOCK_M = BLOCK_Q * G rows (row r: token r // G, head r % G), so every K/V
-  tile is read once for the whole group. Programs past their sequence's query length return at
+  tile is read once for the whole group. BLOCK_M is 16 when every chunk fits (decode steps),
+  64 for prefill chunks (`_tile_shapes`). Programs past their sequence's query length return at
   once; a decode-only step is `(num_seqs, 1, num_kv_heads)`, a fixed grid for CUDA graphs.
 - it walks the context in tiles of TILE_N keys, looking each key's block up in the block table
   (a tile may span pages, so any block size works), with a running max and sum in float32.
@@ -46,7 +47,7 @@ def _cache_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                         block_size, head_dim, HEAD_D: tl.constexpr):
     """One program per (token, KV head): copy its K and V row to the token's slot."""
     t = tl.program_id(0)
-    h = tl.program_id(1)
+    h = tl.program_id(1).to(tl.int64)              # int64 offsets: a cache may pass 2**31
     slot = tl.load(slot_ptr + t)
     if slot < 0:                         # a padded row: nothing to write
         return
@@ -73,7 +74,7 @@ def _paged_attention_kernel(
     """See the module docstring. `window` is used only with USE_WINDOW."""
     seq = tl.program_id(0)
     qb = tl.program_id(1)
-    kvh = tl.program_id(2)
+    kvh = tl.program_id(2).to(tl.int64)          # int64 offsets: a cache may pass 2**31
     q_start = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - q_start
     if qb * BLOCK_Q >= q_len:
@@ -107,12 +108,14 @@ def _paged_attention_kernel(
         k_ok = k_pos < key_end
         blk = tl.load(block_tables_ptr + seq * stride_bt + k_pos // block_size, mask=k_ok,
                       other=0)
-        kv_off = kv_base + blk * stride_cb + (k_pos % block_size) * stride_cs
+        kv_off = kv_base + blk.to(tl.int64) * stride_cb + (k_pos % block_size) * stride_cs
         kv_mask = k_ok[:, None] & dmask[None, :]
         k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
 
-        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale          # [BLOCK_M, TILE_N]
+        # "ieee": float32 products in full float32 (tensor cores would round them to TF32,
+        # 10-bit mantissas); ignored for float16 / bfloat16
+        s = tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32) * scale
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :] & row_ok[:, None]
         if USE_WINDOW:
             visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
@@ -122,7 +125,8 @@ def _paged_attention_kernel(
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v,
+                                            input_precision="ieee").to(tl.float32)
         m_i = m_new
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -131,10 +135,14 @@ def _paged_attention_kernel(
              mask=row_ok[:, None] & dmask[None, :])
 
 
-def _tile_shapes(group: int) -> tuple[int, int]:
+def _tile_shapes(group: int, max_query_len: int) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_Q): BLOCK_M rows (a power of two, >= 16 for `tl.dot`) hold BLOCK_Q
-    tokens of `group` heads each."""
+    tokens of `group` heads each. 16 rows where every chunk fits in them (decodes: a small
+    grid, one program per sequence and KV head), 64 otherwise (a prefill's K/V tiles are then
+    read by 4x fewer programs)."""
     block_m = max(16, triton.next_power_of_2(group))
+    if max_query_len > block_m // group:
+        block_m = max(64, block_m)
     return block_m, block_m // group
 
 
@@ -150,6 +158,10 @@ class TritonAttention:
     def __init__(self, sliding_window: int | None = None, tile_n: int = 32) -> None:
         self.window = sliding_window
         self.tile_n = tile_n
+
+    @staticmethod
+    def check_dtype(dtype: torch.dtype) -> None:
+        """Every float dtype runs (float32, float16, bfloat16): nothing to refuse."""
 
     @staticmethod
     def cache_shape(num_layers: int, num_kv_heads: int, num_blocks: int, block_size: int,
@@ -180,7 +192,7 @@ class TritonAttention:
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads = k_cache.shape[0]
         group = num_heads // num_kv_heads
-        block_m, block_q = _tile_shapes(group)
+        block_m, block_q = _tile_shapes(group, meta.max_query_len)
         num_seqs = meta.seq_lens.shape[0]
         grid = (num_seqs, triton.cdiv(meta.max_query_len, block_q), num_kv_heads)
         _paged_attention_kernel[grid](

@@ -17,12 +17,15 @@ from pathlib import Path
 # Overrides of the embedded model's config.json. Llama-3.2-1B's published config: hidden 2048,
 # 16 layers, 32 heads over 8 KV heads (head_dim 64), MLP 8192, vocabulary 128256, rope theta
 # 500000 with llama3 scaling, tied embeddings. Its vocabulary is larger than the tokenizer's
-# (49152): ids past the tokenizer decode to nothing, as padded vocabularies do.
+# (49152): ids past the tokenizer decode to nothing, as padded vocabularies do. Weights are drawn
+# with std 0.05 (0.2 for `tiny`), not transformers' 0.02, at which greedy decoding of a random
+# model repeats two or three tokens (measured on `smollm2`: 2-3 distinct tokens in 16 at 0.02,
+# 16 in 16 at 0.05), which would let a broken attention pass a parity check.
 CONFIGS: dict[str, dict] = {
     "tiny": dict(hidden_size=192, intermediate_size=384, num_hidden_layers=2,
                  num_attention_heads=6, num_key_value_heads=2, head_dim=32,
                  max_position_embeddings=1024, initializer_range=0.2),
-    "smollm2": {},
+    "smollm2": dict(initializer_range=0.05),
     "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                          num_attention_heads=32, num_key_value_heads=8, head_dim=64,
                          vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
@@ -30,7 +33,7 @@ CONFIGS: dict[str, dict] = {
                                        "low_freq_factor": 1.0,
                                        "original_max_position_embeddings": 8192,
                                        "rope_type": "llama3"},
-                         tie_word_embeddings=True),
+                         tie_word_embeddings=True, initializer_range=0.05),
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "vocab.json", "merges.txt")

@@ -162,9 +162,7 @@ class LLMEngine:
                     num_gpu_blocks, config.block_size, num_gpu_blocks * block_bytes / GIB,
                     cache_note,
                     self.max_model_len,
-                    f"compiled CPU kernels ({self.runner.kernels.isa})"
-                    if self.runner.kernels is not None else "torch",
-                    self._linear_description(),
+                    self._attention_description(), self._linear_description(),
                     self.device.cpu_isa() or "n/a")
 
     def _lora_manager(self, config: EngineConfig):
@@ -178,6 +176,19 @@ class LLMEngine:
                     config.max_loras, config.max_lora_rank, manager.slots.nbytes / 2**20,
                     "" if self._tp is None else " per rank", ", ".join(manager.names) or "none")
         return manager
+
+    def _attention_description(self) -> str:
+        """The ready log's attention path: `compiled CPU kernels (avx512)`, `triton kernels,
+        CUDA graphs for 20 decode batch sizes`, `npu fused operators` or `torch`."""
+        runner = self.runner
+        if runner.kernels is not None:
+            return f"compiled CPU kernels ({runner.kernels.isa})"
+        if runner.backend is None:
+            return "torch"
+        graphs = runner.graphs
+        return f"{runner.backend.name} kernels, " + (
+            f"CUDA graphs for {len(graphs.buckets)} decode batch sizes" if graphs is not None
+            else "eager")
 
     def _linear_description(self) -> str:
         """The ready log's linear path: e.g. `gguf Q4_1/Q8_0 kernels (avx512)` quantized."""

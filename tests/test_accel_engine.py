@@ -208,3 +208,13 @@ def test_npu_backend_through_the_engine(tiny, prompts, monkeypatch):
     ops = {name for name, _ in fake.calls}
     assert {"_npu_reshape_and_cache", "_npu_paged_attention",
             "npu_fused_infer_attention_score"} <= ops, ops
+
+
+def test_interpreter_refuses_bfloat16_and_the_log_names_the_backend(tiny, caplog):
+    """Triton's interpreter has no bfloat16 (its results would be wrong, silently): refused at
+    start. The ready log names the attention path."""
+    with pytest.raises(ValueError, match="interpreter has no bfloat16"):
+        engine(tiny, dtype="bfloat16")
+    with caplog.at_level("INFO", logger="continuum.engine"):
+        engine(tiny)
+    assert "attention: triton kernels, eager" in caplog.text

@@ -35,6 +35,8 @@ tests check it on CPU-only machines; `benchmarks/device_check.py` checks it on a
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -161,7 +163,12 @@ class TritonAttention:
 
     @staticmethod
     def check_dtype(dtype: torch.dtype) -> None:
-        """Every float dtype runs (float32, float16, bfloat16): nothing to refuse."""
+        """float32, float16 and bfloat16 run on a GPU; Triton's interpreter (numpy) has no
+        bfloat16 and would compute garbage silently, so there it raises ValueError (one
+        line)."""
+        if dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
+            raise ValueError("bfloat16 attention under TRITON_INTERPRET=1: Triton's interpreter "
+                             "has no bfloat16; use --dtype float32 or float16")
 
     @staticmethod
     def cache_shape(num_layers: int, num_kv_heads: int, num_blocks: int, block_size: int,

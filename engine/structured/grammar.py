@@ -27,7 +27,7 @@ from collections import OrderedDict
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
+import llguidance.numpy
 
 from scheduler.request import ParamError, StructuredOutputs
 
@@ -139,8 +139,8 @@ class GrammarCompiler:
         except Exception as e:         # llguidance raises ValueError (and others) on bad input
             raise ParamError(f"invalid {so.kind} constraint: {e}", param) from None
         probe = m.deep_copy()        # the first mask finds grammars that can match nothing
-        llguidance.torch.fill_next_token_bitmask(
-            probe, llguidance.torch.allocate_token_bitmask(1, self.vocab_size), 0)
+        llguidance.numpy.fill_next_token_bitmask(
+            probe, llguidance.numpy.allocate_token_bitmask(1, self.vocab_size), 0)
         if m.is_error():
             raise ParamError(f"invalid {so.kind} constraint: {m.get_error().strip()}", param)
         if probe.is_error():

@@ -11,7 +11,7 @@ with every disallowed token at -inf.
 from __future__ import annotations
 
 import llguidance
-import llguidance.torch
+import llguidance.numpy
 import numpy as np
 import torch
 
@@ -19,11 +19,13 @@ def fill_bitmask(matchers: list, vocab_size: int) -> torch.Tensor:
     """The allowed-token bitmask of each matcher: `[len(matchers), ceil(vocab_size / 32)]`
     int32, on the CPU. A matcher that has stopped allows only EOS (llguidance's rule). One row
     after the other on this thread: llguidance's parallel `LLExecutor` was no faster here and
-    its worker threads compete with the forward pass for the cores."""
-    bitmask = llguidance.torch.allocate_token_bitmask(len(matchers), vocab_size)
+    its worker threads compete with the forward pass for the cores. Through `llguidance.numpy`:
+    `llguidance.torch` applies `torch.compile` when imported, which loads torch._dynamo (1 s of
+    every start) and Triton where it is installed."""
+    bitmask = llguidance.numpy.allocate_token_bitmask(len(matchers), vocab_size)
     for i, m in enumerate(matchers):
-        llguidance.torch.fill_next_token_bitmask(m, bitmask, i)
-    return bitmask
+        llguidance.numpy.fill_next_token_bitmask(m, bitmask, i)
+    return torch.from_numpy(bitmask)
 
 
 def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:

@@ -217,6 +217,75 @@ def test_a_quantized_draft_for_a_float32_target(model_dir):
     assert eng.scheduler.spec_counters.num_accepted_tokens > 0
 
 
+def assert_same_directory(path) -> None:
+    """engine/quant/gguf_tensors.py's tensor directory equals gguf-py's GGUFReader's (the
+    reference): names, types, dims, bytes, architecture."""
+    import gguf
+
+    from engine.quant.gguf_tensors import read_gguf_tensors
+
+    ref = gguf.GGUFReader(str(path))
+    got = read_gguf_tensors(str(path))
+    arch = ref.fields.get("general.architecture")
+    assert got.architecture == (bytes(arch.parts[-1]).decode() if arch else "")
+    assert [t.name for t in got.tensors] == [t.name for t in ref.tensors]
+    for g, r in zip(got.tensors, ref.tensors):
+        assert g.tensor_type == int(r.tensor_type), g.name
+        assert g.dims == tuple(int(d) for d in r.shape.tolist()), g.name
+        assert np.asarray(g.data).tobytes() == np.asarray(r.data).tobytes(), g.name
+
+
+def test_tensor_directory_matches_gguf_py(tmp_path):
+    """On the embedded model, and on a file with a value of every GGUF type (arrays of strings,
+    of numbers, empty ones), an odd alignment and F32 / F16 / BF16 / Q8_0 tensors."""
+    import gguf
+
+    from engine.loader import embedded_gguf_path
+
+    assert_same_directory(embedded_gguf_path())
+    path = tmp_path / "every-type.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_uint32("general.alignment", 64)
+    w.add_uint8("u8", 7)
+    w.add_int8("i8", -7)
+    w.add_uint16("u16", 700)
+    w.add_int16("i16", -700)
+    w.add_int32("i32", -70000)
+    w.add_float32("f32", 0.5)
+    w.add_bool("flag", True)
+    w.add_uint64("u64", 1 << 40)
+    w.add_int64("i64", -(1 << 40))
+    w.add_float64("f64", 0.25)
+    w.add_string("name", "ünïcödé")
+    w.add_array("strings", ["a", "", "ccc" * 50])
+    w.add_array("numbers", [1, 2, 3])
+    w.add_array("floats", [0.5, 1.5])
+    w.add_array("empty", [])
+    rng = np.random.default_rng(0)
+    w.add_tensor("f32.weight", rng.standard_normal((3, 5)).astype(np.float32))
+    w.add_tensor("f16.weight", rng.standard_normal((4, 8)).astype(np.float16))
+    dense = rng.standard_normal((2, 64)).astype(np.float32)
+    w.add_tensor("q8.weight", gguf.quants.quantize(dense, gguf.GGMLQuantizationType.Q8_0),
+                 raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("bf16.weight", gguf.quants.quantize(dense, gguf.GGMLQuantizationType.BF16),
+                 raw_dtype=gguf.GGMLQuantizationType.BF16)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert_same_directory(path)
+
+
+def test_a_truncated_gguf_is_a_load_error(tmp_path):
+    from engine.loader import ModelLoadError, embedded_gguf_path
+    from engine.quant.gguf_weights import read_gguf_weights
+
+    bad = tmp_path / "truncated.gguf"
+    bad.write_bytes(embedded_gguf_path().read_bytes()[:1 << 20])
+    with pytest.raises(ModelLoadError, match="cannot read GGUF tensors"):
+        read_gguf_weights(bad, 9, 3)
+
+
 def requantized_gguf(src, dst, types: dict[str, str]) -> None:
     """Copy the GGUF `src` to `dst` with the tensors whose llama.cpp name contains a key of
     `types` (e.g. "ffn_down") re-quantized to that type (gguf-py's quantizer), metadata kept."""

@@ -1,7 +1,7 @@
 """A GGUF file's tensors under HF names, the quantized ones kept in their block format.
 
-Owns: reading the file with gguf-py's `GGUFReader` (memory-mapped: the blocks are read from the
-page cache, not copied), the llama.cpp → transformers tensor names, undoing llama.cpp's Q/K row
+Owns: reading the file's tensors (`engine.quant.gguf_tensors`: the tensor directory alone,
+memory-mapped, so the blocks are read from the page cache, not copied), the llama.cpp → transformers tensor names, undoing llama.cpp's Q/K row
 permutation for the `llama` architecture (as transformers' `LlamaTensorProcessor` does: rows only,
 so blocks stay intact), and the choice per tensor: a `QuantWeight` where `quant.c` has a kernel
 for its type, else float32 dequantized at load (gguf-py), named in one log line.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import struct
 from collections import Counter
 from pathlib import Path
 
@@ -59,14 +60,14 @@ def _unpermute_rows(rows: np.ndarray, n_head: int) -> np.ndarray:
 def _float_tensor(t, shape: tuple[int, ...]) -> torch.Tensor:
     """A float GGUF tensor (F32, F16, BF16) as float32 of the HF `shape`."""
     data = np.asarray(t.data)
-    if int(t.tensor_type) == _BF16:
+    if t.tensor_type == _BF16:
         out = torch.from_numpy(data.view(np.int16).astype(np.int32) << 16).view(torch.float32)
         return out.reshape(shape).clone()
     return torch.from_numpy(data.astype(np.float32)).reshape(shape)
 
 
 class GgufMapping:
-    """The memory map under a GGUF's `QuantWeight`s (gguf-py's copy-on-write `np.memmap`)."""
+    """The memory map under a GGUF's `QuantWeight`s (a copy-on-write `np.memmap`)."""
 
     def __init__(self, data: np.memmap) -> None:
         self._mmap = getattr(data, "_mmap", None)
@@ -91,24 +92,25 @@ def read_gguf_weights(path: Path, num_heads: int, num_kv_heads: int,
     tensors (norms, biases) are float32.
 
     Raises ModelLoadError (unreadable file, a tensor the model does not know)."""
-    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
+
+    from engine.quant.gguf_tensors import read_gguf_tensors
 
     keep = set(KERNEL_TYPES) if keep_types is None else keep_types
     try:
-        reader = GGUFReader(str(path), "c")     # copy-on-write: writable views, no copy
-        arch_field = reader.fields.get("general.architecture")
-        arch = bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field else ""
-    except (OSError, ValueError) as e:
+        reader = read_gguf_tensors(str(path))
+    except (OSError, ValueError, struct.error, UnicodeDecodeError) as e:
         raise ModelLoadError(f"{path}: cannot read GGUF tensors: {e}") from e
+    arch = reader.architecture
     out: dict[str, torch.Tensor | QuantWeight] = {}
     kept, dequantized = Counter(), Counter()
     for t in reader.tensors:
         name = hf_name(t.name)
         if name is None:
             continue
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))     # ggml's ne is reversed
-        qtype = int(t.tensor_type)
+        shape = tuple(reversed(t.dims))                                 # ggml's ne is reversed
+        qtype = t.tensor_type
         # llama.cpp permutes Q / K rows for the `llama` architecture only
         heads = 0 if arch != "llama" else (num_heads if ".q_proj." in name else
                                            num_kv_heads if ".k_proj." in name else 0)

@@ -39,26 +39,34 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "generation_config.json", "vocab.json", "merges.txt")
 
 
+MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+               "Qwen2ForCausalLM": "qwen2"}
+
+
 def build_checkpoint(base_dir: str | Path, out_dir: str | Path, name: str, seed: int = 0,
-                     **overrides) -> Path:
-    """Write a random-weight checkpoint of config `name` (`CONFIGS`, then `overrides`) to
-    `out_dir` (float32 on disk; a no-op when it is already there with the same config), with
-    `base_dir`'s tokenizer. Returns `out_dir`. Raises KeyError for an unknown name."""
+                     architecture: str = "LlamaForCausalLM", **overrides) -> Path:
+    """Write a random-weight checkpoint of config `name` (`CONFIGS`, then `overrides`) for
+    `architecture` (a key of `MODEL_TYPES`) to `out_dir` (float32 on disk; a no-op when it is
+    already there with the same config), with `base_dir`'s tokenizer. Returns `out_dir`.
+    Raises KeyError for an unknown name or architecture."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     out = Path(out_dir)
     cfg = json.loads((Path(base_dir) / "config.json").read_text())
     for k in ("quantization_config", "torch_dtype", "dtype", "transformers_version"):
         cfg.pop(k, None)
     cfg.update(CONFIGS[name], **overrides)
-    cfg.update(architectures=["LlamaForCausalLM"], model_type="llama")
+    model_type = MODEL_TYPES[architecture]
+    cfg.update(architectures=[architecture], model_type=model_type)
     stamp = out / ".built"
     if stamp.exists() and json.loads(stamp.read_text()) == [cfg, seed]:
         return out
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**cfg)).to(torch.float32).eval()
+    config = AutoConfig.for_model(model_type, **{k: v for k, v in cfg.items()
+                                                 if k != "model_type"})
+    model = AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
     model.save_pretrained(str(out), safe_serialization=True)
     for f in TOKENIZER_FILES:
         if (Path(base_dir) / f).exists():

@@ -94,20 +94,25 @@ def build_prefill_mask(start: int, num_tokens: int, device: torch.device) -> tor
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    window: int = 0) -> torch.Tensor:
     """Write K/V of the step into the cache, then attend.
 
     Args:
         q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (post-RoPE).
         k_cache, v_cache: [num_kv_heads, num_blocks, block_size, head_dim].
         meta: the step's `AttentionMetadata`, or an accelerator backend's `SeqMetadata`
-            (`engine.accel.metadata`), whose backend then does both. scale: softmax scale (1/sqrt(head_dim)).
+            (`engine.accel.metadata`), whose backend then does both.
+        scale: softmax scale (1/sqrt(head_dim)).
+        window: the layer's sliding window in tokens (0 = full attention), applied by an
+            accelerator backend that has windows; the CPU paths attend fully, exact because
+            the engine caps max_model_len at the window for them (`LLMEngine._max_model_len`).
 
     Returns: [T, num_heads * head_dim].
     """
     backend = getattr(meta, "backend", None)
     if backend is not None:                 # an accelerator's (engine.accel): SeqMetadata
-        return backend.forward(q, k, v, k_cache, v_cache, meta, scale)
+        return backend.forward(q, k, v, k_cache, v_cache, meta, scale, window)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads

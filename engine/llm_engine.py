@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from engine.accel import has_sliding_window
 from engine.config import GIB, EngineConfig
 from engine.device import resolve_device, resolve_dtype
 from engine.distributed.executor import TensorParallelRunner, start_tensor_parallel
@@ -269,8 +270,9 @@ class LLMEngine:
 
     def _max_model_len(self, mcfg: ModelConfig) -> int:
         limit = mcfg.max_position_embeddings
-        if mcfg.sliding_window and mcfg.sliding_window < limit:
-            limit = mcfg.sliding_window      # exact without sliding-window attention
+        if mcfg.sliding_window and mcfg.sliding_window < limit \
+                and not has_sliding_window(self.device.kind):
+            limit = mcfg.sliding_window      # exact where attention has no windows
         wanted = self.config.max_model_len or limit
         if wanted > limit:
             raise ValueError(f"--max-model-len {wanted} exceeds the model's limit of {limit} "

@@ -128,8 +128,7 @@ class ModelRunner:
                  seed: int = 0, grammars=None, draft_model: LlamaForCausalLM | None = None,
                  proposer=None, max_num_tokens: int = 8192, max_num_seqs: int = 256) -> None:
         self.model, self.device, self.block_size = model, device, block_size
-        # An accelerator's attention backend (engine.accel) and the step buffers it reads. No
-        # sliding window: the engine caps max_model_len at the model's window (LLMEngine).
+        # An accelerator's attention backend (engine.accel) and the step buffers it reads.
         self.backend = attention_backend(device.kind)
         if self.backend is not None:
             self.backend.check_dtype(model.dtype)

@@ -218,3 +218,30 @@ def test_interpreter_refuses_bfloat16_and_the_log_names_the_backend(tiny, caplog
     with caplog.at_level("INFO", logger="continuum.engine"):
         engine(tiny)
     assert "attention: triton kernels, eager" in caplog.text
+
+
+@pytest.mark.parametrize("architecture, window_cfg", [
+    ("MistralForCausalLM", dict(sliding_window=8)),                       # every layer
+    ("Qwen2ForCausalLM", dict(sliding_window=6, use_sliding_window=True,  # layer 1 only
+                              max_window_layers=1))])
+def test_sliding_window_layers_match_transformers(model_dir, tmp_path, architecture,
+                                                  window_cfg):
+    """With the Triton kernels the engine serves past a model's sliding window (the CPU paths
+    cap max_model_len at it) and applies each layer's window as transformers does: prompts
+    and outputs several windows long, decodes, a chunked prompt."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = str(build_checkpoint(model_dir, tmp_path / "w", "tiny", architecture=architecture,
+                                **window_cfg))
+    tok = AutoTokenizer.from_pretrained(path)
+    prompts = [tok.encode(t) for t in ("The capital of France is", " ".join(map(str, range(15))))]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        ref = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                           max_new_tokens=MAX_TOKENS, do_sample=False,
+                           pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    eng = engine(path, max_num_batched_tokens=16)
+    assert eng.max_model_len == 512 and eng.model.cfg.sliding_window == window_cfg["sliding_window"]
+    assert run(eng, prompts) == ref
+    assert engine(path, backend="auto", max_model_len=None).max_model_len \
+        == window_cfg["sliding_window"]                      # the CPU path: capped

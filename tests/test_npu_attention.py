@@ -229,7 +229,8 @@ def test_float32_and_sliding_window_are_refused(npu):
     with pytest.raises(ValueError, match="float16 or bfloat16"):
         NpuAttention().forward(torch.zeros(1, 1, 64), None, None, None, None, None, 1.0)
     with pytest.raises(ValueError, match="sliding window"):
-        NpuAttention(sliding_window=4096)
+        NpuAttention().forward(torch.zeros(1, 1, 64, dtype=torch.float16), None, None, None,
+                               None, None, 1.0, 4096)
 
 
 def test_cache_shape_puts_blocks_on_block_dim():

@@ -49,7 +49,7 @@ def run_step(seqs, num_heads, num_kv_heads, head_dim, dtype, block_size=16, wind
     holding each sequence's cached prefix at shuffled blocks, runs the backend's write and
     attention for the new tokens, and compares with the reference. Returns the max error."""
     g = torch.Generator().manual_seed(seed)
-    backend = TritonAttention(sliding_window=window, tile_n=16)
+    backend = TritonAttention(tile_n=16)
     blocks_needed = [math.ceil((c + n) / block_size) for c, n in seqs]
     num_blocks = sum(blocks_needed) + 3
     perm = torch.randperm(num_blocks, generator=g).tolist()
@@ -79,7 +79,7 @@ def run_step(seqs, num_heads, num_kv_heads, head_dim, dtype, block_size=16, wind
                               torch.tensor(slots), [n for _, n in seqs],
                               [c + n for c, n in seqs], tables, num_decodes)
     scale = head_dim ** -0.5
-    out = backend.forward(q, k_new, v_new, cache[0], cache[1], meta, scale).cpu()
+    out = backend.forward(q, k_new, v_new, cache[0], cache[1], meta, scale, window or 0).cpu()
     out = out.view(-1, num_heads, head_dim)
     err, t = 0.0, 0
     for (c, n), k_full, v_full, qq in zip(seqs, ks, vs, qs):

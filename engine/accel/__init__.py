@@ -2,11 +2,12 @@
 language) and Ascend NPUs (torch_npu's fused operators), the step's device buffers, CUDA graphs
 for decode steps, and the KV-cache memory profile behind `--gpu-memory-utilization`.
 
-Owns: the choice of attention backend for a device (`attention_backend`). In: the device
-kind. Out: a backend object with `name`, `block_dim` (the block axis of the runner's cache),
-`cache_shape(...)`, `check_dtype(dtype)` (ValueError, one line, for a dtype it cannot run) and
-`forward(q, k, v, k_cache, v_cache, meta, scale)`, or None where the model runner keeps its CPU
-path (`engine.attention`: compiled C kernels or torch).
+Owns: the choice of attention backend for a device (`attention_backend`, `backend_name`). In:
+the device kind. Out: a backend object with `name`, `block_dim` (the block axis of the runner's
+cache), `sliding_window` (whether `forward` applies a layer's window), `cache_shape(...)`,
+`check_dtype(dtype)` (ValueError, one line, for a dtype it cannot run) and `forward(q, k, v,
+k_cache, v_cache, meta, scale, window)`, or None where the model runner keeps its CPU path
+(`engine.attention`: compiled C kernels or torch).
 
 `CONTINUUM_ATTENTION_BACKEND` = `triton` or `npu` forces a backend on any device: with
 `TRITON_INTERPRET=1` (Triton's numpy interpreter) or a stand-in `torch_npu` module the whole
@@ -20,19 +21,31 @@ import os
 BACKENDS = ("triton", "npu")
 
 
-def attention_backend(device_kind: str, sliding_window: int | None = None):
-    """The attention backend for `device_kind` ("cpu", "cuda", "npu"): `TritonAttention` on
-    CUDA, `NpuAttention` on an NPU, None on the CPU — unless `CONTINUUM_ATTENTION_BACKEND`
-    names one. Raises ValueError (one line) for an unknown name, ImportError when the backend's
-    package (triton, torch_npu) is missing."""
+def backend_name(device_kind: str) -> str | None:
+    """"triton" on CUDA, "npu" on an NPU, None on the CPU — unless
+    `CONTINUUM_ATTENTION_BACKEND` names one. Raises ValueError (one line) for an unknown name."""
     forced = os.environ.get("CONTINUUM_ATTENTION_BACKEND", "auto")
     if forced not in ("auto",) + BACKENDS:
         raise ValueError(f"CONTINUUM_ATTENTION_BACKEND must be auto, triton or npu, got {forced!r}")
-    name = forced if forced != "auto" else {"cuda": "triton", "npu": "npu"}.get(device_kind)
+    return forced if forced != "auto" else {"cuda": "triton", "npu": "npu"}.get(device_kind)
+
+
+def has_sliding_window(device_kind: str) -> bool:
+    """Whether the attention on `device_kind` applies sliding windows (the Triton kernels do;
+    the CPU paths and the NPU operators attend fully, so the engine caps max_model_len at a
+    model's window there)."""
+    return backend_name(device_kind) == "triton"
+
+
+def attention_backend(device_kind: str):
+    """The attention backend for `device_kind` (`backend_name`): `TritonAttention`,
+    `NpuAttention` or None. Raises ValueError for an unknown forced name, ImportError when the
+    backend's package (triton, torch_npu) is missing."""
+    name = backend_name(device_kind)
     if name == "triton":
         from engine.accel.triton_attention import TritonAttention
-        return TritonAttention(sliding_window)
+        return TritonAttention()
     if name == "npu":
         from engine.accel.npu_attention import NpuAttention
-        return NpuAttention(sliding_window)
+        return NpuAttention()
     return None

@@ -74,16 +74,15 @@ class NpuAttention:
     """The Ascend NPU attention backend (see the module docstring). One per runner; it keeps
     the causal mask per device and the current step's arguments.
 
-    `sliding_window`: must be None (or 0): raises ValueError otherwise. Raises ImportError when
-    `torch_npu` is not installed."""
+    No sliding window (`sliding_window` False: the engine caps max_model_len at a model's
+    window for it; `forward` raises ValueError for one). Raises ImportError when `torch_npu` is
+    not installed."""
 
     name = "npu"
     block_dim = 2            # the block axis of the runner's [layer, k/v, block, slot, head, d]
+    sliding_window = False
 
-    def __init__(self, sliding_window: int | None = None) -> None:
-        if sliding_window:
-            raise ValueError(f"the npu attention backend has no sliding window (model has "
-                             f"{sliding_window}); use --device cpu")
+    def __init__(self) -> None:
         import torch_npu          # lazily: absent on CUDA and CPU machines
 
         self._ops = torch_npu
@@ -164,11 +163,14 @@ class NpuAttention:
         return out
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta, scale: float, window: int = 0) -> torch.Tensor:
         """Write the step's K/V, then attend: `q [T, H, D]`, `k, v [T, KVH, D]` (views are
         fine), caches `[num_blocks, block_size, KVH, D]` → `[T, H * D]`. Raises ValueError for
-        a dtype other than float16 or bfloat16."""
+        a dtype other than float16 or bfloat16, or a sliding window."""
         self.check_dtype(q.dtype)
+        if window:
+            raise ValueError(f"the npu attention backend has no sliding window (a layer has "
+                             f"{window})")
         step = self._step_args(meta)
         n = step.num_tokens
         self.cache_write(k[:n], v[:n], k_cache, v_cache, step.slots)

@@ -150,15 +150,14 @@ def _tile_shapes(group: int, max_query_len: int) -> tuple[int, int]:
 
 class TritonAttention:
     """The CUDA attention backend (see the module docstring). Stateless; one per runner.
-
-    `sliding_window`: the model's window in tokens (None = full attention). `tile_n`: keys per
-    tile (a power of two >= 16)."""
+    `tile_n`: keys per tile (a power of two >= 16). Sliding windows are per call (a model's
+    layers may differ)."""
 
     name = "triton"
     block_dim = 3            # the block axis of the runner's [layer, k/v, head, block, slot, d]
+    sliding_window = True    # forward takes a window
 
-    def __init__(self, sliding_window: int | None = None, tile_n: int = 32) -> None:
-        self.window = sliding_window
+    def __init__(self, tile_n: int = 32) -> None:
         self.tile_n = tile_n
 
     @staticmethod
@@ -192,10 +191,10 @@ class TritonAttention:
             k_cache.shape[2], head_dim, HEAD_D=triton.next_power_of_2(head_dim))
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta,
-               scale: float, out: torch.Tensor) -> torch.Tensor:
+               scale: float, out: torch.Tensor, window: int = 0) -> torch.Tensor:
         """Attend `q [T, num_heads, head_dim]` into `out` (same shape) over the cache, after
         this step's K/V were written. `meta`: `SeqMetadata` (its `max_query_len` sizes the
-        grid). Returns `out`."""
+        grid); `window`: sliding window in tokens, 0 = full attention. Returns `out`."""
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads = k_cache.shape[0]
         group = num_heads // num_kv_heads
@@ -204,18 +203,18 @@ class TritonAttention:
         grid = (num_seqs, triton.cdiv(meta.max_query_len, block_q), num_kv_heads)
         _paged_attention_kernel[grid](
             q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            scale, k_cache.shape[2], head_dim, self.window or 0,
+            scale, k_cache.shape[2], head_dim, window,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
             GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=self.tile_n,
-            HEAD_D=triton.next_power_of_2(head_dim), USE_WINDOW=bool(self.window))
+            HEAD_D=triton.next_power_of_2(head_dim), USE_WINDOW=window > 0)
         return out
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta, scale: float, window: int = 0) -> torch.Tensor:
         """Write the step's K/V, then attend: `q [T, H, D]`, `k, v [T, KVH, D]` →
-        `[T, H * D]`."""
+        `[T, H * D]`; `window`: the layer's sliding window in tokens, 0 = full attention."""
         self.cache_write(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        self.attend(q, k_cache, v_cache, meta, scale, out)
+        self.attend(q, k_cache, v_cache, meta, scale, out, window)
         return out.view(q.shape[0], -1)

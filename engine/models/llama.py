@@ -54,6 +54,7 @@ class ModelConfig:
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    layer_windows: tuple[int, ...] = ()   # per layer: its sliding window in tokens, 0 = full
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> ModelConfig:
@@ -71,7 +72,7 @@ class ModelConfig:
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        window, layer_windows = _sliding_windows(cfg, arch)
         return cls(
             architecture=arch, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"],
@@ -82,12 +83,33 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             qkv_bias=cfg.get("attention_bias", arch == "Qwen2ForCausalLM"),
-            sliding_window=window, eos_token_ids=eos_ids, bos_token_id=cfg.get("bos_token_id"))
+            sliding_window=window, eos_token_ids=eos_ids, bos_token_id=cfg.get("bos_token_id"),
+            layer_windows=layer_windows)
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K and V per token over all layers."""
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+
+def _sliding_windows(cfg: dict, arch: str) -> tuple[int | None, tuple[int, ...]]:
+    """(the model's sliding window or None, each layer's window, 0 = full attention), as
+    transformers reads them: Mistral windows every layer (`sliding_window`, 4096 when the key is
+    absent, null = none); Qwen2 only with `use_sliding_window` (default false), on the layers
+    `layer_types` marks "sliding_attention" (default: those from `max_window_layers`, 28, on);
+    Llama has none."""
+    layers = cfg["num_hidden_layers"]
+    if arch == "MistralForCausalLM":
+        window = cfg.get("sliding_window", 4096)
+        return window, (window or 0,) * layers
+    if arch != "Qwen2ForCausalLM" or not cfg.get("use_sliding_window", False) \
+            or not cfg.get("sliding_window"):
+        return None, (0,) * layers
+    window = cfg["sliding_window"]
+    types = cfg.get("layer_types") or ["sliding_attention" if i >= cfg.get("max_window_layers", 28)
+                                       else "full_attention" for i in range(layers)]
+    windows = tuple(window if t == "sliding_attention" else 0 for t in types)
+    return (window if any(windows) else None), windows
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -237,8 +259,10 @@ class LlamaForCausalLM:
             sin = self.sin[positions].unsqueeze(1)
         x = self._embed(input_ids)                          # the residual stream (a copy)
         h = fused.rms_norm(x, self.layers[0][0], eps) if fused else None
+        windows = cfg.layer_windows or (0,) * cfg.num_layers
         for (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj), (k_cache, v_cache), \
-                next_norm in zip(self.layers, self._layer_caches(kv_cache), self._next_norms):
+                next_norm, window in zip(self.layers, self._layer_caches(kv_cache),
+                                         self._next_norms, windows):
             if fused is None:
                 h = self._rms_norm(x, ln1)
             qkv = qkv_proj(h)
@@ -251,7 +275,7 @@ class LlamaForCausalLM:
             q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
             v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
             attn = self._reduce(o_proj(paged_attention(q, k, v, k_cache, v_cache, meta,
-                                                       self.scale)))
+                                                       self.scale, window)))
             if fused is None:
                 x = x + attn
                 gate, up = gate_up_proj(self._rms_norm(x, ln2)).chunk(2, dim=-1)

@@ -105,14 +105,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             (`engine.accel.metadata`), whose backend then does both.
         scale: softmax scale (1/sqrt(head_dim)).
         window: the layer's sliding window in tokens (0 = full attention), applied by an
-            accelerator backend that has windows; the CPU paths attend fully, exact because
-            the engine caps max_model_len at the window for them (`LLMEngine._max_model_len`).
+            accelerator backend that has windows; the CPU paths and a backend without them
+            attend fully, exact because the engine caps max_model_len at the window for them
+            (`LLMEngine._max_model_len`).
 
     Returns: [T, num_heads * head_dim].
     """
     backend = getattr(meta, "backend", None)
     if backend is not None:                 # an accelerator's (engine.accel): SeqMetadata
-        return backend.forward(q, k, v, k_cache, v_cache, meta, scale, window)
+        return backend.forward(q, k, v, k_cache, v_cache, meta, scale,
+                               window if backend.sliding_window else 0)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads

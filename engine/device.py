@@ -38,6 +38,14 @@ class Device:
         elif self.kind == "npu":
             torch.npu.synchronize(self.torch_device)  # type: ignore[attr-defined]
 
+    def activate(self) -> None:
+        """Make this the process's current accelerator (`torch.cuda.set_device` /
+        `torch.npu.set_device`): kernels that launch on the current device, as Triton's do,
+        and CUDA graph capture then run on this one (`cuda:N`, a tensor-parallel rank's). A
+        no-op on the CPU."""
+        if self.kind != "cpu":
+            getattr(torch, self.kind).set_device(self.torch_device)
+
     def memory_info(self) -> tuple[int, int] | None:
         """(free, total) device memory in bytes, or None on CPU (host memory is sized by
         flags)."""

@@ -64,6 +64,7 @@ class LLMEngine:
         self._started = time.perf_counter()
         self.config, self.on_fatal = config, on_fatal
         self.device = resolve_device(config.device)
+        self.device.activate()
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model_dir = resolve_model(config.model)
         self.model_config = mcfg = ModelConfig.from_dir(self.model_dir)
@@ -122,7 +123,9 @@ class LLMEngine:
         sched = self._scheduler_config(None)
         step_sizes = dict(max_num_tokens=sched.max_num_batched_tokens + sched.max_num_seqs * (
             sched.num_speculative_tokens + 1), max_num_seqs=sched.max_num_seqs)
-        num_gpu_blocks = self._num_gpu_blocks(block_bytes, **step_sizes)
+        num_gpu_blocks = self._num_gpu_blocks(
+            block_bytes, **step_sizes,
+            logit_rows=sched.max_num_seqs * (sched.num_speculative_tokens + 1))
         num_cpu_blocks = (int(config.swap_space * GIB // block_bytes)
                           if config.preemption_mode in ("swap", "auto") else 0)
         self.grammars = GrammarCompiler(self.tokenizer, mcfg.vocab_size)
@@ -279,7 +282,8 @@ class LLMEngine:
                              "tokens")
         return wanted
 
-    def _num_gpu_blocks(self, block_bytes: int, max_num_tokens: int, max_num_seqs: int) -> int:
+    def _num_gpu_blocks(self, block_bytes: int, max_num_tokens: int, max_num_seqs: int,
+                        logit_rows: int) -> int:
         """KV blocks: `--num-gpu-blocks-override`, else `--kv-cache-memory`, else 2 GiB on the
         CPU, else (an accelerator) what `--gpu-memory-utilization` leaves after the weights
         and a profiled peak step (`engine.accel.memory`)."""
@@ -293,7 +297,8 @@ class LLMEngine:
         else:
             from engine.accel.memory import profiled_kv_budget
             budget = profiled_kv_budget(self.model, self.device, cfg.gpu_memory_utilization,
-                                        max_num_tokens, max_num_seqs, cfg.block_size)
+                                        max_num_tokens, max_num_seqs, cfg.block_size,
+                                        logit_rows, tensor_parallel=self._tp is not None)
         return max(1, int(budget // block_bytes))
 
     # ------------------------------------------------------------------ requests

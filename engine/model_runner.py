@@ -234,7 +234,8 @@ class ModelRunner:
         Returns (blocks copied, seconds), or None without a swap pool."""
         if self.cpu_cache is None:
             return None
-        n = min(num_blocks, self.kv_cache.shape[3], self.cpu_cache.shape[3])
+        bd = self.block_dim
+        n = min(num_blocks, self.kv_cache.shape[bd], self.cpu_cache.shape[bd])
         ids = list(range(n))
         out = SchedulerOutput(blocks_to_swap_out=list(zip(ids, ids)),
                               blocks_to_swap_in=list(zip(ids, ids)))

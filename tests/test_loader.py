@@ -58,3 +58,33 @@ def test_device_and_dtype_resolution():
         resolve_dtype("int3", cpu)
     with pytest.raises(ValueError, match="--device"):
         resolve_device("tpu")
+
+
+@pytest.mark.parametrize("arch, cfg", [
+    ("MistralForCausalLM", {}), ("MistralForCausalLM", {"sliding_window": None}),
+    ("MistralForCausalLM", {"sliding_window": 32}),
+    ("Qwen2ForCausalLM", {}), ("Qwen2ForCausalLM", {"use_sliding_window": True}),
+    ("Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 16,
+                          "max_window_layers": 2}),
+    ("Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 16,
+                          "layer_types": ["sliding_attention", "full_attention"] * 2}),
+    ("LlamaForCausalLM", {"sliding_window": 16})])
+def test_sliding_windows_are_read_as_transformers_reads_them(arch, cfg):
+    """Each layer's window from config.json (engine/models/llama.py) against transformers'
+    own config classes: their `sliding_window` and `layer_types`, where the model has them."""
+    from transformers import AutoConfig
+
+    from engine.models.llama import _sliding_windows
+
+    base = dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4,
+                intermediate_size=128, vocab_size=100)
+    window, layers = _sliding_windows({**base, **cfg}, arch)
+    ref = AutoConfig.for_model({"MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                                "LlamaForCausalLM": "llama"}[arch], **base, **cfg)
+    types = getattr(ref, "layer_types", None)
+    # LlamaConfig keeps an unknown `sliding_window` as an attribute; Llama never reads it
+    ref_window = getattr(ref, "sliding_window", None) if arch != "LlamaForCausalLM" else None
+    if types is None:                    # Mistral: every layer; Llama: none
+        types = ["sliding_attention" if ref_window else "full_attention"] * 4
+    assert layers == tuple(ref_window if t == "sliding_attention" else 0 for t in types)
+    assert window == (ref_window if any(layers) else None)

@@ -65,6 +65,7 @@ def run(spec: WorkerSpec, stream) -> None:
 
     torch.set_num_threads(spec.num_threads)
     device = resolve_device(spec.device).for_rank(spec.rank)
+    device.activate()
     group = TensorParallelGroup.init(device.dist_backend, spec.rank, spec.world_size, spec.port)
     try:
         model = load_model(Path(spec.model_dir), device, DTYPES[spec.dtype], spec.max_model_len,

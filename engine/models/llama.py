@@ -95,19 +95,22 @@ class ModelConfig:
 def _sliding_windows(cfg: dict, arch: str) -> tuple[int | None, tuple[int, ...]]:
     """(the model's sliding window or None, each layer's window, 0 = full attention), as
     transformers reads them: Mistral windows every layer (`sliding_window`, 4096 when the key is
-    absent, null = none); Qwen2 only with `use_sliding_window` (default false), on the layers
-    `layer_types` marks "sliding_attention" (default: those from `max_window_layers`, 28, on);
-    Llama has none."""
+    absent, null = none); Qwen2 only with `use_sliding_window` (default false; window default
+    4096), on the layers `layer_types` marks "sliding_attention" (default: those from
+    `max_window_layers`, 28, on); Llama has none. Raises ModelLoadError for a `layer_types` of
+    the wrong length."""
     layers = cfg["num_hidden_layers"]
     if arch == "MistralForCausalLM":
         window = cfg.get("sliding_window", 4096)
         return window, (window or 0,) * layers
-    if arch != "Qwen2ForCausalLM" or not cfg.get("use_sliding_window", False) \
-            or not cfg.get("sliding_window"):
+    window = cfg.get("sliding_window", 4096)
+    if arch != "Qwen2ForCausalLM" or not cfg.get("use_sliding_window", False) or not window:
         return None, (0,) * layers
-    window = cfg["sliding_window"]
     types = cfg.get("layer_types") or ["sliding_attention" if i >= cfg.get("max_window_layers", 28)
                                        else "full_attention" for i in range(layers)]
+    if len(types) != layers:
+        raise ModelLoadError(f"config.json: layer_types has {len(types)} entries for {layers} "
+                             "layers")
     windows = tuple(window if t == "sliding_attention" else 0 for t in types)
     return (window if any(windows) else None), windows
 

@@ -23,7 +23,7 @@ from tritonclient.utils import InferenceServerException
 
 from examples.prepare_model_repository import package_dir, prepare
 from tests.v2_target import ON_TRITON, continuum_only, deviation, start_v2_server, \
-    stop_v2_server, wait_unloaded
+    settled_stats, stop_v2_server, wait_unloaded
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
@@ -277,7 +277,7 @@ def test_preferred_batch_size_forms_three_batches_of_four(triton):
     base, client = triton[:2]
     results = in_threads(base, lambda c, i: c.infer("batch4", seq_input(i)), list(range(12)))
     assert sorted(int(r.as_numpy("OUT")[0, 0]) for r in results) == list(range(12))
-    s = stats(client, "batch4")
+    s = settled_stats(lambda: stats(client, "batch4"), lambda a: a["inference_count"] >= 12)
     assert s["inference_count"] == 12 and s["inference_stats"]["success"]["count"] == 12
     sizes = {b["batch_size"]: b["compute_infer"]["count"] for b in s["batch_stats"]}
     assert sum(size * n for size, n in sizes.items()) == 12 and sizes[4] >= 1, sizes
@@ -303,7 +303,8 @@ def test_execution_count_below_inference_count_under_load(triton):
     before = stats(client, "content_type")
     shapes = in_threads(base, four, list(range(16)))
     assert {s for group in shapes for s in group} == {(1, 214)}
-    after = stats(client, "content_type")
+    after = settled_stats(lambda: stats(client, "content_type"),
+                          lambda a: a["inference_count"] - before["inference_count"] >= 64)
     inferences = after["inference_count"] - before["inference_count"]
     executions = after["execution_count"] - before["execution_count"]
     assert inferences == 64 and executions < inferences
@@ -346,7 +347,8 @@ def test_concurrent_requests_run_in_batches(triton, model):
 
     before = stats(client, model)
     asyncio.run(bursts())
-    after = stats(client, model)
+    after = settled_stats(lambda: stats(client, model),
+                          lambda a: a["inference_count"] - before["inference_count"] >= 72)
     inferences = after["inference_count"] - before["inference_count"]
     executions = after["execution_count"] - before["execution_count"]
     assert inferences == 72 and executions < inferences, (inferences, executions)

@@ -25,7 +25,7 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from tests.v2_target import continuum_only, deviation, wait_unloaded
+from tests.v2_target import continuum_only, deviation, settled_stats, wait_unloaded
 
 pytestmark = pytest.mark.slow
 
@@ -101,7 +101,8 @@ def test_infer_raw_and_statistics(client):
     assert r.get_response().id == "r-1" and r.get_response().model_version == "1"
     assert (r.as_numpy("OUTPUT0") == np.vstack([A, A]) + 3).all()
     assert (r.as_numpy("OUTPUT1") == np.vstack([A, A]) - 3).all()
-    stats = client.get_inference_statistics("simple").model_stats[0]
+    stats = settled_stats(lambda: client.get_inference_statistics("simple").model_stats[0],
+                          lambda s: s.inference_count >= before + 2)
     assert stats.inference_count == before + 2 and stats.inference_stats.success.count >= 1
 
 
@@ -189,7 +190,8 @@ def test_concurrent_grpc_and_http_requests_batch_together(v2_servers, client):
         grpc_results = asyncio.run(grpc_side())
         assert list(http_results) == [100 + i for i in range(8)]
     assert list(grpc_results) == list(range(16))
-    after = client.get_inference_statistics("delayed").model_stats[0]
+    after = settled_stats(lambda: client.get_inference_statistics("delayed").model_stats[0],
+                          lambda a: a.inference_count - before.inference_count >= 24)
     requests = after.inference_count - before.inference_count
     executions = after.execution_count - before.execution_count
     assert requests == 24 and executions < requests

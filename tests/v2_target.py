@@ -242,3 +242,16 @@ def wait_unloaded(client, name: str, timeout: float = 60) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"model {name!r} still {state} after {timeout} s")
         time.sleep(0.05)
+
+
+def settled_stats(fetch, done, timeout: float = 5.0):
+    """`fetch()` (a model's statistics) once `done(stats)` holds, or the last one after
+    `timeout` seconds. tritonserver counts an inference when it releases the request, which
+    can come after the client has the response (as with shared-memory regions); Continuum
+    counts before it answers, so there the first fetch settles it."""
+    deadline = time.monotonic() + timeout
+    stats = fetch()
+    while not done(stats) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        stats = fetch()
+    return stats

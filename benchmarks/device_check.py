@@ -64,7 +64,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.device_bundle import (Report, attempt, copy_bandwidth_gb_s,  # noqa: E402
+from benchmarks.device_measure import (Report, attempt, copy_bandwidth_gb_s,  # noqa: E402
                                       environment, free_memory, generate_batch,
                                       greedy_reference, load_hf, log, random_prompts,
                                       run_with_timeout, sync, weight_bytes)

@@ -86,6 +86,14 @@ class AttentionMetadata:
     kernel_ctx_lens: torch.Tensor | None = None
 
 
+def head_major_cache_shape(num_layers: int, num_kv_heads: int, num_blocks: int,
+                           block_size: int, head_dim: int) -> tuple[int, ...]:
+    """The model runner's whole cache in this module's layout (the C kernels' and the Triton
+    kernels'): `[num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim]`, blocks on
+    axis 3."""
+    return (num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim)
+
+
 def build_prefill_mask(start: int, num_tokens: int, device: torch.device) -> torch.Tensor:
     """Causal mask `[num_tokens, start + num_tokens]`: query i sees keys 0..start+i."""
     q_pos = torch.arange(start, start + num_tokens, device=device)

@@ -120,7 +120,8 @@ class LLMEngine:
         block_bytes = (self.model.cfg.kv_bytes_per_token(self.dtype) + (
             draft.cfg.kv_bytes_per_token(draft.dtype) if draft is not None else 0)
         ) * config.block_size
-        sched = self._scheduler_config(None)
+        target = config.target_itl_ms
+        sched = self._scheduler_config(None if target == "auto" else target)
         step_sizes = dict(max_num_tokens=sched.max_num_batched_tokens + sched.max_num_seqs * (
             sched.num_speculative_tokens + 1), max_num_seqs=sched.max_num_seqs)
         num_gpu_blocks = self._num_gpu_blocks(
@@ -130,10 +131,8 @@ class LLMEngine:
                           if config.preemption_mode in ("swap", "auto") else 0)
         self.grammars = GrammarCompiler(self.tokenizer, mcfg.vocab_size)
         self._compile_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
-        target = config.target_itl_ms
         self.scheduler = Scheduler(
-            self._scheduler_config(None if target == "auto" else target),
-            CacheConfig(config.block_size, num_gpu_blocks, num_cpu_blocks,
+            sched, CacheConfig(config.block_size, num_gpu_blocks, num_cpu_blocks,
                         config.enable_prefix_caching), compile_grammar=self._compile_grammar)
         eos_ids = (self.eos_token_id,) + self.extra_eos_ids
         if self._tp is not None:     # the ranks' runners start with the same cache

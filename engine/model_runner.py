@@ -37,7 +37,7 @@ from engine.accel import attention_backend
 from engine.accel.metadata import StepBuffers
 from engine.accel.step import prepare_step
 from engine.attention import (SMALL_DECODE_BATCH, AttentionMetadata, DecodeGroup, PrefillChunk,
-                              build_prefill_mask)
+                              build_prefill_mask, head_major_cache_shape)
 from engine.device import Device
 from engine.models.llama import LlamaForCausalLM
 from engine.prompt_logprobs import chunks_to_score
@@ -100,12 +100,6 @@ def _row_spans(ordered: list[ScheduledRequest], num_decodes: int
     return starts, counts
 
 
-def _head_major(num_layers: int, num_kv_heads: int, num_blocks: int, block_size: int,
-                head_dim: int) -> tuple[int, ...]:
-    """The CPU path's cache shape (`engine.attention`): block axis 3."""
-    return (num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim)
-
-
 def _index_pair(pairs: list[tuple[int, int]], device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(source, destination) block ids of `pairs` as int64 tensors on `device`."""
     t = torch.tensor(pairs, dtype=torch.long, device=device)
@@ -158,7 +152,8 @@ class ModelRunner:
     def _caches(self, model: LlamaForCausalLM, num_gpu_blocks: int, num_cpu_blocks: int):
         """(device cache, CPU swap cache or None) for `model`, block-aligned with each other."""
         cfg, bd = model.cfg, self.block_dim
-        layout = self.backend.cache_shape if self.backend is not None else _head_major
+        layout = (self.backend.cache_shape if self.backend is not None
+                  else head_major_cache_shape)
         shape = layout(cfg.num_layers, cfg.num_kv_heads, num_gpu_blocks, self.block_size,
                        cfg.head_dim)
         gpu = torch.zeros(shape, dtype=model.dtype, device=self.device.torch_device)
@@ -267,7 +262,7 @@ class ModelRunner:
         ordered = decodes + prefills
         states = [by_id[s.request_id] for s in ordered]
         bucket = (self.graphs.bucket_for(len(ordered)) if self.graphs is not None and not prefills
-                  and self.lora is None else None)          # a decode step under a CUDA graph
+                  else None)          # a decode step under a CUDA graph (none with LoRA)
         input_ids, positions, meta, sample_idx = self._prepare(ordered, states, len(decodes),
                                                                pad_to=bucket)
         rows_at = [i for i, _ in sample_idx]

@@ -14,9 +14,20 @@ Terms as in vLLM's attention metadata: `query_start_loc [S + 1]` cumulative quer
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
+
+
+def pad_tables(tables: list[list[int]]) -> torch.Tensor:
+    """Block tables as one host tensor `[len(tables), max(1, longest)]` int32, rows padded
+    with block 0 (never read: a kernel reads only the blocks a sequence's context covers)."""
+    out = torch.zeros(len(tables), max((len(t) for t in tables), default=1) or 1,
+                      dtype=torch.int32)
+    for i, t in enumerate(tables):
+        out[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+    return out
 
 
 @dataclass
@@ -31,7 +42,6 @@ class SeqMetadata:
     seq_lens: torch.Tensor               # [S] int32
     block_tables: torch.Tensor           # [S, max_blocks] int32
     max_query_len: int
-    max_seq_len: int
     query_lens: list[int]
     seq_lens_host: list[int]
     num_decodes: int
@@ -56,26 +66,21 @@ class StepBuffers:
         self.block_tables = torch.zeros(max_seqs, max_blocks, dtype=torch.int32, device=device)
         self.arange = torch.arange(max_seqs + 1, dtype=torch.int32, device=device)
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of device memory the buffers hold."""
-        return sum(t.numel() * t.element_size() for t in (
-            self.input_ids, self.positions, self.slot_mapping, self.query_start_loc,
-            self.seq_lens, self.block_tables, self.arange))
-
     def fill(self, backend, ids: list[int], positions: torch.Tensor, slots: torch.Tensor,
-             query_lens: list[int], seq_lens: list[int], tables: list[list[int]],
-             num_decodes: int, pad_to: int | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor, SeqMetadata]:
+             query_lens: list[int], seq_lens: list[int],
+             tables: list[list[int]] | torch.Tensor, num_decodes: int,
+             pad_to: int | None = None) -> tuple[torch.Tensor, torch.Tensor, SeqMetadata]:
         """Copy a step into the buffers: token `ids` and `positions [T]`, `slots [T]` int64,
-        per sequence its query and context lengths and block table. With `pad_to` (a CUDA
-        graph's batch size, decode-only steps) rows T..pad_to-1 are padding: token 0, position
-        0, no slot, a context of 0 (their attention writes zeros).
+        per sequence its query and context lengths and block table (lists, or already
+        `pad_tables`'d). With `pad_to` (a CUDA graph's batch size, decode-only steps) rows
+        T..pad_to-1 are padding: token 0, position 0, no slot, a context of 0 (their attention
+        writes zeros).
 
         Returns (input_ids, positions, metadata), views of the buffers. Raises ValueError when
         the step exceeds the buffers."""
         num_tokens, num_seqs = len(ids), len(seq_lens)
-        width = max((len(t) for t in tables), default=0)
+        host_tables = tables if isinstance(tables, torch.Tensor) else pad_tables(tables)
+        width = host_tables.shape[1]
         rows = pad_to or num_tokens
         if rows > self.max_tokens or max(num_seqs, pad_to or 0) > self.max_seqs \
                 or width > self.max_blocks:
@@ -85,13 +90,7 @@ class StepBuffers:
         self.input_ids[:num_tokens].copy_(torch.tensor(ids, dtype=torch.long), non_blocking=True)
         self.positions[:num_tokens].copy_(positions, non_blocking=True)
         self.slot_mapping[:num_tokens].copy_(slots, non_blocking=True)
-        starts = [0]
-        for n in query_lens:
-            starts.append(starts[-1] + n)
-        host_tables = torch.zeros(num_seqs, max(width, 1), dtype=torch.int32)
-        for i, t in enumerate(tables):
-            host_tables[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
-        self.block_tables[:num_seqs, :max(width, 1)].copy_(host_tables, non_blocking=True)
+        self.block_tables[:num_seqs, :width].copy_(host_tables, non_blocking=True)
         self.seq_lens[:num_seqs].copy_(torch.tensor(seq_lens, dtype=torch.int32),
                                        non_blocking=True)
         seqs = num_seqs
@@ -104,11 +103,12 @@ class StepBuffers:
             seqs = pad_to
         else:
             query_start = self.query_start_loc[:num_seqs + 1]
-            query_start.copy_(torch.tensor(starts, dtype=torch.int32), non_blocking=True)
+            query_start.copy_(torch.tensor([0, *itertools.accumulate(query_lens)],
+                                           dtype=torch.int32), non_blocking=True)
         meta = SeqMetadata(
             backend=backend, slot_mapping=self.slot_mapping[:rows],
             query_start_loc=query_start, seq_lens=self.seq_lens[:seqs],
             block_tables=self.block_tables[:seqs], max_query_len=max(query_lens, default=1),
-            max_seq_len=max(seq_lens, default=0), query_lens=list(query_lens),
+            query_lens=list(query_lens),
             seq_lens_host=list(seq_lens), num_decodes=num_decodes)
         return self.input_ids[:rows], self.positions[:rows], meta

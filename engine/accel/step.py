@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.accel.metadata import SeqMetadata, StepBuffers
+from engine.accel.metadata import SeqMetadata, StepBuffers, pad_tables
 
 
 def prepare_step(buffers: StepBuffers, backend, ordered, states, num_decodes: int,
@@ -19,29 +19,32 @@ def prepare_step(buffers: StepBuffers, backend, ordered, states, num_decodes: in
     """Build the step for `ordered` (`ScheduledRequest`s, decodes first) with their runner
     `states` (block tables). sample_idx: (request index, flat row) for each sampled row — the
     last token of a chunk that samples, every token of a chunk verifying drafts. `pad_to`: a
-    CUDA graph's batch size (decode-only steps). Raises ValueError past the buffers' sizes."""
+    CUDA graph's batch size (decode-only steps). Per token, positions and slots are computed
+    with tensor ops over the padded block tables (no Python loop over a prefill's tokens).
+    Raises ValueError past the buffers' sizes."""
     ids: list[int] = []
-    slots: list[int] = []
-    positions: list[int] = []
     query_lens, seq_lens, tables = [], [], []
     sample_idx: list[tuple[int, int]] = []
     row = 0
     for i, (s, st) in enumerate(zip(ordered, states)):
         n, start = len(s.token_ids), s.start_position
         ids.extend(s.token_ids)
-        table = st.block_table[:-(-(start + n) // block_size)]
-        for p in range(start, start + n):
-            positions.append(p)
-            slots.append(table[p // block_size] * block_size + p % block_size)
         query_lens.append(n)
         seq_lens.append(start + n)
-        tables.append(table)
+        tables.append(st.block_table[:-(-(start + n) // block_size)])
         if i >= num_decodes and s.num_drafts:          # verify: a row at every position
             sample_idx.extend((i, row + j) for j in range(n))
         elif s.sample:
             sample_idx.append((i, row + n - 1))
         row += n
-    input_ids, pos, meta = buffers.fill(backend, ids, torch.tensor(positions, dtype=torch.long),
-                                        torch.tensor(slots, dtype=torch.long), query_lens,
-                                        seq_lens, tables, num_decodes, pad_to)
+    host_tables = pad_tables(tables)
+    lens = torch.tensor(query_lens)
+    seq_of_token = torch.repeat_interleave(torch.arange(len(lens)), lens)
+    first_row = torch.cumsum(lens, 0) - lens                 # each sequence's first flat row
+    positions = (torch.arange(row) - first_row[seq_of_token]
+                 + (torch.tensor(seq_lens) - lens)[seq_of_token])
+    slots = (host_tables[seq_of_token, positions // block_size].long() * block_size
+             + positions % block_size)
+    input_ids, pos, meta = buffers.fill(backend, ids, positions, slots, query_lens, seq_lens,
+                                        host_tables, num_decodes, pad_to)
     return input_ids, pos, meta, sample_idx

@@ -41,6 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.attention import head_major_cache_shape
+
 
 @triton.jit
 def _cache_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
@@ -169,12 +171,7 @@ class TritonAttention:
             raise ValueError("bfloat16 attention under TRITON_INTERPRET=1: Triton's interpreter "
                              "has no bfloat16; use --dtype float32 or float16")
 
-    @staticmethod
-    def cache_shape(num_layers: int, num_kv_heads: int, num_blocks: int, block_size: int,
-                    head_dim: int) -> tuple[int, ...]:
-        """The runner's whole cache: `[num_layers, 2, num_kv_heads, num_blocks, block_size,
-        head_dim]`."""
-        return (num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim)
+    cache_shape = staticmethod(head_major_cache_shape)     # the CPU kernels' layout too
 
     def cache_write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

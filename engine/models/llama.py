@@ -210,6 +210,7 @@ class LlamaForCausalLM:
         self.scale = cfg.head_dim ** -0.5
         # the norm that follows each layer: the next layer's input norm, then the final one
         self._next_norms = [layer[0] for layer in self.layers[1:]] + [self.norm]
+        self._windows = cfg.layer_windows or (0,) * cfg.num_layers   # each layer's, 0 = full
         self._caches_for: torch.Tensor | None = None
         self.fused = None                                       # see set_kernels
         self._caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -262,10 +263,9 @@ class LlamaForCausalLM:
             sin = self.sin[positions].unsqueeze(1)
         x = self._embed(input_ids)                          # the residual stream (a copy)
         h = fused.rms_norm(x, self.layers[0][0], eps) if fused else None
-        windows = cfg.layer_windows or (0,) * cfg.num_layers
         for (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj), (k_cache, v_cache), \
                 next_norm, window in zip(self.layers, self._layer_caches(kv_cache),
-                                         self._next_norms, windows):
+                                         self._next_norms, self._windows):
             if fused is None:
                 h = self._rms_norm(x, ln1)
             qkv = qkv_proj(h)

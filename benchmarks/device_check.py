@@ -167,6 +167,8 @@ def compare(out: list[int], ref: tuple[list[int], list[float]], tol: float) -> s
 
 
 def make_engine(plan: Plan, model: str, dtype: str, eager: bool, **overrides):
+    """An `LLMEngine` of `model` (a checkpoint path) in `dtype` on the plan's device;
+    `eager` = `enforce_eager`; `overrides` are `EngineConfig` fields."""
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
 
@@ -390,6 +392,7 @@ def throughput(plan: Plan, report: Report, ckpts: dict, state: dict) -> dict:
 
 
 def goal(value, target: float) -> dict:
+    """A goal's record: its target, the measured value (None: not measured), pass or not."""
     return {"target": target, "value": value, "pass": None if value is None else value >= target}
 
 

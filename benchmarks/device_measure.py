@@ -72,10 +72,12 @@ def attempt(fn, *args):
 
 
 def log(msg: str) -> None:
+    """Print `msg` to stderr with the elapsed time (the device log's progress line)."""
     print(f"[device_check] {msg}", file=sys.stderr, flush=True)
 
 
 def sync(device: str) -> None:
+    """Wait for queued work on `device` ("cuda" or "cpu": a no-op) before a timer."""
     import torch
 
     if device == "cuda":
@@ -83,6 +85,7 @@ def sync(device: str) -> None:
 
 
 def free_memory() -> None:
+    """Collect garbage and empty torch's CUDA cache between engines and models."""
     import torch
 
     gc.collect()
@@ -109,6 +112,7 @@ def environment(device: str) -> dict:
 
 
 def load_hf(path: str, dtype: str, device: str):
+    """transformers' model at `path` in `dtype` ("float32" / "bfloat16") on `device`, eval mode."""
     import torch
     from transformers import AutoModelForCausalLM
 

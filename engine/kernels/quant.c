@@ -19,10 +19,17 @@
  */
 #include "quant_blocks.h"
 
+float quant_f16_table[1 << 16];
+
+__attribute__((constructor)) static void fill_f16_table(void) {
+    for (uint32_t h = 0; h < (1u << 16); h++) quant_f16_table[h] = f16_convert((uint16_t)h);
+}
+
 #define MR 4          /* rows of x up to which the M <= MR nest runs */
 #define NC 16         /* rows of W a thread takes at a time in it */
 #ifndef PF
-#define PF 8           /* blocks ahead a W row is prefetched in the fused nests */
+#define PF 2048        /* bytes ahead W is prefetched in the fused nests (rows are contiguous,
+                          so past a row's end is the next row's start) */
 #endif
 
 /* Dequantize W rows [r0, r1) (nb blocks each) into dst [(r1 - r0)][ld] float32, a block at a
@@ -48,7 +55,7 @@ INLINE void row_tile_##T(const uint8_t *wrow, int64_t nb, const float *x, int64_
     V acc[MR][2];                                                                             \
     for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = vzero();                             \
     for (int64_t b = 0; b < nb; b++) {                                                        \
-        __builtin_prefetch(wrow + (b + PF) * BYTES, 0, 0);                                    \
+        __builtin_prefetch(wrow + b * BYTES + PF, 0, 3);                                    \
         V v[QKT / VL];                                                                        \
         dqv_##T(wrow + b * BYTES, v);                                                         \
         const float *xb = x + b * QKT;                                                        \
@@ -89,7 +96,7 @@ INLINE void row_tile_bf16_##T(const uint8_t *wrow, int64_t nb, const uint16_t *x
     __m512 acc[MB];                                                                           \
     for (int r = 0; r < MB; r++) acc[r] = _mm512_setzero_ps();                                \
     for (int64_t b = 0; b < nb; b++) {                                                        \
-        __builtin_prefetch(wrow + (b + PF) * BYTES, 0, 0);                                    \
+        __builtin_prefetch(wrow + b * BYTES + PF, 0, 3);                                    \
         V v[QKT / VL];                                                                        \
         dqv_##T(wrow + b * BYTES, v);                                                         \
         for (int j = 0; j < QKT / VL; j += 2) {                                               \

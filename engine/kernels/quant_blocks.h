@@ -48,9 +48,8 @@ INLINE V vzero(void) { return (V){0}; }
 INLINE float vsum(V a) { float s = 0.f; for (int i = 0; i < VL; i++) s += a[i]; return s; }
 #endif
 
-INLINE float f16(const uint8_t *p) {          /* IEEE half, little-endian, to float32 */
-    uint16_t h;
-    memcpy(&h, p, 2);
+/* IEEE half to float32, exactly (the table's filling; F16C where the build has it). */
+INLINE float f16_convert(uint16_t h) {
 #if defined(__F16C__)
     return _cvtsh_ss(h);
 #else
@@ -68,6 +67,19 @@ INLINE float f16(const uint8_t *p) {          /* IEEE half, little-endian, to fl
     memcpy(&f, &u, 4);
     return f;
 #endif
+}
+
+/* Every half's float32 value (256 KiB, filled when the library loads; quant.c), as ggml's
+ * ggml_table_f32_f16. A block's scales are read through it: a table load broadcast to a
+ * vector is a load-port operation, where F16C's vcvtph2ps and a word broadcast each take a
+ * shuffle-port slot, which on Intel cores (one 512-bit shuffle port) bounded the 4-bit
+ * kernels at about a third of their rate (benchmarks/quant_bench.py, docs/cpu.md). */
+extern float quant_f16_table[1 << 16];
+
+INLINE float f16(const uint8_t *p) {          /* the IEEE half at p (little-endian) */
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return quant_f16_table[h];
 }
 
 /* Dequantize one block into y[QK or QK_K] float32 (ggml's dequantize_row_* for one block). The
@@ -150,16 +162,8 @@ INLINE void dq_q6_k(const uint8_t *b, float *y) {
  * arithmetic as dq_*). */
 #define NV (QK / VL)
 #if HAVE_AVX512
-INLINE __m512i lo_nibbles(__m128i raw) {
-    return _mm512_cvtepu8_epi32(_mm_and_si128(raw, _mm_set1_epi8(15)));
-}
-INLINE __m512i hi_nibbles(__m128i raw) {
-    return _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(15)));
-}
 INLINE V f16_bcast(const uint8_t *p) {          /* the IEEE half at p, in every lane */
-    int16_t h;
-    memcpy(&h, p, 2);
-    return _mm512_cvtph_ps(_mm256_set1_epi16(h));
+    return _mm512_set1_ps(f16(p));              /* vbroadcastss from the table: no shuffle */
 }
 /* The 16 values a 4-bit block can hold, lane q: d * (q - 8) (Q4_0), d * q + m (Q4_1). */
 INLINE V lut_q4_0(const uint8_t *b) {
@@ -185,9 +189,11 @@ INLINE void dqv_i8(const uint8_t *b, V *out) {
  * computed once in one vector, then looked up by nibble (vpermps): the same products and sums
  * as dq_*, on one vector instead of two, and no int-to-float conversions. */
 INLINE void dqv_lut(V lut, const uint8_t *nibbles, V *out) {
-    const __m128i raw = _mm_loadu_si128((const void *)nibbles);
-    out[0] = _mm512_permutexvar_ps(lo_nibbles(raw), lut);
-    out[1] = _mm512_permutexvar_ps(hi_nibbles(raw), lut);
+    /* one widening for both halves: vpermps reads only bits 3:0 of a lane's index, so the
+     * low nibbles need no mask and the high ones are a shift away */
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const void *)nibbles));
+    out[0] = _mm512_permutexvar_ps(q, lut);
+    out[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), lut);
 }
 INLINE void dqv_q4_0(const uint8_t *b, V *out) { dqv_lut(lut_q4_0(b), b + 2, out); }
 INLINE void dqv_q4_1(const uint8_t *b, V *out) { dqv_lut(lut_q4_1(b), b + 4, out); }

@@ -122,7 +122,7 @@ INLINE void q8_row(int type, const uint8_t *wrow, int64_t nb, const q8x *xq, int
         const uint8_t *b0 = wrow + 2 * p * bytes;
         const int has1 = 2 * p + 1 < nb;
         const uint8_t *b1 = has1 ? b0 + bytes : b0;       /* a lone last block pairs with itself */
-        __builtin_prefetch(b0 + 16 * bytes, 0, 0);
+        __builtin_prefetch(b0 + 2048, 0, 3);    /* t0: prefetchnta ran at a third of this rate on Intel */
         __m512i wv;
         __m512 dv;
         __m128 hdr = _mm_setzero_ps();

@@ -1,7 +1,8 @@
 """The one place that names a device: resolves `--device` and answers device questions.
 
 Owns: the choice among `cpu`, `cuda` and `npu` (Ascend, through `torch_npu`, imported lazily),
-dtype resolution (`--dtype auto` is float32 on CPU, bfloat16 where the accelerator supports it),
+dtype resolution (`--dtype auto`: bfloat16 on an accelerator and on a CPU with bfloat16 matmul
+units, AMX or AVX512-BF16; float32 on other CPUs),
 memory figures used to size the KV cache, synchronisation for timing, and the process's heap
 (`freeze_heap` after a load, `trim_heap` when idle). Every other module in the engine talks to
 the device through torch with the `torch.device` returned here.
@@ -168,11 +169,17 @@ def check_device_dtype(device_name: str, dtype_name: str) -> None:
 def resolve_dtype(name: str, device: Device) -> torch.dtype:
     """Resolve `--dtype` ("auto", "float32", "bfloat16", "float16") for `device`.
 
-    "auto" is float32 on CPU (exact, and what the correctness tests compare) and bfloat16 on an
-    accelerator. Raises: ValueError for an unknown name.
+    "auto" is bfloat16 on an accelerator and on a CPU whose engine level has bfloat16 matmul
+    units (`engine.kernels.isa.bf16_matmul`: AMX-BF16 or AVX512-BF16, as vLLM's `auto` takes
+    the checkpoint's bfloat16 there); float32 on other CPUs, where bfloat16 products are
+    converted to float32 (`--dtype float32` is the exact reference everywhere).
+    Raises: ValueError for an unknown name.
     """
     if name == "auto":
-        return torch.float32 if device.kind == "cpu" else torch.bfloat16
+        if device.kind != "cpu":
+            return torch.bfloat16
+        from engine.kernels.isa import bf16_matmul
+        return torch.bfloat16 if bf16_matmul() else torch.float32
     if name not in DTYPES:
         raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {name!r}")
     return DTYPES[name]

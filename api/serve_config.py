@@ -120,11 +120,10 @@ def _check_model(args: argparse.Namespace, config: EngineConfig) -> None:
         raise ValueError(f"model {args.model!r} is not a local path "
                          "(Continuum never downloads weights)")
     if args.quantization not in (None, "none") or args.activation_quantization != "none":
-        from engine.device import resolve_device, resolve_dtype
+        from engine.device import resolve_device
         from engine.quant import resolve_quantization
-        device = resolve_device(args.device)
-        resolve_quantization(args.quantization, args.model, device,
-                             resolve_dtype(args.dtype, device), args.activation_quantization)
+        resolve_quantization(args.quantization, args.model, resolve_device(args.device),
+                             args.activation_quantization)
     if config.tensor_parallel_size > 1:
         from engine.device import resolve_device
         from engine.distributed.parallel import check_tensor_parallel

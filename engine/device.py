@@ -1,8 +1,8 @@
 """The one place that names a device: resolves `--device` and answers device questions.
 
 Owns: the choice among `cpu`, `cuda` and `npu` (Ascend, through `torch_npu`, imported lazily),
-dtype resolution (`--dtype auto`: bfloat16 on an accelerator and on a CPU with bfloat16 matmul
-units, AMX or AVX512-BF16; float32 on other CPUs),
+dtype resolution (`--dtype auto`: bfloat16 on an accelerator, on a CPU with bfloat16 matmul
+units (AMX, AVX512-BF16) and for quantized weights on AVX-512; float32 on other CPUs),
 memory figures used to size the KV cache, synchronisation for timing, and the process's heap
 (`freeze_heap` after a load, `trim_heap` when idle). Every other module in the engine talks to
 the device through torch with the `torch.device` returned here.
@@ -166,20 +166,26 @@ def check_device_dtype(device_name: str, dtype_name: str) -> None:
     device.linear_path(resolve_dtype(dtype_name, device))
 
 
-def resolve_dtype(name: str, device: Device) -> torch.dtype:
-    """Resolve `--dtype` ("auto", "float32", "bfloat16", "float16") for `device`.
+def resolve_dtype(name: str, device: Device, quantized: bool = False) -> torch.dtype:
+    """Resolve `--dtype` ("auto", "float32", "bfloat16", "float16") for `device`; `quantized`:
+    the linears are served as quantized blocks by the CPU kernels (`engine.quant`).
 
-    "auto" is bfloat16 on an accelerator and on a CPU whose engine level has bfloat16 matmul
-    units (`engine.kernels.isa.bf16_matmul`: AMX-BF16 or AVX512-BF16, as vLLM's `auto` takes
-    the checkpoint's bfloat16 there); float32 on other CPUs, where bfloat16 products are
-    converted to float32 (`--dtype float32` is the exact reference everywhere).
+    "auto" is bfloat16 on an accelerator; on the CPU, bfloat16 where the engine's level has
+    bfloat16 matmul units (`engine.kernels.isa.bf16_matmul`: AMX-BF16 or AVX512-BF16, as
+    vLLM's `auto` takes the checkpoint's bfloat16 there) and, on any AVX-512 host, for a
+    quantized model, whose products the block kernels compute in float32 whatever the
+    activations: there a bfloat16 KV cache and activations measured 1.0 / 1.16 / 1.28x float32's
+    throughput at concurrency 1 / 16 / 64 on an AVX-512 host without BF16 (docs/cpu.md).
+    float32 elsewhere (dense weights without bfloat16 units, whose bfloat16 products would be
+    converted to float32; AVX2 hosts). `--dtype float32` is the exact reference everywhere.
     Raises: ValueError for an unknown name.
     """
     if name == "auto":
         if device.kind != "cpu":
             return torch.bfloat16
-        from engine.kernels.isa import bf16_matmul
-        return torch.bfloat16 if bf16_matmul() else torch.float32
+        from engine.kernels.isa import bf16_matmul, cpu_isa
+        fast = bf16_matmul() or (quantized and cpu_isa() == "avx512")
+        return torch.bfloat16 if fast else torch.float32
     if name not in DTYPES:
         raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {name!r}")
     return DTYPES[name]

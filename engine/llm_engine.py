@@ -65,11 +65,11 @@ class LLMEngine:
         self.config, self.on_fatal = config, on_fatal
         self.device = resolve_device(config.device)
         self.device.activate()
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.quant = resolve_quantization(config.quantization, config.model, self.device,
+                                          config.activation_quantization)
+        self.dtype = resolve_dtype(config.dtype, self.device, self.quant.method != "none")
         self.model_dir = resolve_model(config.model)
         self.model_config = mcfg = ModelConfig.from_dir(self.model_dir)
-        self.quant = resolve_quantization(config.quantization, config.model, self.device,
-                                          self.dtype, config.activation_quantization)
         self.max_model_len = self._max_model_len(mcfg)
         self.runner = None
         self.lora_spec = LoraSpec(config.max_loras, config.max_lora_rank,
@@ -243,7 +243,7 @@ class LLMEngine:
                              f"{self.max_model_len}")
         dtype = self.dtype if spec.dtype == "auto" else resolve_dtype(spec.dtype, self.device)
         return load_model(draft_dir, self.device, dtype, self.max_model_len,
-                          quant=resolve_quantization(None, spec.model, self.device, dtype))
+                          quant=resolve_quantization(None, spec.model, self.device))
 
     def _scheduler_config(self, target_itl_ms: float | None) -> SchedulerConfig:
         config = self.config

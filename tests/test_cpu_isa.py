@@ -51,14 +51,21 @@ def test_auto_dtype_follows_the_hosts_matmul_units():
 
 
 def test_auto_dtype_on_this_host(capped):
-    """What `--dtype auto` resolves to here, and that a cap to avx2 makes it float32."""
+    """What `--dtype auto` resolves to here: bfloat16 with bfloat16 units, and for quantized
+    weights on any AVX-512 host (the block kernels multiply in float32 either way); a cap to
+    avx2 makes both float32."""
     from engine.device import resolve_device, resolve_dtype
     cpu = resolve_device("cpu")
-    here = torch.bfloat16 if isa.bf16_matmul() else torch.float32
-    assert resolve_dtype("auto", cpu) == here
+    units = isa.bf16_matmul()
+    assert resolve_dtype("auto", cpu) == (torch.bfloat16 if units else torch.float32)
+    quantized = units or isa.cpu_isa() == "avx512"
+    assert resolve_dtype("auto", cpu, quantized=True) == (torch.bfloat16 if quantized
+                                                          else torch.float32)
+    assert resolve_dtype("float32", cpu, quantized=True) == torch.float32
     if X86 and isa.host_isa() != "generic":
         capped("avx2")
         assert resolve_dtype("auto", cpu) == torch.float32
+        assert resolve_dtype("auto", cpu, quantized=True) == torch.float32
 
 
 def test_switch_caps_the_level_and_the_build_flags(capped):

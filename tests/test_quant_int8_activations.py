@@ -151,9 +151,9 @@ def test_flag_needs_quantized_weights(model_dir):
     from engine.quant import resolve_quantization
 
     with pytest.raises(ValueError, match="--activation-quantization int8 needs quantized"):
-        resolve_quantization("none", None, resolve_device("cpu"), torch.float32, "int8")
+        resolve_quantization("none", None, resolve_device("cpu"), "int8")
     with pytest.raises(ValueError, match="--activation-quantization must be one of"):
-        resolve_quantization(None, None, resolve_device("cpu"), torch.float32, "fp8")
+        resolve_quantization(None, None, resolve_device("cpu"), "fp8")
 
 
 @pytest.mark.extended          # its own server; the path itself is checked above

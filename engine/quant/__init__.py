@@ -49,9 +49,10 @@ def gguf_file(model: str | None) -> Path | None:
 
 
 def resolve_quantization(requested: str | None, model: str | None, device,
-                         dtype, activations: str = "none") -> Quantization:
-    """`--quantization` (None = the default) for `model` on `device` (`engine.device.Device`)
-    at `dtype` (`torch.dtype`): the block kernels need the CPU and its compiled kernels.
+                         activations: str = "none") -> Quantization:
+    """`--quantization` (None = the default) for `model` on `device` (`engine.device.Device`):
+    the block kernels need the CPU and its compiled kernels (built for float32 and bfloat16
+    alike, so this comes before `--dtype auto`, which depends on it).
 
     Default: "gguf" for a GGUF model on a CPU with the kernels, else "none" (vLLM's default of
     the checkpoint's own format; a GGUF elsewhere is served dequantized). Raises ValueError,
@@ -62,26 +63,32 @@ def resolve_quantization(requested: str | None, model: str | None, device,
     if activations not in ACTIVATION_METHODS:
         raise ValueError(f"--activation-quantization must be one of "
                          f"{', '.join(ACTIVATION_METHODS)}, got {activations!r}")
-    quant = _weights(requested, model, device, dtype)
+    quant = _weights(requested, model, device)
     if activations == "none":
         return quant
     if quant.method == "none":
         raise ValueError("--activation-quantization int8 needs quantized weights "
                          "(--quantization gguf or int8)")
-    if not device.kernels(dtype).q8_available:
+    if not _kernels(device).q8_available:
         logger.warning("--activation-quantization int8: this CPU has no AVX-512 VNNI; "
                        "activations stay float32")
         return quant
     return replace(quant, int8_activations=True)
 
 
-def _weights(requested: str | None, model: str | None, device, dtype) -> Quantization:
+def _kernels(device):
+    """The device's CPU kernels (one build serves float32 and bfloat16), or None."""
+    import torch
+    return device.kernels(torch.float32)
+
+
+def _weights(requested: str | None, model: str | None, device) -> Quantization:
     """resolve_quantization's weight format."""
     if requested is not None and requested not in METHODS:
         raise ValueError(f"--quantization must be one of {', '.join(METHODS)}, got {requested!r}")
     if requested == "none":
         return Quantization()
-    have_kernels = device.kernels(dtype) is not None
+    have_kernels = _kernels(device) is not None
     cpu = device.kind == "cpu" and have_kernels
     gguf = gguf_file(model)
     if requested is None:

@@ -86,7 +86,13 @@ def read_bandwidth_gb_s(repeats: int = 5) -> float:
 
 def decode_bytes_per_step(eng: LLMEngine) -> int:
     """Bytes a decode step at batch 1 must read: all linear weights and the LM head (the
-    embedding lookup, norms and KV cache are negligible beside them)."""
+    embedding lookup, norms and KV cache are negligible beside them) — their blocks where the
+    engine serves them quantized (the GGUF default), else the parameters in the dtype."""
+    model = eng.model
+    if model.quant_types:
+        linears = [lin for layer in model.layers for lin in (layer[1], layer[2], layer[4],
+                                                             layer[5])] + [model.lm_head]
+        return sum(p.nbytes for lin in linears for p in lin.parts)
     c = eng.model_config
     per_layer = (c.hidden_size * (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
                  + c.num_heads * c.head_dim * c.hidden_size + 3 * c.hidden_size

@@ -149,6 +149,7 @@ def ratios(results: dict) -> dict:
     pairs = [(c, p) for c in CONTINUUM if c in results for p in served_peers + ["continuum-bf16"]
              if p != c and p in results]
     pairs += [("continuum-offline", p) for p in offline_peers if "continuum-offline" in results]
+    pairs = [(a, b) for a, b in pairs if "points" in results[a] and "points" in results[b]]
     for mine, peer in pairs:
         out[f"{mine} / {peer}"] = {
             a["concurrency"]: round(a["output_tok_s"] / b["output_tok_s"], 2)
@@ -184,29 +185,37 @@ def main() -> None:
     print(json.dumps(result), flush=True)
     res = result["results"]
 
-    def record(name: str, value: dict) -> None:
-        res[name] = value
-        print(json.dumps({name: value}), flush=True)
+    def record(name: str, run) -> None:
+        """Run one entry; a peer that fails to start or run is recorded with its error."""
+        try:
+            res[name] = run()
+        except (RuntimeError, OSError, subprocess.CalledProcessError, ValueError) as e:
+            detail = getattr(e, "stderr", None) or str(e)
+            res[name] = {"error": detail[-2000:]}
+        print(json.dumps({name: res[name]}), flush=True)
+
+    def served(name: str, flags: list[str]) -> dict:
+        with continuum(flags + ["--kv-cache-memory", args.kv_cache_memory,
+                                "--max-model-len", "2048"]) as srv:
+            return bench_server(name, srv.base, srv.proc.pid, model_dir, args)
 
     for name, flags in CONTINUUM.items():
         if name in wanted:
-            with continuum(flags + ["--kv-cache-memory", args.kv_cache_memory,
-                                    "--max-model-len", "2048"]) as srv:
-                record(name, bench_server(name, srv.base, srv.proc.pid, model_dir, args))
+            record(name, lambda: served(name, flags))
     if args.vllm_python and "vllm-cpu" in wanted:
-        record("vllm-cpu", vllm(args, model_dir, model_dir))
+        record("vllm-cpu", lambda: vllm(args, model_dir, model_dir))
     if args.llama_server and "llama-server" in wanted:
-        record("llama-server", llama_server(args, gguf, model_dir))
+        record("llama-server", lambda: llama_server(args, gguf, model_dir))
     prompts = prompt_ids(args, AutoTokenizer.from_pretrained(model_dir))
     if "continuum-offline" in wanted:
-        record("continuum-offline", continuum_offline(prompts, args))
+        record("continuum-offline", lambda: continuum_offline(prompts, args))
     if args.openvino_python:
         with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
             json.dump(prompts, f)
             f.flush()
             for fmt in ("int4", "fp16"):
                 if f"openvino-{fmt}" in wanted:
-                    record(f"openvino-{fmt}", openvino(args, model_dir, f.name, fmt))
+                    record(f"openvino-{fmt}", lambda: openvino(args, model_dir, f.name, fmt))
     result["ratios"] = ratios(res)
     print(f"host: {result['host']['cpu']}, cpu isa {result['host']['isa']}")
     for pair, by_c in result["ratios"].items():

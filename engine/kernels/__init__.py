@@ -8,8 +8,9 @@ that its OpenMP runtime is torch's; and the typed Python entry points: `cache_wr
 `paged_decode` (attention), `add_rms_norm`, `silu_and_mul` and `rotary` (fused elementwise ops,
 vLLM's), `pack_linear` and `linear` (bfloat16-weight GEMM for hosts without oneDNN bfloat16),
 `quant_linear` (optionally with int8 activations, `q8_available`) and `quant_embed` (GGUF blocks
-and int8 read in place; `engine.quant`), and `lora_sgmv` (a step's multi-LoRA deltas of one
-projection, `engine.lora`).
+and int8 read in place; `engine.quant`), `lora_sgmv` (a step's multi-LoRA deltas of one
+projection, `engine.lora`), and `layer_stack_forward` (every decoder layer of a quantized model
+in one call; `engine.kernels.stack`).
 
 `load()` returns None — and the engine keeps its pure-torch attention — when there is no
 compiler, the build fails (logged once), `CONTINUUM_CPU_KERNELS=0` is set, or the dtype is
@@ -36,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 SOURCES = [HERE / "cpu_kernels.c", HERE / "gemm.c", HERE / "quant.c", HERE / "quant_panel.c",
-           HERE / "quant_q8.c", HERE / "lora.c"]
+           HERE / "quant_q8.c", HERE / "lora.c", HERE / "layer_stack.c"]
 HEADERS = [HERE / "common.h", HERE / "vec.h", HERE / "quant_blocks.h"]
 BASE_CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
 
@@ -68,6 +69,7 @@ _PLAIN = {
                          _I], _I),
     "quant_q8_available": ([], _I),
     "quant_embed": ([_I, _P, _I64, _P, _P, _I64, _I64, _I64, _P, _I], _I),
+    "layer_stack_forward": ([_P, _P, _P, _I, _P, _P, _P, _I, _P, _P, _P, _P, _P, _P, _I], _I),
 }
 NR = 16    # output columns per packed weight panel (gemm.c)
 

@@ -213,6 +213,7 @@ class LlamaForCausalLM:
         self._windows = cfg.layer_windows or (0,) * cfg.num_layers   # each layer's, 0 = full
         self._caches_for: torch.Tensor | None = None
         self.fused = None                                       # see set_kernels
+        self.stack = None               # engine.kernels.stack.LayerStack, see set_kernels
         self._caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -221,6 +222,7 @@ class LlamaForCausalLM:
         """Put the LoRA deltas of `slots` (`engine.lora.slots.LoraSlots`) after every
         projection of every layer; rows of the base model are unchanged."""
         from engine.lora.slots import LoraLinear
+        self.stack = None                                   # the C loop has no LoRA deltas
         self.layers = [(ln1, LoraLinear(qkv, slots, i, "qkv"), LoraLinear(o, slots, i, "o"), ln2,
                         LoraLinear(gate_up, slots, i, "gate_up"),
                         LoraLinear(down, slots, i, "down"))
@@ -255,6 +257,8 @@ class LlamaForCausalLM:
         use = self.dtype == torch.bfloat16 or (self.dtype == torch.float32
                                                 and bool(self.quant_types))
         self.fused = kernels if kernels is not None and use else None
+        from engine.kernels.stack import LayerStack
+        self.stack = LayerStack.build(self, self.fused)    # every layer in one C call
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -268,6 +272,8 @@ class LlamaForCausalLM:
             sin = self.sin[positions].unsqueeze(1)
         x = self._embed(input_ids)                          # the residual stream (a copy)
         h = fused.rms_norm(x, self.layers[0][0], eps) if fused else None
+        if self.stack is not None and getattr(meta, "kernels", None) is not None:
+            return self.stack.forward(x, h, positions, meta, kv_cache)
         for (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj), (k_cache, v_cache), \
                 next_norm, window in zip(self.layers, self._layer_caches(kv_cache),
                                          self._next_norms, self._windows):

@@ -7,7 +7,8 @@
  * W is N rows of ceil(K / QK) blocks (`row_bytes` bytes a row, rows contiguous); the result is
  * the dequantized model's up to the order of the float32 sums (bfloat16 models: the bfloat16
  * model's, its weights rounded as it rounds them). Three loop nests, chosen by M:
- * - M <= MR (decode at small batch): per W row, each block dequantized in registers (dqv) and
+ * - M <= MR (decode at small batch; MR 8 on AVX-512, 4 on AVX2 and elsewhere, and 4 for
+ *   bfloat16 x on an AVX512-BF16 host): per W row, each block dequantized in registers (dqv) and
  *   multiplied at once with the M rows of x in float32 (vector accumulators per row, one
  *   horizontal add per output). W streams from memory once.
  * - MR < M <= MB, bfloat16 x on an AVX512-BF16 host: the same with the block rounded to
@@ -25,7 +26,12 @@ __attribute__((constructor)) static void fill_f16_table(void) {
     for (uint32_t h = 0; h < (1u << 16); h++) quant_f16_table[h] = f16_convert((uint16_t)h);
 }
 
-#define MR 4          /* rows of x up to which the M <= MR nest runs */
+#if HAVE_AVX512
+#define MR 8          /* rows of x up to which the M <= MR nest runs: 16 accumulators of 32
+                         registers (5-8 rows: 1.7x the panels' rate, Emerald Rapids) */
+#else
+#define MR 4          /* AVX2's 16 registers hold 4 rows' accumulators */
+#endif
 #define NC 16         /* rows of W a thread takes at a time in it */
 #ifndef PF
 #define PF 2048        /* bytes ahead W is prefetched in the fused nests (rows are contiguous,
@@ -45,6 +51,17 @@ static void dq_rows_##T(const uint8_t *w, int64_t row_bytes, int64_t r0, int64_t
                 vstore(dst + (n - r0) * ld + b * QKT + j * VL, v[j]);                         \
         }                                                                                     \
 }
+
+/* small_m's cases past 4 rows (AVX-512's MR). */
+#if MR == 8
+#define ROW_TILE_WIDE_CASES(T)                                                                \
+        case 8: row_tile_##T(wrow, nb, x, ldx, 8, out + j * MR); break;                       \
+        case 7: row_tile_##T(wrow, nb, x, ldx, 7, out + j * MR); break;                       \
+        case 6: row_tile_##T(wrow, nb, x, ldx, 6, out + j * MR); break;                       \
+        case 5: row_tile_##T(wrow, nb, x, ldx, 5, out + j * MR); break;
+#else
+#define ROW_TILE_WIDE_CASES(T)
+#endif
 
 /* out[r] = dot(dequant(W row), x row r) for r < mr (mr <= MR, a constant once inlined): each
  * block dequantized into vectors (dqv_T) and used at once by every row of x; two accumulators
@@ -71,6 +88,7 @@ static void small_m_##T(const uint8_t *w, int64_t row_bytes, int64_t n, int64_t 
     for (int64_t j = 0; j < n; j++) {                                                         \
         const uint8_t *wrow = w + j * row_bytes;                                              \
         switch (mr) {                                                                         \
+        ROW_TILE_WIDE_CASES(T)                                                                \
         case 4: row_tile_##T(wrow, nb, x, ldx, 4, out + j * MR); break;                       \
         case 3: row_tile_##T(wrow, nb, x, ldx, 3, out + j * MR); break;                       \
         case 2: row_tile_##T(wrow, nb, x, ldx, 2, out + j * MR); break;                       \
@@ -204,7 +222,8 @@ void *quant_copy_x(const void *x, int64_t x_stride, int x_bf16, int64_t m, int64
 enum { NEST_SMALL, NEST_MID_BF16, NEST_PANEL, NEST_PANEL_BF16 };
 
 static int choose_nest(int64_t m, int x_bf16) {
-    if (m <= MR) return NEST_SMALL;
+    /* 5 to 8 rows of bfloat16 x on an AVX512-BF16 host: the vdpbf16ps nest (measured there) */
+    if (m <= 4 || (m <= MR && !(HAVE_BF16_DOT && x_bf16))) return NEST_SMALL;
     if (HAVE_BF16_DOT && x_bf16) return m <= MB ? NEST_MID_BF16 : NEST_PANEL_BF16;
     return NEST_PANEL;
 }

@@ -70,26 +70,26 @@ def is_capped() -> bool:
 BF16_MATMUL_FLAGS = ("amx_bf16", "avx512_bf16")     # bfloat16 dot products in hardware
 
 
+def _flags_and_level(flags: set[str] | None) -> tuple[set[str], str]:
+    """(flags, level): this host's flags at the engine's level (`cpu_isa`, capped), or the
+    given flags at the level they support."""
+    return (cpu_flags(), cpu_isa()) if flags is None else (flags, host_isa(flags))
+
+
 def bf16_matmul(flags: set[str] | None = None) -> bool:
     """Whether the engine's level has bfloat16 matmul units: AMX-BF16 tiles or AVX512-BF16's
     `vdpbf16ps`, at level avx512 (a cap to avx2 takes them away). `flags` default: this
     host's. `--dtype auto` is bfloat16 where this holds (vLLM takes the checkpoint's bfloat16
     on such CPUs), float32 elsewhere, where bfloat16 would be converted to float32 for every
     product."""
-    if flags is None:
-        flags, level = cpu_flags(), cpu_isa()
-    else:
-        level = host_isa(flags)
+    flags, level = _flags_and_level(flags)
     return level == "avx512" and any(f in flags for f in BF16_MATMUL_FLAGS)
 
 
 def isa_label(flags: set[str] | None = None) -> str:
     """The level as the ready log names it, with the matmul extensions the kernels and oneDNN
     use: e.g. "avx512 (vnni)", "avx512 (vnni, bf16)", "avx512 (amx, vnni, bf16)", "avx2"."""
-    if flags is None:
-        flags, level = cpu_flags(), cpu_isa()
-    else:
-        level = host_isa(flags)
+    flags, level = _flags_and_level(flags)
     if level != "avx512":
         return level
     extras = [name for name, flag in (("amx", "amx_tile"), ("vnni", "avx512_vnni"),

@@ -18,8 +18,7 @@
  * rms_norm(x) * ln1 of layer 0; out: h after the final norm. Scratch buffers from the caller.
  * Element type T: float32 or bfloat16 (stack->bf16), as the model's.
  */
-#include <stddef.h>
-#include <stdint.h>
+#include "quant_blocks.h"
 
 /* One quantized projection as quant_linear takes it. */
 typedef struct {
@@ -47,12 +46,7 @@ typedef struct {
     const layer_ptrs *layers;
 } layer_stack;
 
-int quant_linear(int type, const uint8_t *w, int64_t row_bytes, const float *row_scale,
-                 const float *bias, const void *x, int64_t x_stride, int x_bf16, void *y,
-                 int64_t ldy, int y_f32, int64_t m, int64_t n, int64_t k, int num_threads);
-int quant_linear_q8(int type, const uint8_t *w, int64_t row_bytes, const float *row_scale,
-                    const float *bias, const void *x, int64_t x_stride, int x_bf16, void *y,
-                    int64_t ldy, int y_f32, int64_t m, int64_t n, int64_t k, int num_threads);
+/* cpu_kernels.c's entry points, as it defines them. */
 #define DECLARE_T(SUFFIX, T)                                                                  \
 void cache_write_##SUFFIX(const T *, const T *, T *, T *, const int64_t *, int, int, int,    \
                           int64_t, int64_t, int64_t);                                         \

@@ -33,10 +33,6 @@ __attribute__((constructor)) static void fill_f16_table(void) {
 #define MR 4          /* AVX2's 16 registers hold 4 rows' accumulators */
 #endif
 #define NC 16         /* rows of W a thread takes at a time in it */
-#ifndef PF
-#define PF 2048        /* bytes ahead W is prefetched in the fused nests (rows are contiguous,
-                          so past a row's end is the next row's start) */
-#endif
 
 /* Dequantize W rows [r0, r1) (nb blocks each) into dst [(r1 - r0)][ld] float32, a block at a
  * time through dqv_T's vectors. */

@@ -310,6 +310,21 @@ INLINE void store_row(float *v, int count, void *y, int64_t ldy, int y_f32, int6
     }
 }
 
+/* Bytes ahead W is prefetched in the fused single-row nests (quant.c, quant_q8.c): rows are
+ * contiguous, so past a row's end is the next row's start. prefetcht0: prefetchnta ran at a
+ * third of this rate on an Intel host (docs/cpu.md). */
+#ifndef PF
+#define PF 2048
+#endif
+
+/* quant.c / quant_q8.c's entry points (see there); layer_stack.c calls them too. */
+int quant_linear(int type, const uint8_t *w, int64_t row_bytes, const float *row_scale,
+                 const float *bias, const void *x, int64_t x_stride, int x_bf16, void *y,
+                 int64_t ldy, int y_f32, int64_t m, int64_t n, int64_t k, int num_threads);
+int quant_linear_q8(int type, const uint8_t *w, int64_t row_bytes, const float *row_scale,
+                    const float *bias, const void *x, int64_t x_stride, int x_bf16, void *y,
+                    int64_t ldy, int y_f32, int64_t m, int64_t n, int64_t k, int num_threads);
+
 /* quant.c: x [m, k] as a contiguous, zero-padded copy in the calling thread's scratch (see
  * there); NULL if out of memory. */
 void *quant_copy_x(const void *x, int64_t x_stride, int x_bf16, int64_t m, int64_t rows,

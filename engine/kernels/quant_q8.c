@@ -16,9 +16,6 @@
  */
 #include "quant_blocks.h"
 
-int quant_linear(int type, const uint8_t *w, int64_t row_bytes, const float *row_scale,
-                 const float *bias, const void *x, int64_t x_stride, int x_bf16, void *y,
-                 int64_t ldy, int y_f32, int64_t m, int64_t n, int64_t k, int num_threads);
 
 #if HAVE_AVX512 && defined(__AVX512VNNI__) && defined(__F16C__)
 #define HAVE_Q8_DOT 1
@@ -122,7 +119,7 @@ INLINE void q8_row(int type, const uint8_t *wrow, int64_t nb, const q8x *xq, int
         const uint8_t *b0 = wrow + 2 * p * bytes;
         const int has1 = 2 * p + 1 < nb;
         const uint8_t *b1 = has1 ? b0 + bytes : b0;       /* a lone last block pairs with itself */
-        __builtin_prefetch(b0 + 2048, 0, 3);    /* t0: prefetchnta ran at a third of this rate on Intel */
+        __builtin_prefetch(b0 + PF, 0, 3);
         __m512i wv;
         __m512 dv;
         __m128 hdr = _mm_setzero_ps();

@@ -91,7 +91,7 @@ class LayerStack:
         if self._cache is kv_cache and self._stack is not None:
             return self._stack
         m, cfg = self.model, self.model.cfg
-        for i, (k_cache, v_cache) in enumerate(m._layer_caches(kv_cache)):
+        for i, (k_cache, v_cache) in enumerate(m.layer_caches(kv_cache)):
             self._layers[i].k_cache, self._layers[i].v_cache = (k_cache.data_ptr(),
                                                                 v_cache.data_ptr())
         self._stack = _Stack(

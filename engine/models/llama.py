@@ -240,8 +240,9 @@ class LlamaForCausalLM:
         products, exactly, in one op fewer."""
         return x * cos + x.roll(self.cfg.head_dim // 2, -1) * sin
 
-    def _layer_caches(self, kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per-layer (K, V) views of `kv_cache`, made once per cache tensor."""
+    def layer_caches(self, kv_cache: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer (K, V) views `[kv_heads, blocks, block_size, head_dim]` of `kv_cache`, made
+        once per cache tensor (the per-op forward and `engine.kernels.stack` read them)."""
         if self._caches_for is not kv_cache:
             self._caches = [(kv_cache[i, 0], kv_cache[i, 1]) for i in range(self.cfg.num_layers)]
             self._caches_for = kv_cache
@@ -275,7 +276,7 @@ class LlamaForCausalLM:
         if self.stack is not None and getattr(meta, "kernels", None) is not None:
             return self.stack.forward(x, h, positions, meta, kv_cache)
         for (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj), (k_cache, v_cache), \
-                next_norm, window in zip(self.layers, self._layer_caches(kv_cache),
+                next_norm, window in zip(self.layers, self.layer_caches(kv_cache),
                                          self._next_norms, self._windows):
             if fused is None:
                 h = self._rms_norm(x, ln1)

@@ -145,8 +145,7 @@ class ServerState:
             t0 = time.perf_counter()
             llm = ProcessAsyncLLM(self.engine_config, on_stats=self.metrics.on_engine_stats,
                                   on_dead=self.engine_died)
-            from transformers import AutoTokenizer
-            self.tokenizer = AutoTokenizer.from_pretrained(llm.info["model_dir"])
+            self.tokenizer = llm.tokenizer          # the one its output processor uses
             from engine.structured.grammar import GrammarCompiler
             self.grammars = GrammarCompiler(self.tokenizer, llm.info.get("vocab_size"))
             self.info, self.llm = llm.info, llm

@@ -146,7 +146,6 @@ class ModelRunner:
         self.states: dict[str, _RequestState] = {}
         self.grammars = grammars      # engine.structured.grammar.GrammarCompiler, or None
         self._mask_pool: ThreadPoolExecutor | None = None
-        self.last_swap: tuple[int, float] | None = None   # (blocks, seconds) of the last step
         self.lora = None              # engine.lora.manager.LoraManager when LoRA is enabled
 
     def _caches(self, model: LlamaForCausalLM, num_gpu_blocks: int, num_cpu_blocks: int):
@@ -176,15 +175,16 @@ class ModelRunner:
         self.graphs.capture()
 
     # ------------------------------------------------------------------ block movement
-    def _move_blocks(self, out: SchedulerOutput) -> None:
-        """Swap out, swap in, copy-on-write — in the target's caches and the draft's."""
+    def _move_blocks(self, out: SchedulerOutput) -> tuple[int, float] | None:
+        """Swap out, swap in, copy-on-write — in the target's caches and the draft's.
+        Returns (blocks swapped, seconds) when it swapped, else None."""
         dev = self.device.torch_device
         pairs = [(self.kv_cache, self.cpu_cache)]
         if self.drafter is not None:
             pairs.append((self.draft_kv_cache, self.draft_cpu_cache))
         # The block axis: 3 in [layer, k/v, kv_head, block, slot, dim]; the backend's otherwise.
         bd = self.block_dim
-        self.last_swap = None
+        swap = None
         if out.blocks_to_swap_out or out.blocks_to_swap_in:
             t0 = time.perf_counter()
             for gpu, cpu in pairs:
@@ -195,14 +195,15 @@ class ModelRunner:
                     src, dst = _index_pair(out.blocks_to_swap_in)
                     gpu.index_copy_(bd, dst.to(dev), cpu.index_select(bd, src).to(dev))
             self.device.synchronize()
-            self.last_swap = (len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in),
-                              time.perf_counter() - t0)
+            swap = (len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in),
+                    time.perf_counter() - t0)
         if out.blocks_to_copy:
             src, dst = _index_pair(out.blocks_to_copy, dev)
             for gpu, _ in pairs:
                 gpu.index_copy_(bd, dst, gpu.index_select(bd, src))
         if self.drafter is not None:
             self.drafter.moved(out)
+        return swap
 
     def _update_state(self, s: ScheduledRequest) -> _RequestState:
         if s.is_new:
@@ -234,8 +235,7 @@ class ModelRunner:
         ids = list(range(n))
         out = SchedulerOutput(blocks_to_swap_out=list(zip(ids, ids)),
                               blocks_to_swap_in=list(zip(ids, ids)))
-        self._move_blocks(out)
-        return self.last_swap
+        return self._move_blocks(out)
 
     # ------------------------------------------------------------------ step
     @torch.inference_mode()
@@ -248,13 +248,14 @@ class ModelRunner:
                 drafter.forget(rid)
         for rid in out.preempted_request_ids:
             self.states.pop(rid, None)
-        self._move_blocks(out)
+        timings = dict(swap=self._move_blocks(out))
         if not out.scheduled:
-            return ModelRunnerOutput()
+            return ModelRunnerOutput(**timings)
         by_id = {s.request_id: self._update_state(s) for s in out.scheduled}
         scheduled = out.scheduled
         if drafter is not None:               # draft, then score (engine.spec_decode.draft_model)
-            scheduled = drafter.run(self, scheduled, by_id, self.draft_kv_cache)
+            scheduled, timings["draft_seconds"], timings["draft_passes"] = drafter.run(
+                self, scheduled, by_id, self.draft_kv_cache)
         decodes = [s for s in scheduled if len(s.token_ids) == 1]
         if self.kernels is None and self.backend is None:
             decodes.sort(key=lambda s: s.start_position)      # by context, for decode_groups
@@ -278,7 +279,7 @@ class ModelRunner:
         scored = chunks_to_score(ordered, states, len(decodes))
         prompt_lps = score_prompt_logprobs(self.model, hidden, scored) if scored else None
         if not sample_idx:
-            return ModelRunnerOutput(prompt_logprobs=prompt_lps)
+            return ModelRunnerOutput(prompt_logprobs=prompt_lps, **timings)
         logits = self.model.compute_logits(hidden[[i for _, i in sample_idx]])
         result = self.sampler(logits, rows, masks.result() if masks is not None else None)
         sampled, logprobs = {}, {}
@@ -304,7 +305,7 @@ class ModelRunner:
             k += n
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs or None,
                                  draft_token_ids=self._propose(sampled, by_id),
-                                 prompt_logprobs=prompt_lps)
+                                 prompt_logprobs=prompt_lps, **timings)
 
     def _propose(self, sampled: dict[str, list[int]], by_id: dict[str, _RequestState]
                  ) -> dict[str, list[int]] | None:

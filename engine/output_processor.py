@@ -1,4 +1,6 @@
-"""Output processor: token ids → text deltas, stop strings, `RequestOutput`s.
+"""Output processor: token ids → text deltas, stop strings, `RequestOutput`s — the front end's
+half of the engine (vLLM v1's `OutputProcessor`): it runs in the process that serves the
+protocol, never in the engine core's.
 
 Owns: per request and per choice, the incremental detokenizer (`tokenizers.decoders.DecodeStream`,
 primed with the prompt's tail; it returns nothing until a UTF-8 sequence is complete, so no broken
@@ -9,9 +11,12 @@ A step may bring several tokens (accepted speculative drafts); with stop strings
 decoded one at a time and those after the token that completes a stop string are dropped, so
 output and usage end where they would without speculation.
 
-In: the scheduler's `RequestStepOutput`s (one with `error` set: the request failed before it ran,
-its grammar did not compile). Out: `RequestOutput` deltas, and the ids of sequences a stop string
-ended (the engine finishes them in the scheduler).
+In: the core's `EngineCoreOutputs` (`RequestStepOutput`s, one with `error` set: the request
+failed, its grammar did not compile or its step raised; prompt logprobs; first-scheduled times;
+the step's stats). Out: `RequestOutput` deltas, the step's stats completed with the generated
+tokens and the finished requests, and the ids of sequences a stop string ended (the front end
+tells the core to finish them: `EngineCore.finish_sequences`).
+Not thread-safe: a caller that shares it between threads holds a lock.
 """
 
 from __future__ import annotations
@@ -21,8 +26,8 @@ from dataclasses import dataclass, field
 
 from tokenizers.decoders import DecodeStream
 
-from engine.outputs import (CompletionOutput, PromptLogprob, RequestMetrics, RequestOutput,
-                            TokenLogprob)
+from engine.outputs import (CompletionOutput, EngineCoreOutputs, PromptLogprob, RequestMetrics,
+                            RequestOutput, TokenLogprob)
 from scheduler.output import RequestStepOutput
 from scheduler.request import SamplingParams
 
@@ -105,6 +110,25 @@ class OutputProcessor:
                                           skip_special_tokens=state.params.skip_special_tokens))
             state.choices[index] = choice
         return choice
+
+    def process_step(self, core: EngineCoreOutputs) -> tuple[list[RequestOutput], list[str]]:
+        """One core step's outputs: (the `RequestOutput` deltas, sequence ids ended by a stop
+        string). Fills `core.stats`' generated tokens and finished requests, when it has stats."""
+        for rid, when in core.scheduled:
+            state = self.requests.get(rid)
+            if state is not None and state.metrics.first_scheduled_time is None:
+                state.metrics.first_scheduled_time = when
+        if core.prompt_logprobs:
+            self.add_prompt_logprobs(core.prompt_logprobs)
+        outputs, stopped = self.process(core.outputs)
+        stats = core.stats
+        if stats is not None:
+            stats.num_generation_tokens = sum(len(c.token_ids) for o in outputs
+                                              for c in o.outputs)
+            stats.finished = [(o.outputs[-1].finish_reason, o.metrics, o.num_prompt_tokens,
+                               sum(c.num_output_tokens for c in o.outputs))
+                              for o in outputs if o.finished]
+        return outputs, stopped
 
     def process(self, updates: list[RequestStepOutput]) -> tuple[list[RequestOutput], list[str]]:
         """Returns (outputs, sequence ids ended by a stop string). The final outputs of requests

@@ -1,4 +1,5 @@
-"""What the engine hands back per step: `RequestOutput` deltas, and its per-step statistics.
+"""What the engine hands back per step: the core's token-level `EngineCoreOutputs`, the front
+end's `RequestOutput` deltas made from them, and the per-step statistics.
 
 `RequestOutput` is a delta: the text and token ids that each choice gained in this step (a
 consumer joins them); the prompt's logprobs, when asked, ride on the first. `finished` is True on the last output of a request, when every choice
@@ -8,6 +9,7 @@ has a `finish_reason` ("stop", "length", "abort", "error").
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -76,13 +78,31 @@ class RequestOutput:
 class StepStats:
     """One engine step, for the metrics layer. Times in seconds. Scheduler gauges (running,
     waiting, swapped, KV usage) and cumulative counters are read from the scheduler itself
-    (`engine.async_llm.engine_snapshot`), also between steps."""
+    (`engine.core_proc.engine_snapshot`), also between steps."""
 
     batch_size: int                    # requests scheduled
     num_tokens: int                    # tokens computed (prefill + decode)
     num_prefill_tokens: int
-    step_time: float                   # schedule + execute + update + output processing
+    step_time: float                   # the core's schedule + execute + update
     scheduler_time: float              # schedule + update_from_output
+    # Filled by the front end's OutputProcessor (it alone sees stop strings):
     num_generation_tokens: int = 0
     finished: list[tuple[str, RequestMetrics, int, int]] = field(default_factory=list)
     # (finish_reason, metrics, prompt tokens, generation tokens) of requests finished this step
+
+
+@dataclass(slots=True)
+class EngineCoreOutputs:
+    """One `EngineCore.step`'s news, token ids only (the front end's `OutputProcessor` turns
+    it into `RequestOutput`s): `outputs`, the scheduler's `RequestStepOutput` per sequence that
+    gained tokens, finished, or failed (`error` set: a grammar that did not compile, a runner
+    error); `prompt_logprobs`, `ModelRunnerOutput.prompt_logprobs`; `scheduled`, (request id,
+    `time.monotonic()`) of each request (re)started this step; `stats`, the step's core-side
+    `StepStats` (None off a step); `snapshot`, the scheduler's snapshot for the metrics layer
+    (`engine.core_proc.engine_snapshot`; set by the core loop, None in-process)."""
+
+    outputs: list[Any] = field(default_factory=list)
+    prompt_logprobs: dict[str, tuple[int, list[PromptLogprob]]] | None = None
+    scheduled: list[tuple[str, float]] = field(default_factory=list)
+    stats: StepStats | None = None
+    snapshot: dict | None = None

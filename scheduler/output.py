@@ -84,12 +84,19 @@ class ModelRunnerOutput:
     `draft_token_ids[request_id]`: the speculative drafts proposed for the request's next step
     (possibly empty), for each request that sampled, when the runner has an n-gram proposer;
     `Scheduler.update_from_output` sets them as the request's `spec_token_ids`.
+    The step's timings, for the engine's cost models: `swap` = (blocks copied between the
+    device and the swap pool, seconds) when the step swapped; `draft_seconds` = the draft
+    model's time in the step (all its passes), `draft_passes` = (rows, seconds) of its passes
+    without catch-up, None when it ran none.
     """
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, Any] | None = None
     draft_token_ids: dict[str, list[int]] | None = None
     prompt_logprobs: dict[str, tuple[int, list[Any]]] | None = None
+    swap: tuple[int, float] | None = None
+    draft_seconds: float = 0.0
+    draft_passes: tuple[int, float] | None = None
 
 
 @dataclass(slots=True)

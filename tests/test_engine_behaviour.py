@@ -301,3 +301,46 @@ def test_clients_leaving_before_the_engine_acknowledges_leave_nothing_behind(tok
         assert last["num_running"] == last["num_waiting"] == 0 and last["kv_cache_usage"] == 0
     finally:
         llm.shutdown()
+
+
+def test_a_stop_string_found_in_the_front_end_finishes_the_sequence_in_the_core(tokenizer):
+    """The engine core process never sees text: the front end's output processor finds the
+    stop string and tells the core (`FinishSequences`), which must stop stepping the request
+    at once rather than run on to max_tokens, and free its blocks."""
+    steps: list = []
+    snapshots: list[dict] = []
+
+    def on_stats(stats, snap):
+        steps.extend(stats)
+        snapshots.append(snap)
+
+    llm = ProcessAsyncLLM(EngineConfig(kv_cache_memory=0.05, max_model_len=512, device="cpu"),
+                          on_stats=on_stats)
+    p = prompt(tokenizer, "Count from 1 to 10, separated by commas.")
+
+    async def run(params):
+        text, last = "", None
+        async for out in llm.generate(f"s-{len(steps)}", p, params):
+            text += out.outputs[0].text
+            last = out.outputs[0]
+        return text, last
+
+    try:
+        full, _ = asyncio.run(run(SamplingParams(max_tokens=30, temperature=0)))
+        assert "5" in full, full
+        time.sleep(0.5)                      # the last step's stats follow its outputs
+        steps.clear()
+        got, last = asyncio.run(run(SamplingParams(max_tokens=300, temperature=0,
+                                                   ignore_eos=True, stop=("5",))))
+        assert got == full[:full.index("5")]
+        assert (last.finish_reason, last.stop_reason) == ("stop", "5")
+        assert last.num_output_tokens < 30                  # usage ends at the stop string
+        deadline = time.time() + 10
+        while time.time() < deadline and not (snapshots[-1]["num_running"] == 0
+                                              and snapshots[-1]["kv_cache_usage"] == 0):
+            time.sleep(0.05)
+        assert snapshots[-1]["num_running"] == 0 and snapshots[-1]["kv_cache_usage"] == 0
+        assert len(steps) < 40, f"the core ran {len(steps)} steps for a stop at ~15 tokens"
+        assert sum(s.num_generation_tokens for s in steps) == last.num_output_tokens
+    finally:
+        llm.shutdown()

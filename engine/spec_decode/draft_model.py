@@ -27,9 +27,9 @@ token-identical to decoding without speculation, whatever the draft — a missin
 K/V can only lower acceptance.
 
 In: the step's `ScheduledRequest`s and the runner's per-request state (block table, context).
-Out: the same requests with their drafts appended to `token_ids`; `last_seconds` = the step's
-draft time (all passes), `last_passes` = (rows, seconds) of its passes without catch-up, for the
-scheduler's draft cost model. Per request it keeps how many leading positions hold valid draft
+Out: the same requests with their drafts appended to `token_ids`, the step's draft time (all
+passes) and (rows, seconds) of its passes without catch-up, for the scheduler's draft cost model
+(the runner puts both in its `ModelRunnerOutput`). Per request it keeps how many leading positions hold valid draft
 K/V (`computed`), kept across a swap, dropped when the request ends.
 """
 
@@ -54,8 +54,6 @@ class DraftModelProposer:
         self.computed: dict[str, int] = {}       # request id -> positions with valid draft K/V
         self.stale: set[int] = set()             # device block ids with K/V the draft lacks
         self.stale_cpu: set[int] = set()         # the same for the swap pool
-        self.last_passes: tuple[int, float] | None = None
-        self.last_seconds = 0.0
 
     def forget(self, request_id: str) -> None:
         """The request finished: drop its record."""
@@ -71,14 +69,16 @@ class DraftModelProposer:
                 (dst_set.add if src in src_set else dst_set.discard)(dst)
 
     def run(self, runner, scheduled: list[ScheduledRequest], states: dict,
-            kv_cache: torch.Tensor) -> list[ScheduledRequest]:
+            kv_cache: torch.Tensor
+            ) -> tuple[list[ScheduledRequest], float, tuple[int, float] | None]:
         """Run the draft for one step: pass 1 over the drafting requests, then passes 2..d.
 
         runner: the `ModelRunner` (its `_prepare` builds the batch); states: request id ->
         the runner's `_RequestState`, already updated for this step; kv_cache: the draft's.
-        Returns `scheduled` with each drafting request's `token_ids` = [token] + its drafts.
+        Returns (`scheduled` with each drafting request's `token_ids` = [token] + its drafts,
+        the draft's seconds in this step, (rows, seconds) of its passes without catch-up or
+        None): the timings travel in the step's `ModelRunnerOutput`.
         """
-        self.last_passes, self.last_seconds = None, 0.0
         want = {s.request_id: s for s in scheduled if s.num_drafts}
         for s in scheduled:
             table = states[s.request_id].block_table
@@ -86,7 +86,7 @@ class DraftModelProposer:
             if not s.num_drafts:             # the target computes it alone: the draft lags
                 self._mark(table, s.start_position, s.start_position + len(s.token_ids), True)
         if not want:
-            return scheduled
+            return scheduled, 0.0, None
         t0 = time.perf_counter()
         drafts, caught_up = self._pass_one(runner, list(want.values()), states, kv_cache)
         rows, t1 = len(want), time.perf_counter()
@@ -100,9 +100,7 @@ class DraftModelProposer:
                 drafts[rid].append(tok)
             rows += len(items)
         t2 = time.perf_counter()
-        self.last_seconds = t2 - t0
         measured = (rows, t2 - t0) if not caught_up else (rows - len(want), t2 - t1)
-        self.last_passes = measured if measured[0] > 0 else None
         out = []
         for s in scheduled:
             if s.num_drafts:
@@ -112,7 +110,7 @@ class DraftModelProposer:
                 self.computed[s.request_id] = end
                 s = dataclasses.replace(s, token_ids=s.token_ids + drafts[s.request_id])
             out.append(s)
-        return out
+        return out, t2 - t0, measured if measured[0] > 0 else None
 
     def verified(self, request_id: str, start_position: int, num_emitted: int,
                  block_table: list[int]) -> None:

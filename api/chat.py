@@ -19,7 +19,8 @@ import uuid
 from dataclasses import replace
 
 from api.errors import bad_request
-from api.openai_serving import ResponseContext
+from api.chat_response import ChatResponse
+from api.completion_response import CompletionResponse
 from api.protocol import ChatCompletionRequest, CompletionRequest
 from api.tools import template_messages, template_tools, tool_constraint, tool_mode
 from scheduler.request import ParamError, SamplingParams, StructuredOutputs
@@ -147,7 +148,7 @@ def _truncated(state, body, prompt: list[int]) -> list[int]:
 
 
 def chat_context(state, request, body: ChatCompletionRequest, prompt: list[int],
-                 tool_parsing: bool) -> ResponseContext:
+                 tool_parsing: bool) -> ChatResponse:
     """The response builder of a chat request: its id, echo (the open last assistant message,
     as vLLM echoes it), logprobs and token-id options."""
     echo = None
@@ -156,27 +157,28 @@ def chat_context(state, request, body: ChatCompletionRequest, prompt: list[int],
         content = last.content
         echo = [content if isinstance(content, str) else
                 "".join(p.text for p in content or [])]
-    return ResponseContext(f"chatcmpl-{response_id(request, body)}", body.model,
-                           True, body.n, 1, state.tokenizer, want_logprobs=body.logprobs,
-                           num_logprobs=body.top_logprobs or 0,
-                           echo_texts=echo, tool_parsing=tool_parsing,
-                           prompt_ids=[prompt] if body.return_token_ids else None,
-                           tokens_as_ids=body.return_tokens_as_token_ids)
+    return ChatResponse(request_id=f"chatcmpl-{response_id(request, body)}", model=body.model,
+                        n=body.n, tokenizer=state.tokenizer, want_logprobs=body.logprobs,
+                        num_logprobs=body.top_logprobs or 0, echo_texts=echo,
+                        tool_parsing=tool_parsing,
+                        prompt_ids=[prompt] if body.return_token_ids else None,
+                        tokens_as_ids=body.return_tokens_as_token_ids)
 
 
 def completion_context(state, request, body: CompletionRequest, raw: list,
-                       prompts: list[list[int]]) -> ResponseContext:
+                       prompts: list[list[int]]) -> CompletionResponse:
     """The response builder of a completions request (`raw`: the prompts as given)."""
     echo = None
     if body.echo:
         echo = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in raw]
-    return ResponseContext(f"cmpl-{response_id(request, body)}", body.model,
-                           False, body.n, len(prompts), state.tokenizer,
-                           want_logprobs=body.logprobs is not None, echo_texts=echo,
-                           num_logprobs=body.logprobs or 0,
-                           echo_ids=prompts if body.echo else None,
-                           prompt_ids=prompts if body.return_token_ids else None,
-                           tokens_as_ids=body.return_tokens_as_token_ids)
+    return CompletionResponse(request_id=f"cmpl-{response_id(request, body)}",
+                              model=body.model, n=body.n, num_prompts=len(prompts),
+                              tokenizer=state.tokenizer,
+                              want_logprobs=body.logprobs is not None, echo_texts=echo,
+                              num_logprobs=body.logprobs or 0,
+                              echo_ids=prompts if body.echo else None,
+                              prompt_ids=prompts if body.return_token_ids else None,
+                              tokens_as_ids=body.return_tokens_as_token_ids)
 
 
 def response_id(request, body) -> str:

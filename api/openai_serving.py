@@ -1,17 +1,15 @@
-"""Turning engine outputs into OpenAI responses: one JSON body, or SSE chunks.
+"""Turning engine outputs into OpenAI responses: what chat and completions share.
 
-Owns: the per-request accumulation (text, token counts, finish reasons per choice), the chunk
-shapes of `chat.completion.chunk` and `text_completion`, usage, logprobs in OpenAI's two
-formats, and the rules of the stream (the role rides on each choice's first chunk,
-`finish_reason` once per choice, `include_usage` adds a last chunk with `choices: []`, an error
-after the stream started becomes an error chunk, and `data: [DONE]` always ends it).
+Owns: `ResponseContext`, the per-request accumulation (text, token counts, finish reasons per
+choice), usage, the token texts of logprobs and `prompt_logprobs`, the chunk envelope; the
+rules of the stream (`sse_events`: `finish_reason` once per choice, `include_usage` adds a last
+chunk with `choices: []`, an error after the stream started becomes an error chunk, and
+`data: [DONE]` always ends it); `merge` of several prompts' streams. The two response shapes
+are its subclasses: `api.chat_response.ChatResponse` (`chat.completion[.chunk]`, tool calls)
+and `api.completion_response.CompletionResponse` (`text_completion`, echo).
 
 In: an async iterator of `(group, RequestOutput)` — group is the prompt's index for multi-prompt
 completions. Out: dicts (JSON bodies) or SSE `data:` payload strings.
-
-Tool calls (`tool_parsing`): each chat choice's text goes through an `api.tools.HermesToolParser`,
-streamed or not, so `tool_calls` arrive in OpenAI's shape and a choice that called a tool ends
-with finish_reason "tool_calls".
 """
 
 from __future__ import annotations
@@ -22,8 +20,10 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from typing import ClassVar
+
 from api.tools import HermesToolParser
-from engine.outputs import RequestOutput, TokenLogprob
+from engine.outputs import RequestOutput
 
 
 @dataclass
@@ -32,32 +32,32 @@ class _Choice:
     num_tokens: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    logprobs: list[TokenLogprob] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)     # engine.outputs.TokenLogprob
     token_ids: list[int] = field(default_factory=list)
     started: bool = False
     parser: HermesToolParser | None = None     # streamed tool-call parsing
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ResponseContext:
-    """What one HTTP request needs to build its responses."""
+    """What one HTTP request needs to build its responses; a subclass gives the shape
+    (`object_name`, `chunk_object`, `_choice_chunks`, `_final_choice`, `_final_fields`)."""
 
+    object_name: ClassVar[str]                   # the non-streamed body's `object`
+    chunk_object: ClassVar[str]                  # the stream chunks' `object`
     request_id: str
     model: str
-    chat: bool
     n: int
-    num_prompts: int
     tokenizer: object
+    num_prompts: int = 1
     include_usage: bool = False
     continuous_usage: bool = False
     want_logprobs: bool = False
     num_logprobs: int = 0                        # top alternatives asked per output token
     echo_texts: list[str] | None = None          # echo: text before each group's output (the
                                                  # prompt; chat: the open last message)
-    tool_parsing: bool = False                   # chat: parse hermes tool calls
     prompt_ids: list[list[int]] | None = None    # return_token_ids: prompt ids per group
     tokens_as_ids: bool = False                  # return_tokens_as_token_ids
-    echo_ids: list[list[int]] | None = None      # completions echo: each group's prompt ids
     prompt_lps: dict[int, list] = field(default_factory=dict)   # group -> prompt logprobs
     created: int = field(default_factory=lambda: int(time.time()))
     prompt_tokens: list[int] = field(default_factory=list)   # per group
@@ -93,51 +93,6 @@ class ResponseContext:
             alts.setdefault(t, v)
         return list(alts.items())[:k]
 
-    def chat_logprobs(self, lps: list[TokenLogprob], before: list[int] = ()) -> dict | None:
-        """Chat format: `{"content": [{token, logprob, bytes, top_logprobs}]}`, or None if not
-        asked; `top_logprobs` as vLLM lists them (see `_alternatives`); `before`: the choice's
-        tokens before `lps`."""
-        if not self.want_logprobs:
-            return None
-        content, context = [], list(before)
-        for lp in lps:
-            tok = self._token(lp.token_id, context)
-            tops = [(self._token(t, context), v) for t, v in self._alternatives(
-                lp, self.num_logprobs)]
-            content.append({"token": tok, "logprob": _clamp(lp.logprob),
-                            "bytes": list(tok.encode("utf-8")),
-                            "top_logprobs": [{"token": t, "logprob": _clamp(v),
-                                              "bytes": list(t.encode("utf-8"))}
-                                             for t, v in tops]})
-            context.append(lp.token_id)
-        return {"content": content}
-
-    def completion_logprobs(self, lps: list[TokenLogprob], offset: int,
-                            group: int | None = None, before: list[int] = ()) -> dict | None:
-        """Completions format (tokens, token_logprobs, top_logprobs: the token and `logprobs`
-        alternatives, text_offset in characters from `offset`), or None; `before`: the
-        choice's tokens before `lps`. With `group` (an echo), the group's prompt tokens come
-        first, scored by its prompt logprobs (the first token has none), as vLLM echoes them."""
-        if not self.want_logprobs:
-            return None
-        rows: list = [(lp.token_id, lp) for lp in lps]
-        if group is not None and self.echo_ids is not None:
-            rows = list(zip(self.echo_ids[group], self.prompt_lps.get(group) or [])) + rows
-        k = self.num_logprobs + 1
-        tokens, tops, context = [], [], list(before)
-        for t, e in rows:
-            tokens.append(self._token(t, context))
-            tops.append(None if e is None else {self._token(a, context): _clamp(v)
-                                                for a, v in self._alternatives(e, k)})
-            context.append(t)
-        offsets, pos = [], offset
-        for t in tokens:
-            offsets.append(pos)
-            pos += len(t)
-        return {"tokens": tokens,
-                "token_logprobs": [None if e is None else _clamp(e.logprob) for _, e in rows],
-                "top_logprobs": tops, "text_offset": offsets}
-
     def prompt_logprobs(self, group: int) -> list | None:
         """vLLM's `prompt_logprobs` of a group: None for the first token, then per token
         `{token id: {logprob, rank, decoded_token}}`, the token first, then its top
@@ -150,10 +105,10 @@ class ResponseContext:
             if e is None:
                 out.append(None)
                 continue
-            d = {str(e.token_id): {"logprob": _clamp(e.logprob), "rank": e.rank,
+            d = {str(e.token_id): {"logprob": clamp(e.logprob), "rank": e.rank,
                                    "decoded_token": self.tokenizer.decode([e.token_id])}}
             for rank, (t, v) in enumerate(e.top, 1):
-                d.setdefault(str(t), {"logprob": _clamp(v), "rank": rank,
+                d.setdefault(str(t), {"logprob": clamp(v), "rank": rank,
                                       "decoded_token": self.tokenizer.decode([t])})
             out.append(d)
         return out
@@ -178,11 +133,6 @@ class ResponseContext:
                 ch.finish_reason, ch.stop_reason = c.finish_reason, c.stop_reason
             yield i, ch, c.text, new_lps, c.finish_reason, c.token_ids
 
-    @property
-    def chunk_object(self) -> str:
-        """The `object` of this response's stream chunks."""
-        return "chat.completion.chunk" if self.chat else "text_completion"
-
     def _chunk(self, choices: list[dict]) -> dict:
         chunk = {"id": self.request_id, "object": self.chunk_object, "created": self.created,
                  "model": self.model, "choices": choices}
@@ -190,119 +140,41 @@ class ResponseContext:
             chunk["usage"] = self.usage() if self.continuous_usage else None
         return chunk
 
+    def opening_chunks(self) -> list[dict]:
+        """Chunks a stream starts with before any output (chat: each choice's role)."""
+        return []
+
     def stream_chunks(self, group: int, out: RequestOutput) -> list[dict]:
         """SSE chunks for one RequestOutput."""
         chunks = []
         for i, ch, text, lps, finish, out_ids in self._apply(group, out):
-            if self.chat and self.tool_parsing:
-                chunks += self._tool_chunks(i, ch, text, lps, finish)
-                continue
-            if self.chat:
-                delta: dict = {}
-                if not ch.started:
-                    delta["role"] = "assistant"
-                delta["content"] = text        # (an echo went out in a chunk of its own)
-                body = {"index": i, "delta": delta, "finish_reason": finish,
-                        "logprobs": self.chat_logprobs(lps, ch.token_ids[:len(ch.token_ids)
-                                                                         - len(out_ids)])}
-            else:
-                echo = self.echo_texts[group] if self.echo_texts is not None else ""
-                prefix = "" if ch.started else echo        # the prompt rides on the first chunk
-                offset = len(echo) + len(ch.text) - len(text)
-                before = ch.token_ids[:len(ch.token_ids) - len(out_ids)]
-                body = {"index": i, "text": prefix + text, "finish_reason": finish,
-                        "logprobs": self.completion_logprobs(lps, offset, before=before)
-                        if ch.started or self.echo_ids is None
-                        else self.completion_logprobs(lps, 0, group)}
-            if finish is not None or not self.chat:     # completions: in every chunk (vLLM)
-                body["stop_reason"] = ch.stop_reason if finish is not None else None
-            if self.prompt_ids is not None:         # return_token_ids
-                body["token_ids"] = out_ids
-                if not ch.started and not self.chat:
-                    body["prompt_token_ids"] = self.prompt_ids[group]
-            ch.started = True
-            if text or finish is not None or lps or "role" in body.get("delta", {}):
-                chunks.append(self._chunk([body]))
+            chunks += self._choice_chunks(group, i, ch, text, lps, finish, out_ids)
         return chunks
 
-    def _tool_chunks(self, i: int, ch: _Choice, text: str, lps: list, finish) -> list[dict]:
-        """Chunks of one chat choice's delta through its tool-call parser: one chunk per parser
-        delta (content or tool_calls), the logprobs on the first, finish_reason on the last."""
-        if ch.parser is None:
-            ch.parser = HermesToolParser()
-        deltas = ch.parser.feed(text) + (ch.parser.finish() if finish is not None else [])
-        if finish is not None:
-            deltas = deltas or [{}]
-            finish = self._tool_finish(ch, finish)
-        elif not deltas and (lps or not ch.started):
-            deltas = [{"content": ""}]
-        chunks = []
-        for k, delta in enumerate(deltas):
-            if not ch.started:
-                delta = {"role": "assistant", **delta}
-                ch.started = True
-            last = k == len(deltas) - 1
-            body = {"index": i, "delta": delta,
-                    "logprobs": self.chat_logprobs(lps, ch.token_ids[:len(ch.token_ids)
-                                                                     - len(lps)])
-                    if k == 0 else None,
-                    "finish_reason": finish if last else None}
-            if last and finish is not None:
-                body["stop_reason"] = ch.stop_reason
-            chunks.append(self._chunk([body]))
-        return chunks
-
-    @staticmethod
-    def _tool_finish(ch: _Choice, finish: str) -> str:
-        """"tool_calls" for a choice that stopped after calling a tool."""
-        return "tool_calls" if finish == "stop" and ch.parser and ch.parser.calls else finish
-
-    def _chat_message(self, ch: _Choice) -> tuple[dict, str | None]:
-        """The non-streamed message of a chat choice, and its finish_reason."""
-        if not self.tool_parsing:
-            echo = self.echo_texts[0] if self.echo_texts is not None else ""
-            return {"role": "assistant", "content": echo + ch.text}, ch.finish_reason
-        ch.parser = HermesToolParser()
-        deltas = ch.parser.feed(ch.text) + ch.parser.finish()
-        content = "".join(d.get("content", "") for d in deltas)
-        message = {"role": "assistant",
-                   "content": content if content.strip() or not ch.parser.calls else None}
-        if ch.parser.calls:
-            message["tool_calls"] = ch.parser.calls
-        return message, self._tool_finish(ch, ch.finish_reason)
+    def _choice_chunks(self, group: int, i: int, ch: _Choice, text: str, lps: list,
+                       finish: str | None, out_ids: list[int]) -> list[dict]:
+        """The chunks of one choice's delta (`text`, new logprobs `lps`, new token ids)."""
+        raise NotImplementedError
 
     def final_body(self) -> dict:
         """The non-streamed response after every output was folded in with `absorb`."""
         choices = []
         for i in sorted(self.choices):
             ch = self.choices[i]
-            if self.chat:
-                message, finish = self._chat_message(ch)
-                choices.append({"index": i, "message": message,
-                                "logprobs": self.chat_logprobs(ch.logprobs),
-                                "finish_reason": finish, "stop_reason": ch.stop_reason})
-            else:
-                g = i // self.n
-                echo = self.echo_texts is not None
-                choices.append({"index": i, "text": (self.echo_texts[g] if echo else "") + ch.text,
-                                "logprobs": self.completion_logprobs(
-                                    ch.logprobs, 0 if self.echo_ids is not None else
-                                    len(self.echo_texts[g]) if echo else 0,
-                                    g if echo else None),
-                                "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason,
-                                "prompt_logprobs": self.prompt_logprobs(g)})
-                if self.prompt_ids is not None:
-                    choices[-1]["prompt_token_ids"] = self.prompt_ids[i // self.n]
+            choices.append(self._final_choice(i, ch))
             if self.prompt_ids is not None:           # return_token_ids (vLLM)
                 choices[-1]["token_ids"] = ch.token_ids
-        body = {"id": self.request_id, "object": "chat.completion" if self.chat else
-                "text_completion", "created": self.created, "model": self.model,
-                "choices": choices, "usage": self.usage()}
-        if self.chat and self.prompt_ids is not None:
-            body["prompt_token_ids"] = self.prompt_ids[0]
-        if self.chat:
-            body["prompt_logprobs"] = self.prompt_logprobs(0)
-        return body
+        return {"id": self.request_id, "object": self.object_name, "created": self.created,
+                "model": self.model, "choices": choices, "usage": self.usage(),
+                **self._final_fields()}
+
+    def _final_choice(self, i: int, ch: _Choice) -> dict:
+        """One choice of the non-streamed body."""
+        raise NotImplementedError
+
+    def _final_fields(self) -> dict:
+        """Body fields after `usage`."""
+        return {}
 
     def absorb(self, group: int, out: RequestOutput) -> None:
         """Fold an output into the totals without building chunks (non-streamed responses)."""
@@ -379,7 +251,7 @@ def decode_logprob_token(tokenizer, token_id: int, context: list[int]) -> str:
     return ""
 
 
-def _clamp(logprob: float) -> float:
+def clamp(logprob: float) -> float:
     """-inf (a masked token) as the finite number OpenAI and vLLM send instead."""
     return max(logprob, -9999.0)
 
@@ -393,21 +265,8 @@ async def sse_events(ctx: ResponseContext, first: tuple[int, RequestOutput] | No
                      rest: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
     """SSE `data:` payloads: the stream's chunks, usage, errors, then `[DONE]`."""
     try:
-        if ctx.chat:
-            for g in range(ctx.num_prompts):
-                for k in range(ctx.n):
-                    i, ch = ctx.choice(g, k)
-                    ch.started = True
-                    first_chunk = ctx._chunk([{"index": i, "delta": {"role": "assistant",
-                                                                     "content": ""},
-                                               "logprobs": None, "finish_reason": None}])
-                    if ctx.prompt_ids is not None:     # return_token_ids: the prompt's, once
-                        first_chunk["prompt_token_ids"] = ctx.prompt_ids[g]
-                    yield _dumps(first_chunk)
-                    if ctx.echo_texts is not None:     # echo: the open message, a chunk alone
-                        yield _dumps(ctx._chunk([{"index": i, "delta": {
-                            "content": ctx.echo_texts[g]}, "logprobs": None,
-                            "finish_reason": None}]))
+        for chunk in ctx.opening_chunks():
+            yield _dumps(chunk)
         if first is not None:
             for chunk in ctx.stream_chunks(*first):
                 yield _dumps(chunk)
@@ -416,11 +275,11 @@ async def sse_events(ctx: ResponseContext, first: tuple[int, RequestOutput] | No
                 yield _dumps(chunk)
         if ctx.include_usage:
             yield _dumps({"id": ctx.request_id, "object": ctx.chunk_object,
-                              "created": ctx.created, "model": ctx.model, "choices": [],
-                              "usage": ctx.usage()})
+                          "created": ctx.created, "model": ctx.model, "choices": [],
+                          "usage": ctx.usage()})
     except Exception as e:           # after the stream started: an error chunk, then [DONE]
         yield _dumps({"error": {"message": f"{type(e).__name__}: {e}",
-                                    "type": "internal_error", "param": None, "code": None}})
+                                "type": "internal_error", "param": None, "code": None}})
     finally:
         await rest.aclose()
     yield "[DONE]"

@@ -39,6 +39,7 @@ from api.protocol import ChatCompletionRequest, CompletionRequest, split_unknown
 from engine.async_llm import ProcessAsyncLLM, RequestFailedError
 from engine.device import freeze_heap
 from api.serve_config import ServeConfig
+from triton_compat.http_infer import read_body
 from engine.config import EngineConfig
 from scheduler.request import ParamError, QueueFullError, SamplingParams
 
@@ -201,28 +202,17 @@ def _validation_error(e: ValidationError) -> APIError:
     return bad_request(f"{param}: {msg}" if param else msg, param)
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The request body; 413 past `limit` bytes (`--http-max-input-size`), without reading
-    more than that."""
-    too_large = APIError(413, f"request body is larger than {limit} bytes "
-                              "(--http-max-input-size)", "invalid_request_error")
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > limit:
-        raise too_large
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
-    return b"".join(chunks)
+def _too_large(size: int, limit: int) -> APIError:
+    """OpenAI's 413 for a body past `--http-max-input-size` (`size` bytes so far)."""
+    return APIError(413, f"request body is larger than {limit} bytes (--http-max-input-size)",
+                    "invalid_request_error")
 
 
 async def _parse(request: Request, model: type[BaseModel], limit: int, strict: bool = False):
     """The body as `model`; fields it does not define are refused if `strict`
     (`--strict-openai`), else dropped with vLLM's warning line. Raises APIError 400 / 413."""
     try:
-        data = json.loads(await _read_body(request, limit))
+        data = json.loads(await read_body(request, limit, _too_large))
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise bad_request(f"request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
@@ -350,7 +340,8 @@ def build_app(state: ServerState, load_in_background: bool = True):
         prompt, so, tool_parsing = await prepare_chat(state, body)
         ctx = chat_context(state, request, body, prompt, tool_parsing)
         params = engine_params(state, body, prompt, so, adapter)
-        return await _respond(request, llm, ctx, body, [prompt], params, "messages", state)
+        return await _respond(request, llm, ctx, body=body, prompts=[prompt], params=params,
+                              param="messages", state=state)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -367,7 +358,8 @@ def build_app(state: ServerState, load_in_background: bool = True):
         ctx = completion_context(state, request, body, raw, prompts)
         params = engine_params(state, body, min(prompts, key=len),
                                await request_constraint(state, body), adapter)
-        return await _respond(request, llm, ctx, body, prompts, params, "prompt", state)
+        return await _respond(request, llm, ctx, body=body, prompts=prompts, params=params,
+                              param="prompt", state=state)
 
     embeddings.install(app, state, partial(_parse, strict=state.config.strict_openai))
     lora.install(app, state, _parse)
@@ -421,10 +413,11 @@ async def _start_grpc(state: ServerState):
         return None
 
 
-async def _respond(request: Request, llm: ProcessAsyncLLM, ctx: ResponseContext, body,
+async def _respond(request: Request, llm: ProcessAsyncLLM, ctx: ResponseContext, *, body,
                    prompts: list[list[int]], params: SamplingParams, param: str,
                    state: ServerState):
-    """Submit, then stream SSE or wait for the whole body; errors before output → HTTP error."""
+    """Submit `prompts` (token ids; one engine request each) with `params`, then stream SSE or
+    wait for the whole body; errors before output → HTTP error naming `param`."""
     if body.stream_options is not None:
         ctx.include_usage = body.stream_options.include_usage
         ctx.continuous_usage = body.stream_options.continuous_usage_stats

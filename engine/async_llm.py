@@ -30,7 +30,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 
 from engine.config import EngineConfig
 from engine.core_proc import EngineCoreProc, QueueCommands, engine_core_main
@@ -39,6 +39,7 @@ from engine.messages import (AbortAll, AbortRequests, Acknowledged, AddRequest, 
                              FinishSequences, LoraCall, Ready, Stop)
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineCoreOutputs, RequestOutput
+from scheduler.futures import settle
 from scheduler.request import QueueFullError, SamplingParams
 
 logger = logging.getLogger("continuum.async")
@@ -78,7 +79,7 @@ class _StreamRouter:
             self._command(command)
         except OSError as e:          # the engine is gone
             self._pending.pop(call_id, None)
-            _resolve(fut, EngineDeadError(f"the engine is not running: {e}"))
+            settle(fut, EngineDeadError(f"the engine is not running: {e}"))
 
     async def lora(self, op: str, *args) -> None:
         """Load ("add": name, path) or unload ("remove": name) a LoRA adapter in the engine
@@ -125,7 +126,7 @@ class _StreamRouter:
         elif isinstance(message, Acknowledged):
             fut = self._pending.pop(message.call_id, None)
             if fut is not None:
-                _resolve(fut, message.error)
+                settle(fut, message.error)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         """Hand a step's outputs to their streams (called from a background thread)."""
@@ -149,7 +150,7 @@ class _StreamRouter:
         for rid in list(self._pending):
             fut = self._pending.pop(rid, None)
             if fut is not None:
-                _resolve(fut, EngineDeadError(f"the engine is not running: {error}"))
+                settle(fut, EngineDeadError(f"the engine is not running: {error}"))
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, priority: int = 0) -> AsyncIterator[RequestOutput]:
@@ -332,17 +333,6 @@ class ProcessAsyncLLM(_StreamRouter):
         self._proc.join(timeout)
         if self._proc.is_alive():
             self._proc.terminate()
-
-
-def _resolve(fut: Future, error: BaseException | None) -> None:
-    """Settle an add's future unless its waiter has gone (cancelled: the client left)."""
-    try:
-        if error is None:
-            fut.set_result(None)
-        else:
-            fut.set_exception(error)
-    except InvalidStateError:
-        pass
 
 
 def _deliver(items: list) -> None:

@@ -26,9 +26,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Callable
 
-
-class QueueFullError(Exception):
-    """The request's priority level already holds `max_queue_size` requests (HTTP 503)."""
+from scheduler.request import QueueFullError
 
 
 @dataclass(frozen=True)

@@ -222,8 +222,9 @@ class Request:
         return len(self.all_token_ids)
 
     @property
-    def num_seats(self) -> int:
-        """Sequences it occupies in a batch: `n` for a parent not yet forked, else 1."""
+    def max_num_running_seqs(self) -> int:
+        """Sequences it occupies in a batch: `n` for a parent not yet forked, else 1 (vLLM v0's
+        `SequenceGroup.get_max_num_running_seqs`)."""
         return 1 if self.forked else self.sampling_params.n
 
     @property

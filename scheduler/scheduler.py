@@ -175,10 +175,10 @@ class Scheduler:
                                       self.draft_cost, self.spec_pooled)
         budget = self._schedule_running(out, budget)
         if not out.preempted_request_ids and (self.swapped or self.waiting):
-            seats = sum(r.num_seats for r in self.running)
-            budget, seats = self._resume_swapped(out, budget, seats)
+            num_seqs = sum(r.max_num_running_seqs for r in self.running)
+            budget, num_seqs = self._resume_swapped(out, budget, num_seqs)
             if not self.swapped:
-                self._admit_waiting(out, budget, seats)
+                self._admit_waiting(out, budget, num_seqs)
         out.blocks_to_copy = self.kv.take_blocks_to_copy()
         if not out.scheduled:                  # only compiles pending: do not spin
             self.waiting.wait_for_grammar(GRAMMAR_WAIT_S)
@@ -233,11 +233,12 @@ class Scheduler:
             i += 1
         return budget
 
-    def _resume_swapped(self, out: SchedulerOutput, budget: int, seats: int) -> tuple[int, int]:
+    def _resume_swapped(self, out: SchedulerOutput, budget: int, num_seqs: int) -> tuple[int, int]:
         lookahead = self.config.num_lookahead_tokens
         while self.swapped and budget > 0:
             req = self.swapped[0]
-            if seats + req.num_seats > self.config.max_num_seqs or self._lora_full(req):
+            if (num_seqs + req.max_num_running_seqs > self.config.max_num_seqs
+                    or self._lora_full(req)):
                 break
             num_new = self._num_new(req, budget)
             if num_new < 0:
@@ -249,15 +250,15 @@ class Scheduler:
             del self.swapped[0]
             out.blocks_to_swap_in.extend(mapping)
             self.counters.swap_in_blocks += len(mapping)
-            seats += req.num_seats
+            num_seqs += req.max_num_running_seqs
             self._start_running(out, req, num_new)
             budget -= num_new
-        return budget, seats
+        return budget, num_seqs
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int, seats: int) -> None:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, num_seqs: int) -> None:
         kv, cfg = self.kv, self.config
         while budget > 0 and (req := self.waiting.first()) is not None:
-            if seats + req.num_seats > cfg.max_num_seqs or self._lora_full(req):
+            if num_seqs + req.max_num_running_seqs > cfg.max_num_seqs or self._lora_full(req):
                 break
             if req.sampling_params.prompt_logprobs is None:
                 hit_blocks, num_hit = kv.get_computed_blocks(req.request_id, req.all_token_ids,
@@ -276,7 +277,7 @@ class Scheduler:
             self.waiting.pop()
             self.counters.prefix_cache_queries += req.num_tokens
             self.counters.prefix_cache_hits += num_hit
-            seats += req.num_seats
+            num_seqs += req.max_num_running_seqs
             self._start_running(out, req, num_new)
             budget -= num_new
 

@@ -238,7 +238,7 @@ class AdaptivePrefillBudget:
 
     def for_step(self, running, waiting, swapped, step: int) -> int:
         """The scheduler's step number `step`: its prefill budget from the running decodes (each
-        counts its `num_seats`), with the floor once a request with prompt tokens
+        counts its `max_num_running_seqs`), with the floor once a request with prompt tokens
         still to compute (waiting, or running with a partial prefill) was added `patience` or
         more steps ago. `running` and `swapped` are lists of `scheduler.request.Request`s,
         `waiting` yields (key, request) pairs. A step with no prompt tokens to compute keeps
@@ -248,7 +248,7 @@ class AdaptivePrefillBudget:
         for r in running:
             pending = len(r.all_token_ids) - 1 - r.num_computed_tokens
             if pending == 0:
-                num_decodes += r.num_seats
+                num_decodes += r.max_num_running_seqs
             elif pending > 0:
                 prefilling = True
                 starved = starved or r.arrival_step <= oldest

@@ -74,7 +74,7 @@ class _CharTokenizer:
 
 
 def test_streamed_echo_logprob_offsets_count_the_echoed_prompt():
-    from api.openai_serving import ResponseContext
+    from api.completion_response import CompletionResponse
     from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
 
     def output(text, finish=None):
@@ -83,14 +83,15 @@ def test_streamed_echo_logprob_offsets_count_the_echoed_prompt():
                                                     logprobs=lps)], 3, finish is not None,
                              RequestMetrics(0.0))
 
-    ctx = ResponseContext("cmpl-1", "m", False, 1, 1, _CharTokenizer(), want_logprobs=True,
-                          echo_texts=["abc"])
+    ctx = CompletionResponse(request_id="cmpl-1", model="m", n=1, tokenizer=_CharTokenizer(),
+                             want_logprobs=True, echo_texts=["abc"])
     first = ctx.stream_chunks(0, output("de"))[0]["choices"][0]
     second = ctx.stream_chunks(0, output("f", "length"))[0]["choices"][0]
     assert first["text"] == "abcde" and first["logprobs"]["text_offset"] == [3, 4]
     assert second["logprobs"]["text_offset"] == [5]
-    final = ResponseContext("cmpl-2", "m", False, 1, 1, _CharTokenizer(), want_logprobs=True,
-                            echo_texts=["abc"])
+    final = CompletionResponse(request_id="cmpl-2", model="m", n=1,
+                               tokenizer=_CharTokenizer(), want_logprobs=True,
+                               echo_texts=["abc"])
     final.absorb(0, output("de"))
     final.absorb(0, output("f", "length"))
     assert final.final_body()["choices"][0]["logprobs"]["text_offset"] == [3, 4, 5]

@@ -23,7 +23,8 @@ from concurrent.futures import Future
 
 from triton_compat.backends import BackendRequest
 from triton_compat.errors import DECOUPLED_HTTP, InferError
-from triton_compat.runtime import ModelRuntime, settle
+from scheduler.futures import settle
+from triton_compat.runtime import ModelRuntime
 from triton_compat.stats import ModelStats
 from triton_compat.validate import Signature, check_inputs, check_outputs
 

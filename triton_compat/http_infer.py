@@ -36,21 +36,24 @@ def too_large(size: int, limit: int) -> InferError:
                       f"{limit} bytes (--http-max-input-size)")
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """`receive_body` for a Starlette request. Raises starlette's ClientDisconnect when the
-    client leaves meanwhile."""
-    body = await receive_body(request.receive, request.headers.get("content-length"), limit)
+async def read_body(request: Request, limit: int, refuse=too_large) -> bytes:
+    """`receive_body` for a Starlette request (the one size-limited body reader of both
+    protocols: the OpenAI routes pass their own `refuse`). Raises starlette's ClientDisconnect
+    when the client leaves meanwhile."""
+    body = await receive_body(request.receive, request.headers.get("content-length"), limit,
+                              refuse)
     if body is None:
         raise ClientDisconnect()
     return body
 
 
-async def receive_body(receive, declared: str | None, limit: int) -> bytes | None:
-    """The body from ASGI `receive`, refused (InferError 400) once it passes `limit` bytes
-    (or its `declared` Content-Length does), before all of it is held; None when the client
-    disconnects first."""
+async def receive_body(receive, declared: str | None, limit: int,
+                       refuse=too_large) -> bytes | None:
+    """The body from ASGI `receive`, refused once it passes `limit` bytes (or its `declared`
+    Content-Length does), before all of it is held: raises `refuse(size, limit)` (by default
+    Triton's InferError 400). None when the client disconnects first."""
     if declared and declared.isdigit() and int(declared) > limit:
-        raise too_large(int(declared), limit)
+        raise refuse(int(declared), limit)
     chunks, size = [], 0
     while True:
         message = await receive()
@@ -59,7 +62,7 @@ async def receive_body(receive, declared: str | None, limit: int) -> bytes | Non
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            raise too_large(size, limit)
+            raise refuse(size, limit)
         chunks.append(chunk)
         if not message.get("more_body", False):
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)

@@ -24,6 +24,7 @@ from typing import AsyncIterator, Callable
 import numpy as np
 from tritonclient.grpc import model_config_pb2 as mc
 
+from scheduler.request import QueueFullError
 from triton_compat.errors import DECOUPLED_HTTP, InferError
 from triton_compat.validate import Signature, check_inputs
 from triton_compat.stats import ModelStats
@@ -208,7 +209,7 @@ class LLMModel:
             raise
         except Exception as e:
             raise InferError(f"{type(e).__name__}: {e}",
-                             503 if "QueueFull" in type(e).__name__ else 500) from None
+                             503 if isinstance(e, QueueFullError) else 500) from None
         finally:
             self.stats.record_request(ok, time.perf_counter_ns() - start, 1)
 

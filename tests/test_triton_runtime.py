@@ -147,7 +147,7 @@ def test_control_mode_none_loads_everything_and_refuses_load_unload(tmp_path):
     try:
         assert [m["state"] for m in repo.index()] == ["READY", "READY"]
         for call in (repo.load, repo.unload):
-            with pytest.raises(InferError, match="not allowed if model control mode is NONE"):
+            with pytest.raises(InferError, match="not allowed if polling is enabled"):
                 call("a")
     finally:
         repo.close()

@@ -101,6 +101,11 @@ DEVIATIONS = {
     "model-output-checked":
         "A python model that does not return an output the client asked for fails that "
         "request with 500 naming the output; tritonserver 2.51 answers without it.",
+    "classification-unsupported-type":
+        "Classification asked of an output Triton cannot classify (BYTES) is refused with "
+        "400 / INVALID_ARGUMENT and Triton's own text ('class result not available for "
+        "output due to unsupported type ...'); tritonserver 2.51's server process dies on it "
+        "(HTTP and gRPC: the connection closes, every model with it).",
 }
 
 

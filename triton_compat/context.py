@@ -14,9 +14,10 @@ from triton_compat.errors import InferError
 
 SERVER_NAME = "continuum"
 # What this server implements of Triton's extensions (reported by GET /v2 and ServerMetadata).
-EXTENSIONS = ["binary_tensor_data", "parameters", "model_configuration",
-              "model_repository", "model_repository(unload_dependents)", "schedule_policy",
-              "statistics", "system_shared_memory", "cuda_shared_memory"]
+EXTENSIONS = ["classification", "sequence", "model_repository",
+              "model_repository(unload_dependents)", "schedule_policy", "model_configuration",
+              "system_shared_memory", "cuda_shared_memory", "binary_tensor_data", "parameters",
+              "statistics"]
 
 
 @dataclass

@@ -20,6 +20,7 @@ import numpy as np
 from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor, triton_to_np_dtype
 
 from triton_compat.backends import BackendRequest
+from triton_compat.classification import classify
 from triton_compat.errors import InferError
 from triton_compat.validate import output_datatype
 
@@ -43,12 +44,14 @@ class ShmInput:
 
 @dataclass
 class OutputRequest:
-    """An output the client asked for: binary (HTTP only; None = the request's default) and
-    the region to write it into, if any."""
+    """An output the client asked for: binary (HTTP only; None = the request's default), the
+    region to write it into, if any, and `class_count` > 0 for its top classes instead of its
+    tensor (the classification extension, `triton_compat.classification`)."""
 
     name: str
     binary: bool | None = None
     shm: ShmRef | None = None
+    class_count: int = 0
 
 
 @dataclass
@@ -151,6 +154,7 @@ class Inference:
     def __init__(self, repository, shm, request: InferRequest,
                  inline: bool | None = None, busy=None, later=None) -> None:
         self.rt = repository.runtime(request.model, request.version)
+        self.labels = repository.labels(request.model)
         defer = None
         if inline is None:                  # a loop thread: only a model cheaper than a hop
             inline = self.rt.runs_inline
@@ -195,6 +199,11 @@ class Inference:
         sig = rt.signature
         result = [OutputTensor(o.name, output_datatype(sig, o.name, outputs[o.name]),
                                outputs[o.name], o) for o in wanted]
+        for t in result:
+            if t.request.class_count > 0:     # Triton's classification extension
+                t.array = classify(t.array, t.datatype, t.request.class_count,
+                                   sig.max_batch_size > 0, self.labels.get(t.name))
+                t.datatype = "BYTES"
         for t in result:
             if t.request.shm is not None:
                 self.shm.write(t.request.shm, tensor_bytes(t.datatype, t.array), t.name)

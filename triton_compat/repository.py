@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from triton_compat.classification import load_labels
 from triton_compat.config import ConfigError, LoadError, select_versions
 from triton_compat.config_loader import load_config
 from triton_compat.ensemble import EnsembleRuntime
@@ -27,6 +28,11 @@ from triton_compat.runtime import ModelRuntime
 from triton_compat.sequence.runtime import SequenceRuntime
 
 logger = logging.getLogger("continuum.triton")
+
+
+# tritonserver 2.51's refusal of a load / unload without explicit model control (UNAVAILABLE:
+# HTTP 503); its text names polling whatever the mode, as 2.51's does.
+NO_MODEL_CONTROL = "explicit model load / unload is not allowed if polling is enabled"
 
 
 @dataclass
@@ -40,6 +46,7 @@ class ModelEntry:
     reason: str = "unloaded"
     stamp: tuple = ()                              # its files when loaded (`_stamp`)
     versions: list = field(default_factory=list)   # versions last loaded (or tried)
+    labels: dict = field(default_factory=dict)     # output -> its label_filename's lines
 
 
 def _stamp(folder: Path) -> tuple:
@@ -127,12 +134,11 @@ class ModelRepository:
         have not changed since, without an override, changes nothing; a reload that fails
         leaves the loaded versions serving.
 
-        Raises InferError: 400 in control mode none (after start-up) or for a config that
+        Raises InferError: 503 in control mode none (after start-up), 400 for a config that
         does not load ("failed to poll", 500 in Triton), 400 / 500 for a version that fails
         to load (Triton's texts), 404 for a name not in the repository."""
         if self.control_mode == "none" and not _startup:
-            raise InferError("explicit model load / unload is not allowed if model control "
-                             "mode is NONE (start with --model-control-mode explicit)")
+            raise InferError(NO_MODEL_CONTROL, 503)
         if name not in self.names():
             raise InferError(f"failed to load '{name}', failed to poll from model "
                              f"repository: no model folder '{name}' in {self.root}", 404)
@@ -163,6 +169,7 @@ class ModelRepository:
         version = None
         try:
             versions = select_versions(config, self.root / name)
+            entry.labels = load_labels(config, self.root / name)
             if config.backend == "ensemble":
                 for step in config.ensemble_scheduling.step:
                     dep = self.models.get(step.model_name)
@@ -202,11 +209,10 @@ class ModelRepository:
                           f"UNAVAILABLE state: {reason};\n")
 
     def unload(self, name: str) -> None:
-        """Unload `name` (waits for its queued and running requests). Raises InferError(400)
+        """Unload `name` (waits for its queued and running requests). Raises InferError(503)
         in control mode none."""
         if self.control_mode == "none":
-            raise InferError("explicit model load / unload is not allowed if model control "
-                             "mode is NONE (start with --model-control-mode explicit)")
+            raise InferError(NO_MODEL_CONTROL, 503)
         with self.lock:           # an unknown name succeeds, as in tritonserver 2.51
             self._unload(name)
 
@@ -217,6 +223,12 @@ class ModelRepository:
         for rt in entry.runtimes.values():
             rt.close()
         entry.runtimes, entry.state, entry.reason = {}, "UNAVAILABLE", "unloaded"
+
+    def labels(self, name: str) -> dict[str, list[str]]:
+        """{output: labels} of model `name` (its outputs' `label_filename`s; empty for a
+        built-in model or one without labels)."""
+        entry = self.models.get(name)
+        return entry.labels if entry is not None else {}
 
     def runtime(self, name: str, version: str | int | None = None):
         """The runtime serving `name` at `version` (None / '' / -1: the latest loaded one).

@@ -27,6 +27,7 @@ import numpy as np
 import orjson
 from tritonclient.utils import deserialize_bytes_tensor, triton_to_np_dtype
 
+from triton_compat.classification import class_count
 from triton_compat.infer import OutputRequest, OutputTensor, ShmInput, ShmRef, tensor_bytes
 
 MAX_ELEMENTS = 1 << 31          # larger tensors are refused before any allocation
@@ -247,7 +248,8 @@ def _parse_output(spec, binary_default: bool) -> OutputRequest:
         raise TensorError("Output can't set both 'shared_memory_region' and 'binary_data'")
     if ref is not None and "classification" in params:
         raise TensorError("Output can't set both 'shared_memory_region' and 'classification'")
-    return OutputRequest(spec["name"], bool(params.get("binary_data", binary_default)), ref)
+    return OutputRequest(spec["name"], bool(params.get("binary_data", binary_default)), ref,
+                         class_count(params.get("classification", 0)))
 
 
 def _shm_ref(params: dict) -> ShmRef | None:

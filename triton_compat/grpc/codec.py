@@ -17,6 +17,7 @@ import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.utils import triton_to_np_dtype
 
+from triton_compat.classification import class_count
 from triton_compat.errors import InferError
 from triton_compat.infer import (InferRequest, OutputRequest, OutputTensor, ShmInput, ShmRef,
                                  array_from_bytes, tensor_bytes)
@@ -159,7 +160,9 @@ def decode_request(msg: pb.ModelInferRequest) -> InferRequest:
             if ref is not None and "classification" in o.parameters:
                 raise InferError("output can't set both 'shared_memory_region' and "
                                  "'classification'")
-            outputs.append(OutputRequest(name, None, ref))
+            count = o.parameters["classification"].int64_param \
+                if "classification" in o.parameters else 0
+            outputs.append(OutputRequest(name, None, ref, class_count(count)))
     return InferRequest(model, msg.model_version, msg.id, inputs, datatypes, outputs,
                         request_parameters(msg))
 

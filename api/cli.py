@@ -9,7 +9,6 @@ A bad flag value fails at start with one clear line (exit 2); `serve` then runs
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from api.serve_flags import add_serve_flags
@@ -42,13 +41,15 @@ def main(argv: list[str] | None = None) -> None:
         return
     from triton_compat.grpc.core_env import import_grpc
     import_grpc()                        # first, with C-core's I/O on the gRPC loop thread
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    from engine.log_config import configure
+    configure()                          # Triton's defaults until the flags are read
     from api.ray_serve.config import data_parallel_config
     from api.serve_config import serve_config
     try:
         config = serve_config(args)
         data_parallel = data_parallel_config(args)
-    except ValueError as e:
+        configure(config.log)
+    except (ValueError, OSError) as e:   # a bad flag; a --log-file that cannot be opened
         print(f"continuum: error: {e}", file=sys.stderr)
         sys.exit(2)
     if data_parallel is not None:        # N replicas of this server behind Ray Serve

@@ -18,6 +18,8 @@ import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.log_config import verbose
+
 logger = logging.getLogger("continuum.api")
 
 
@@ -180,9 +182,10 @@ def grpc_credentials(net: NetworkConfig):
 
 def log_request(net: NetworkConfig, request_id: str, prompts: list[list[int]], params,
                 tokenizer) -> None:
-    """With --enable-log-requests, one line per prompt as vLLM writes it: the prompt's text and
-    token ids (each cut to --max-log-len) and the sampling parameters."""
-    if not net.enable_log_requests:
+    """With --enable-log-requests (or --log-verbose 1 or more, Triton's request logging), one
+    line per prompt as vLLM writes it: the prompt's text and token ids (each cut to
+    --max-log-len) and the sampling parameters."""
+    if not (net.enable_log_requests or verbose()):
         return
     n = net.max_log_len
     for i, ids in enumerate(prompts):

@@ -17,6 +17,7 @@ from pathlib import Path
 from api.lora import engine_lora_settings
 from api.network import NetworkConfig, bool_flag, network_config
 from engine.config import EngineConfig
+from engine.log_config import LogSettings
 from engine.profiles import PROFILE_FLAGS, resolve_profile
 
 
@@ -49,6 +50,7 @@ class ServeConfig:
     strict_openai: bool = False               # unknown request fields: 400, not ignored
     trust_request_chat_template: bool = False  # a request's chat_template may be used
     network: NetworkConfig = field(default_factory=NetworkConfig)   # TLS, CORS, request logs
+    log: LogSettings = field(default_factory=LogSettings)          # --log-* (Triton's)
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:
@@ -96,7 +98,18 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                                              "--grpc-restricted-protocol"),
         grpc_host=args.grpc_address or args.host, grpc_port=grpc_port,
         allow_client_shm=bool_flag("--allow-client-shm", args.allow_client_shm),
-        metrics_port=args.metrics_port)
+        metrics_port=args.metrics_port, log=log_settings(args))
+
+
+def log_settings(args: argparse.Namespace) -> LogSettings:
+    """The `--log-*` flags as `LogSettings`. Raises ValueError naming the flag."""
+    if args.log_verbose < 0:
+        raise ValueError(f"--log-verbose must be >= 0, got {args.log_verbose}")
+    return LogSettings(log_file=args.log_file,
+                       log_info=bool_flag("--log-info", args.log_info),
+                       log_warning=bool_flag("--log-warning", args.log_warning),
+                       log_error=bool_flag("--log-error", args.log_error),
+                       log_verbose_level=args.log_verbose, log_format=args.log_format)
 
 
 def _check_numbers(args: argparse.Namespace) -> None:

@@ -181,7 +181,26 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     triton.add_argument("--no-llm", action="store_true",
                         help="serve only the model repository, no language model")
     add_network_flags(p)
+    add_logging_flags(p)
     add_data_parallel_flags(p)
+
+
+def add_logging_flags(p: argparse.ArgumentParser) -> None:
+    """Add tritonserver's logging flags (the server's whole log; `/v2/logging` changes them at
+    run time, all but the file)."""
+    g = p.add_argument_group("Logging (tritonserver's flags)")
+    for level in ("info", "warning", "error"):
+        g.add_argument(f"--log-{level}", default="true", metavar="BOOL",
+                       help=f"log {level} messages (default: true)")
+    g.add_argument("--log-verbose", type=int, default=0, metavar="LEVEL",
+                   help="verbose (debug) logging; 1 or more also logs each v2 infer request "
+                        "(default: 0, off)")
+    g.add_argument("--log-format", default="default", choices=["default", "ISO8601"],
+                   help="default: 'time logger: message'; ISO8601: tritonserver's "
+                        "'<YYYY-MM-DDThh:mm:ssZ> <level> <pid> <file>:<line>] message' "
+                        "(default: %(default)s)")
+    g.add_argument("--log-file", default="", metavar="FILE",
+                   help="append the log to FILE instead of the console (default: console)")
 
 
 def add_data_parallel_flags(p: argparse.ArgumentParser) -> None:

@@ -21,6 +21,7 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.device import freeze_heap, trim_heap
 from engine.distributed.parallel import TensorParallelError
+from engine.log_config import configure
 from engine.messages import (AbortAll, AbortRequests, Acknowledged, AddRequest, Dead,
                              FinishSequences, LoraCall, Ready, Stop)
 from engine.outputs import EngineCoreOutputs
@@ -181,8 +182,7 @@ def engine_core_main(config: EngineConfig, conn) -> None:
     """Child process of `ProcessAsyncLLM`: build the core, then run its `EngineCoreProc` over
     the pipe. Sends `Ready` once, then the loop's messages; `Dead` if the core cannot start
     or must stop."""
-    if not logging.getLogger().handlers:     # a spawned child starts without logging config
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    configure()          # a spawned child starts without logging: the server's start settings
     # A terminal's Ctrl-C reaches the whole process group: the parent owns shutdown (it sends
     # Stop, or terminates this process), so the child does not die mid-step on SIGINT.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -4,7 +4,8 @@ over `tritonclient.http` and `tritonclient.grpc`: classification
 classes as BYTES "<value>:<index>[:<label>]", batched and not, with labels from the output's
 `label_filename`, floats with six decimals and integers as they are — tritonserver 2.51's
 `std::to_string` — and the errors), the extension list, and the refusal of model control
-requests without explicit mode. Runs against tritonserver 2.51 too
+requests without explicit mode, and logging (`/v2/logging`, gRPC `LogSettings`: Triton's
+settings, texts and partial updates; the verbose level logging each request). Runs against tritonserver 2.51 too
 (`CONTINUUM_V2_TARGET=triton`); every negative test ends with a liveness check.
 """
 
@@ -19,7 +20,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from tests.v2_target import differs, start_v2_server, stop_v2_server
+from tests.v2_target import continuum_only, deviation, differs, start_v2_server, \
+    stop_v2_server
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,11 +35,15 @@ output [ {{ name: "OUT_F" data_type: TYPE_FP32 dims: [ 6 ] {label} }},
          {{ name: "OUT_S" data_type: TYPE_STRING dims: [ 1 ] }} ]
 '''
 MODELS = {"classes": 4, "classes_flat": 0}     # name -> max_batch_size
+SERVER_LOG: list[Path] = []                     # the module server's log file
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("classification")
+def server_log(_server) -> str:
+    """What the module's server has logged so far."""
+    return SERVER_LOG[-1].read_text(errors="replace")
+
+
+def build_models(root: Path) -> None:
     for name, batch in MODELS.items():
         (root / name / "1").mkdir(parents=True)
         (root / name / "1" / "model.py").symlink_to(ROOT / "tests/triton_models/echo_model.py")
@@ -45,7 +51,14 @@ def server(tmp_path_factory):
         (root / name / "config.pbtxt").write_text(
             f'backend: "python"\nmax_batch_size: {batch}\n'
             + IO.format(label='label_filename: "labels.txt"'))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("classification")
+    build_models(root)
     s = start_v2_server(root, root / "server.log")
+    SERVER_LOG.append(root / "server.log")
     yield s
     stop_v2_server(s)
 
@@ -176,3 +189,119 @@ def test_ties_types_and_refusals_of_the_rule():
     for bad in (-1, 1.5, "2", True):
         with pytest.raises(InferError, match="Unable to parse 'classification'"):
             class_count(bad)
+
+
+# --- logging extension ------------------------------------------------------------------------
+DEFAULT_LOG = {"log_file": "", "log_info": True, "log_warning": True, "log_error": True,
+               "log_verbose_level": 0, "log_format": "default"}
+
+
+def test_log_settings_over_http_and_grpc(server):
+    base = f"{server.http}/v2/logging"
+    assert httpx.get(base).json() == DEFAULT_LOG
+    try:
+        r = httpx.post(base, json={"log_warning": False, "log_verbose_level": 2,
+                                   "log_format": "ISO8601", "log_info": None})
+        assert r.status_code == 200
+        assert r.json() == {**DEFAULT_LOG, "log_warning": False, "log_verbose_level": 2,
+                            "log_format": "ISO8601"}
+        client = grpcclient.InferenceServerClient(server.grpc)
+        got = client.get_log_settings(as_json=True)["settings"]
+        assert got["log_warning"] == {"bool_param": False}
+        assert got["log_verbose_level"] == {"uint32_param": 2}
+        client.update_log_settings({"log_warning": True, "log_verbose_level": 0,
+                                    "log_format": "default"})
+        assert httpx.get(base).json() == DEFAULT_LOG
+        client.close()
+    finally:
+        httpx.post(base, json=DEFAULT_LOG | {"log_file": None})
+
+
+@pytest.mark.parametrize("body,status,text", [
+    ({"log_file": "elsewhere.log"}, 501,
+     "log file location can not be updated through network protocol"),
+    ({"log_format": "json"}, deviation("client-error-4xx", continuum=400, triton=503),
+     "invalid argument for --log_format, got: json"),
+    ({"log_info": "no"}, deviation("client-error-4xx", continuum=400, triton=500),
+     "attempt to access JSON non-boolean as boolean"),
+    ({"log_verbose_level": -1}, deviation("client-error-4xx", continuum=400, triton=500),
+     "attempt to access JSON non-unsigned-integer as unsigned-integer"),
+])
+def test_bad_log_settings_are_refused_and_what_came_before_stays(server, body, status, text):
+    base = f"{server.http}/v2/logging"
+    try:
+        r = httpx.post(base, json={"log_error": False, **body})
+        assert (r.status_code, r.json()["error"]) == (status, text)
+        # Triton's order: log_file, log_info, log_warning, log_error, log_verbose_level,
+        # log_format; those before the bad one stay applied
+        applied = next(iter(body)) in ("log_verbose_level", "log_format")
+        assert httpx.get(base).json()["log_error"] is (not applied)
+    finally:
+        httpx.post(base, json={"log_error": True})
+    assert httpx.get(base).json() == DEFAULT_LOG and httpx.get(f"{server.http}/v2/health/live")
+
+
+def test_grpc_log_settings_errors(server):
+    client = grpcclient.InferenceServerClient(server.grpc)
+    with pytest.raises(InferenceServerException, match="log file location can not be "
+                       "updated through network protocol") as e:
+        client.update_log_settings({"log_file": "x.log"})
+    assert e.value.status() == "StatusCode.UNIMPLEMENTED"
+    with pytest.raises(InferenceServerException,
+                       match="invalid argument for log_format, got: json") as e:
+        client.update_log_settings({"log_format": "json"})
+    assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert client.get_log_settings(as_json=True)["settings"]["log_format"] == \
+        {"string_param": "default"}
+    assert client.is_server_live()
+    client.close()
+
+
+@continuum_only("the request line is Continuum's text")
+def test_verbose_level_one_logs_each_request(server):
+    client = httpclient.InferenceServerClient(server.http.removeprefix("http://"))
+    try:
+        httpx.post(f"{server.http}/v2/logging", json={"log_verbose_level": 1})
+        client.infer("classes", inputs(httpclient, SCORES), request_id="logged-42")
+        httpx.post(f"{server.http}/v2/logging", json={"log_verbose_level": 0})
+        client.infer("classes", inputs(httpclient, SCORES), request_id="quiet-43")
+    finally:
+        httpx.post(f"{server.http}/v2/logging", json={"log_verbose_level": 0})
+        client.close()
+    text = server_log(server)
+    assert "HTTP infer request: model 'classes' version '' id 'logged-42'" in text
+    assert "quiet-43" not in text
+
+
+@continuum_only("Continuum's flags: tritonserver's take the same values, its log lines differ")
+def test_log_flags_at_start(tmp_path):
+    import re
+    import subprocess
+    import sys
+
+    root = tmp_path / "repo"
+    build_models(root)
+    log_file = tmp_path / "continuum.log"
+    s = start_v2_server(root, tmp_path / "out.log", continuum_args=[
+        "--log-file", str(log_file), "--log-format", "ISO8601", "--log-info", "false",
+        "--log-verbose", "1"])
+    try:
+        assert httpx.get(f"{s.http}/v2/logging").json() == {
+            **DEFAULT_LOG, "log_file": str(log_file), "log_info": False,
+            "log_verbose_level": 1, "log_format": "ISO8601"}
+        client = httpclient.InferenceServerClient(s.http.removeprefix("http://"))
+        client.infer("classes", inputs(httpclient, SCORES), request_id="flagged-7")
+        client.close()
+    finally:
+        stop_v2_server(s)
+    lines = log_file.read_text().splitlines()
+    assert any(re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ V \d+ http_infer\.py:\d+\] "
+                            r"HTTP infer request: model 'classes' version '' id 'flagged-7'", x)
+               for x in lines), lines[-5:]
+    assert not [x for x in lines if re.match(r"\S+Z I ", x)]       # --log-info false
+    bad = subprocess.run([sys.executable, "-m", "api", "serve", "--no-llm", "--model-repository",
+                          str(root), "--log-info", "maybe"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines()[-1] == \
+        "continuum: error: --log-info: expected true or false, got 'maybe'"

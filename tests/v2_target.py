@@ -41,9 +41,9 @@ DEVIATIONS = {
     "client-error-4xx":
         "A client's malformed request (JSON that does not parse, a value of the wrong JSON "
         "type, a data count that does not match its shape, a shared-memory key that does not "
-        "exist) is answered 400 / INVALID_ARGUMENT with Triton's text, where tritonserver "
-        "2.51 answers 500 / INTERNAL: a 5xx tells clients, load balancers and fuzzers that the "
-        "server failed.",
+        "exist, an unknown log_format) is answered 400 / INVALID_ARGUMENT with Triton's text, "
+        "where tritonserver 2.51 answers 500 / INTERNAL (503 for the log_format): a 5xx tells "
+        "clients, load balancers and fuzzers that the server failed.",
     "load-failure-reason":
         "A model load that fails (a config that does not parse or does not validate, an "
         "unknown model) is answered 400 (404 for an unknown model) with the reason; tritonserver "

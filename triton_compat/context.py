@@ -17,7 +17,7 @@ SERVER_NAME = "continuum"
 EXTENSIONS = ["classification", "sequence", "model_repository",
               "model_repository(unload_dependents)", "schedule_policy", "model_configuration",
               "system_shared_memory", "cuda_shared_memory", "binary_tensor_data", "parameters",
-              "statistics"]
+              "statistics", "logging"]
 
 
 @dataclass

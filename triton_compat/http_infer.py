@@ -18,6 +18,7 @@ import zlib
 
 from starlette.requests import ClientDisconnect, Request
 
+from engine.log_config import verbose
 from triton_compat.context import V2Context
 from triton_compat.errors import InferError
 from triton_compat.infer import InferRequest, run
@@ -96,6 +97,9 @@ async def infer_http(ctx: V2Context, model: str, version: str, headers, body: by
     except ValueError as e:                # TensorError, or a bad header value
         raise InferError(str(e) if isinstance(e, TensorError) else
                          f"invalid Inference-Header-Content-Length: {header_length}") from None
+    if verbose():                          # --log-verbose 1: each request, as Triton logs it
+        logger.debug("HTTP infer request: model '%s' version '%s' id '%s'", model, version,
+                     parsed.id)
     version_ran, outputs = await run(repo, ctx.shm, InferRequest(
         model, version, parsed.id, parsed.inputs, parsed.datatypes, parsed.outputs,
         parsed.parameters), ctx.busy)

@@ -21,7 +21,7 @@ import json
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from triton_compat import generate, shm_routes
+from triton_compat import generate, log_settings, shm_routes
 from triton_compat.config import config_to_json, wire_datatype
 from triton_compat.context import EXTENSIONS, SERVER_NAME, V2Context
 from triton_compat.errors import InferError
@@ -136,6 +136,14 @@ def _router(ctx: V2Context, max_input_size: int) -> APIRouter:
                                  "server; give the model's config as parameter 'config'")
         await asyncio.to_thread(repo().load, model, config)
         return Response(status_code=200)
+
+    @router.get("/v2/logging")
+    @router.post("/v2/logging")
+    async def logging_settings(request: Request):
+        """Triton's logging extension (triton_compat/log_settings.py)."""
+        if request.method == "POST":
+            return JSONResponse(log_settings.update(_json_object(await request.body())))
+        return JSONResponse(log_settings.as_dict())
 
     @router.post("/v2/repository/models/{model}/unload")
     async def unload(model: str):

@@ -17,6 +17,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.log_config import configure
 from engine.lora.manager import LoraSpec, LoraUpdate
 from engine.quant import Quantization
 
@@ -92,7 +93,7 @@ def run(spec: WorkerSpec, stream) -> None:
 
 def main() -> None:
     """Entry point: read the spec from stdin and run; exit 1 with one log line on failure."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    configure()                      # the server's log settings, from the environment
     # Ctrl-C reaches the whole process group; rank 0 owns shutdown (it closes our stdin).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     stream = sys.stdin.buffer

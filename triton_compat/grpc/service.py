@@ -24,9 +24,11 @@ from google.protobuf import json_format
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc
 
+from engine.log_config import verbose
 from triton_compat.config import wire_datatype
 from triton_compat.context import EXTENSIONS, SERVER_NAME, V2Context
 from triton_compat.errors import InferError
+from triton_compat import log_settings
 from triton_compat.grpc.codec import decode_request, encode_response
 from triton_compat.grpc.stream import Stream
 from triton_compat.infer import Inference, model_failure
@@ -180,6 +182,9 @@ class TritonService(service_pb2_grpc.GRPCInferenceServiceServicer):
                 raise InferError("ModelInfer RPC doesn't support models with decoupled "
                                  "transaction policy", 501)
             request = decode_request(msg)
+            if verbose():                    # --log-verbose 1: each request, as Triton logs it
+                logger.debug("gRPC infer request: model '%s' version '%s' id '%s'",
+                             msg.model_name, msg.model_version, msg.id)
             inference = Inference(self.ctx.repository(), self.ctx.shm, request,
                                   busy=self.busy, later=self.later)
         except InferError as e:
@@ -279,6 +284,21 @@ class TritonService(service_pb2_grpc.GRPCInferenceServiceServicer):
                              "bool_param.")
         self.ctx.repository().unload(request.model_name)
         return pb.RepositoryModelUnloadResponse()
+
+    # -- logging extension (triton_compat/log_settings.py) --------------------------------------
+    @_unary
+    def LogSettings(self, request, context):
+        changes, kinds = {}, {}
+        for name, value in request.settings.items():
+            kind = value.WhichOneof("parameter_choice")     # None: no value set (skipped)
+            if kind is not None:
+                changes[name] = getattr(value, kind)
+                kinds[name] = kind.removesuffix("_param")
+        settings = log_settings.update(changes, kinds)
+        field = {bool: "bool_param", int: "uint32_param", str: "string_param"}
+        return pb.LogSettingsResponse(settings={
+            name: pb.LogSettingsResponse.SettingValue(**{field[type(value)]: value})
+            for name, value in settings.items()})
 
     # -- shared memory ------------------------------------------------------------------------
     @_unary

@@ -51,11 +51,13 @@ class ServeConfig:
     trust_request_chat_template: bool = False  # a request's chat_template may be used
     network: NetworkConfig = field(default_factory=NetworkConfig)   # TLS, CORS, request logs
     log: LogSettings = field(default_factory=LogSettings)          # --log-* (Triton's)
+    trace: dict = field(default_factory=dict)   # --trace-config, TraceManager's arguments
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:
     """The `ServeConfig` of parsed `serve` flags. Raises ValueError naming the bad flag."""
     from triton_compat.restricted import parse_restrictions
+    from triton_compat.trace import parse_trace_config
 
     config = engine_config(args)
     _check_numbers(args)
@@ -98,7 +100,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                                              "--grpc-restricted-protocol"),
         grpc_host=args.grpc_address or args.host, grpc_port=grpc_port,
         allow_client_shm=bool_flag("--allow-client-shm", args.allow_client_shm),
-        metrics_port=args.metrics_port, log=log_settings(args))
+        metrics_port=args.metrics_port, log=log_settings(args),
+        trace=parse_trace_config(args.trace_config))
 
 
 def log_settings(args: argparse.Namespace) -> LogSettings:

@@ -178,6 +178,13 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                         metavar="BOOL",
                         help="let clients register system / CUDA shared-memory regions and "
                              "use them for inputs and outputs (Triton's flag; default: false)")
+    triton.add_argument("--trace-config", action="append", default=[],
+                        metavar="[MODE,]SETTING=VALUE",
+                        help="tritonserver's tracing of v2 requests, repeatable: level=OFF|"
+                             "TIMESTAMPS|TENSORS, rate=N (every N-th request), count=N (-1: no "
+                             "end), mode=triton|opentelemetry, triton,file=PATH, "
+                             "triton,log-frequency=N, opentelemetry,url=URL, "
+                             "opentelemetry,resource=KEY=VALUE (default: level=OFF)")
     triton.add_argument("--no-llm", action="store_true",
                         help="serve only the model repository, no language model")
     add_network_flags(p)

@@ -273,6 +273,7 @@ def build_app(state: ServerState, load_in_background: bool = True):
             state.stuck = True          # a model's code still runs: do not wait for it at exit
         if state.v2 is not None:
             state.v2.shm.close()
+            state.v2.tracer.close()         # traces not yet in a file, and the files' ends
 
     app = FastAPI(title="Continuum", version=VERSION, lifespan=lifespan)
 
@@ -393,9 +394,21 @@ def _install_v2(app: FastAPI, state: ServerState) -> None:
     c = state.config
     state.v2 = V2Context(lambda: state.repository, state.all_ready, VERSION,
                          SharedMemoryManager(c.allow_client_shm), state.lifecycle,
-                         c.grpc_restrictions, busy=lambda: requests_in_progress() > 1)
+                         c.grpc_restrictions, busy=lambda: requests_in_progress() > 1,
+                         tracer=trace_manager(c.trace))
     routes.install(app, state.v2, state.http_max_input_size)
     state.metrics.registry.register(TritonCollector(lambda: state.repository))
+
+
+def trace_manager(trace: dict):
+    """The `TraceManager` of `--trace-config` (`ServeConfig.trace`), with its OpenTelemetry
+    exporter in opentelemetry mode."""
+    from triton_compat.trace import TraceManager
+    args = {k: v for k, v in trace.items() if k != "resource"}
+    if args.get("mode") == "opentelemetry":
+        from triton_compat.trace.otel import OtelExporter
+        args["exporter"] = OtelExporter(args.get("options", {}), trace.get("resource", []))
+    return TraceManager(**args)
 
 
 async def _start_grpc(state: ServerState):

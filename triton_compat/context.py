@@ -11,13 +11,14 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from triton_compat.errors import InferError
+from triton_compat.trace.settings import TraceManager
 
 SERVER_NAME = "continuum"
 # What this server implements of Triton's extensions (reported by GET /v2 and ServerMetadata).
 EXTENSIONS = ["classification", "sequence", "model_repository",
               "model_repository(unload_dependents)", "schedule_policy", "model_configuration",
               "system_shared_memory", "cuda_shared_memory", "binary_tensor_data", "parameters",
-              "statistics", "logging"]
+              "statistics", "trace", "logging"]
 
 
 @dataclass
@@ -35,6 +36,12 @@ class V2Context:
     # True while other HTTP requests are in progress: a cheap model's infer then waits for the
     # end of the event loop's pass to run with them as one batch (runtime.ModelRuntime.submit)
     busy: Callable[[], bool] = lambda: False
+    # --trace-config and the trace API (tracing off by default, as in tritonserver)
+    tracer: TraceManager = field(default_factory=TraceManager)
+
+    def trace(self, model: str, headers=None):
+        """A trace for a request to `model` when its trace setting samples it, else None."""
+        return self.tracer.sample(model, headers)
 
     def repository(self):
         """The loaded repository. Raises InferError(503) while it loads."""

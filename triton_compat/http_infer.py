@@ -27,7 +27,8 @@ from triton_compat.tensors import TensorError, encode_response, parse_request
 INFER_PATH = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")
 JSON = [(b"content-type", b"application/json")]
 # the request headers an infer reads
-HEADERS = {b"content-length", b"content-encoding", b"inference-header-content-length"}
+HEADERS = {b"content-length", b"content-encoding", b"inference-header-content-length",
+           b"traceparent", b"tracestate"}      # the last two: OpenTelemetry trace context
 logger = logging.getLogger("continuum.triton")
 
 
@@ -84,9 +85,9 @@ def decode_body(body: bytes, encoding: str | None, limit: int) -> bytes:
 
 
 async def infer_http(ctx: V2Context, model: str, version: str, headers, body: bytes,
-                     limit: int) -> tuple[bytes, list]:
+                     limit: int, trace=None) -> tuple[bytes, list]:
     """One infer: the response body and its headers. `headers`: the request's (a mapping with
-    lower-case keys). Raises InferError (v2 status)."""
+    lower-case keys); `trace`: its `Trace`, when sampled. Raises InferError (v2 status)."""
     repo = ctx.repository()
     repo.runtime(model, version)           # unknown model: 404 before the body is parsed
     body = decode_body(body, headers.get("content-encoding"), limit)
@@ -102,7 +103,7 @@ async def infer_http(ctx: V2Context, model: str, version: str, headers, body: by
                      parsed.id)
     version_ran, outputs = await run(repo, ctx.shm, InferRequest(
         model, version, parsed.id, parsed.inputs, parsed.datatypes, parsed.outputs,
-        parsed.parameters), ctx.busy)
+        parsed.parameters), ctx.busy, trace)
     try:
         payload, json_length = encode_response(model, version_ran, parsed.id, outputs,
                                                parsed.binary_default)
@@ -131,19 +132,31 @@ class InferFastPath:
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]
                    if k in HEADERS}
         status = 200
+        trace = self.ctx.trace(match[1], headers)
+        if trace is not None:
+            trace.mark("HTTP_RECV_START")
         try:
             body = await receive_body(receive, headers.get("content-length"), self.limit)
             if body is None:               # the client left while sending its body
+                if trace is not None:
+                    trace.finish()
                 return
+            if trace is not None:
+                trace.mark("HTTP_RECV_END")
             payload, extra = await infer_http(self.ctx, match[1], match[2] or "", headers,
-                                              body, self.limit)
+                                              body, self.limit, trace)
         except InferError as e:
             status, payload, extra = e.status, json.dumps({"error": e.message}).encode(), JSON
         except Exception as e:             # a bug of ours: still the v2 error shape
             logger.exception("infer %s failed", scope["path"])
             status, payload, extra = 500, json.dumps(
                 {"error": f"{type(e).__name__}: {e}"}).encode(), JSON
+        if trace is not None:
+            trace.mark("HTTP_SEND_START")
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-length", str(len(payload)).encode()), *extra]})
         await send({"type": "http.response.body", "body": payload})
+        if trace is not None:
+            trace.mark("HTTP_SEND_END")
+            trace.finish()
 

@@ -152,8 +152,10 @@ class Inference:
     model, 503 not ready / queue full / timeout."""
 
     def __init__(self, repository, shm, request: InferRequest,
-                 inline: bool | None = None, busy=None, later=None) -> None:
+                 inline: bool | None = None, busy=None, later=None, trace=None) -> None:
         self.rt = repository.runtime(request.model, request.version)
+        if trace is not None:               # the trace extension: REQUEST_START
+            trace.start(request.model, int(self.rt.version), request.id)
         self.labels = repository.labels(request.model)
         defer = None
         if inline is None:                  # a loop thread: only a model cheaper than a hop
@@ -178,7 +180,8 @@ class Inference:
             params = request.parameters
             priority, timeout = int_param(params, "priority"), int_param(params, "timeout")
             names = [o.name for o in request.outputs] if request.outputs is not None else None
-            self.future = self.rt.submit(BackendRequest(inputs, names, request.id, params),
+            self.future = self.rt.submit(BackendRequest(inputs, names, request.id, params,
+                                                        trace=trace),
                                          request.datatypes, priority or 0, timeout,
                                          inline=inline, defer=defer)
         except BaseException as e:
@@ -225,13 +228,14 @@ def model_failure(e: Exception) -> InferError:
 
 
 async def run(repository, shm, request: InferRequest,
-              busy=None) -> tuple[str, list[OutputTensor]]:
+              busy=None, trace=None) -> tuple[str, list[OutputTensor]]:
     """Run `request` on its model, awaiting it on the event loop: the version that ran it and
     the outputs to send (see `Inference`). A model cheaper than a thread hand-off runs on the
     loop itself when an instance is idle (`ModelRuntime.runs_inline`): at once when the
     request is alone, at the end of the loop's pass with the requests that arrived with it
-    when `busy()` (other requests in progress). Raises InferError (500 for a model failure)."""
-    inference = Inference(repository, shm, request, busy=busy)
+    when `busy()` (other requests in progress); `trace`: its `Trace`, if sampled. Raises
+    InferError (500 for a model failure)."""
+    inference = Inference(repository, shm, request, busy=busy, trace=trace)
     future = inference.future
     try:
         try:        # done already when it ran inline: no hop through the loop
@@ -240,4 +244,6 @@ async def run(repository, shm, request: InferRequest,
             raise model_failure(e) from None
         return inference.finish(outputs)
     finally:
+        if trace is not None:           # a runtime that did not mark it (an ensemble)
+            trace.answered()
         inference.release()

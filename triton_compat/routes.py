@@ -25,6 +25,7 @@ from triton_compat import generate, log_settings, shm_routes
 from triton_compat.config import config_to_json, wire_datatype
 from triton_compat.context import EXTENSIONS, SERVER_NAME, V2Context
 from triton_compat.errors import InferError
+from triton_compat.trace.api import trace_settings
 from triton_compat.http_infer import infer_http, read_body
 
 
@@ -136,6 +137,15 @@ def _router(ctx: V2Context, max_input_size: int) -> APIRouter:
                                  "server; give the model's config as parameter 'config'")
         await asyncio.to_thread(repo().load, model, config)
         return Response(status_code=200)
+
+    @router.get("/v2/trace/setting")
+    @router.post("/v2/trace/setting")
+    @router.get("/v2/models/{model}/trace/setting")
+    @router.post("/v2/models/{model}/trace/setting")
+    async def trace_setting(request: Request, model: str = ""):
+        """Triton's trace extension (triton_compat/trace/settings.py)."""
+        return JSONResponse(trace_settings(ctx, model, _json_object(await request.body())
+                                           if request.method == "POST" else None))
 
     @router.get("/v2/logging")
     @router.post("/v2/logging")

@@ -25,7 +25,7 @@ import numpy as np
 
 from scheduler.dynamic_batcher import Pending, QueueFullError, RequestQueue, decide
 from scheduler.futures import settle
-from triton_compat import batch_strategy
+from triton_compat import batch_strategy, pb_types
 from triton_compat.backends import BackendRequest
 from triton_compat.backends.factory import create_instance
 from triton_compat.config import batcher_config
@@ -53,6 +53,34 @@ EXEC_EWMA_WEIGHT = 0.2       # weight of the newest execution in `exec_us`
 # and banning it for one halved `simple`'s throughput for good.
 INLINE_BAN_US = 5_000.0
 INLINE_BAN_WINDOW = 100      # executions
+
+
+def _trace_queued(request: BackendRequest, datatypes: dict[str, str]) -> None:
+    """QUEUE_START, and the inputs at TENSORS level (TENSOR_QUEUE_INPUT; `datatypes`: the
+    request's wire datatypes)."""
+    trace = request.trace
+    trace.mark("QUEUE_START")
+    if trace.tensors:
+        for name, array in request.inputs.items():
+            trace.tensor("TENSOR_QUEUE_INPUT", name, array,
+                         datatypes.get(name) or pb_types.wire_datatype(array))
+
+
+def _trace_compute(requests: list[BackendRequest], start: int, times, end: int) -> None:
+    """COMPUTE_START, COMPUTE_INPUT_END, COMPUTE_OUTPUT_START (from the backend's own split
+    of the execution, `ExecTimes`, when it gives one) and COMPUTE_END of a batch's traced
+    requests."""
+    input_end = output_start = None
+    if times is not None:
+        input_end = start + times.input_ns
+        output_start = input_end + times.infer_ns
+    for request in requests:
+        trace = request.trace
+        trace.mark("COMPUTE_START", start)
+        if input_end is not None:
+            trace.mark("COMPUTE_INPUT_END", input_end)
+            trace.mark("COMPUTE_OUTPUT_START", output_start)
+        trace.mark("COMPUTE_END", end)
 
 
 def _bounded(fn, timeout_s: float) -> bool:
@@ -212,6 +240,8 @@ class ModelRuntime:
         timeout = self.queue.timeout_us(level, timeout_us) if self.batcher.dynamic else 0
         item = Pending(Job(request, future, time.perf_counter_ns()), now, batch_size, shape_key,
                        level, now + timeout if timeout else None)
+        if request.trace is not None:       # the trace extension: QUEUE_START
+            _trace_queued(request, datatypes or {})
         self.inflight.add(future)
         future.add_done_callback(_Settled(self.inflight, request))
         with self.cond:
@@ -337,6 +367,9 @@ class ModelRuntime:
             results, times = instance.execute([j.request for j in jobs])
         except Exception as e:       # a backend bug: fail this batch only
             results, times = [InferError(f"{type(e).__name__}: {e}", 500)] * len(batch), None
+        traced = [j.request for j in jobs if j.request.trace is not None]
+        if traced:                          # the trace extension: the compute times
+            _trace_compute(traced, start, times, time.perf_counter_ns())
         results = [InferError(RESCHEDULE_REFUSED) if j.request.reschedule else r
                    for j, r in zip(jobs, results)]
         if not self.decoupled:             # decoupled responses went through their senders
@@ -376,6 +409,8 @@ class ModelRuntime:
             if self._waiting_work() or self.stopping:   # the batcher has work; or close()
                 self.cond.notify_all()                    # waits for the last execution
         for done, result in ready:
+            if done.request.trace is not None:
+                done.request.trace.answered()
             settle(done.future, result)
         return job
 

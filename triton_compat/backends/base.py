@@ -24,6 +24,7 @@ class BackendRequest:
     flags: int = 0                   # SEQUENCE_START 1 | SEQUENCE_END 2
     reschedule: bool = False         # set by the backend: the model asked to run it again
     cancelled: bool = False          # set by the server: the client went away (is_cancelled)
+    trace: object = None             # triton_compat.trace.Trace when the request is traced
 
     @property
     def batch_size(self) -> int:

@@ -32,6 +32,8 @@ from triton_compat import log_settings
 from triton_compat.grpc.codec import decode_request, encode_response
 from triton_compat.grpc.stream import Stream
 from triton_compat.infer import Inference, model_failure
+from triton_compat.trace.api import trace_settings
+from triton_compat.trace.settings import parse_grpc_update
 
 logger = logging.getLogger("continuum.triton.grpc")
 
@@ -75,6 +77,18 @@ def _unary(method):
             context.abort(status_code(e), e.message)
 
     return wrapper
+
+
+def _traced_reply(reply, trace):
+    """`reply` with GRPC_SEND_START / GRPC_SEND_END around it, then the trace finished."""
+    def traced(*args):
+        trace.mark("GRPC_SEND_START")
+        try:
+            reply(*args)
+        finally:
+            trace.mark("GRPC_SEND_END")
+            trace.finish()
+    return traced
 
 
 class TritonService(service_pb2_grpc.GRPCInferenceServiceServicer):
@@ -176,6 +190,11 @@ class TritonService(service_pb2_grpc.GRPCInferenceServiceServicer):
         lifecycle = self.ctx.lifecycle
         if lifecycle is not None:
             lifecycle.enter()
+        trace = self.ctx.trace(msg.model_name, dict(metadata or ()))
+        if trace is not None:               # the message is read already: both at once
+            trace.mark("GRPC_WAITREAD_START")
+            trace.mark("GRPC_WAITREAD_END")
+            reply = _traced_reply(reply, trace)
         try:
             rt = self.ctx.repository().runtime(msg.model_name, msg.model_version)
             if getattr(rt, "decoupled", False):         # Triton's text (infer_handler.cc)
@@ -186,7 +205,7 @@ class TritonService(service_pb2_grpc.GRPCInferenceServiceServicer):
                 logger.debug("gRPC infer request: model '%s' version '%s' id '%s'",
                              msg.model_name, msg.model_version, msg.id)
             inference = Inference(self.ctx.repository(), self.ctx.shm, request,
-                                  busy=self.busy, later=self.later)
+                                  busy=self.busy, later=self.later, trace=trace)
         except InferError as e:
             if lifecycle is not None:
                 lifecycle.leave()
@@ -204,6 +223,8 @@ class TritonService(service_pb2_grpc.GRPCInferenceServiceServicer):
                 reply(None, status_code(e), e.message)
                 return
             finally:
+                if trace is not None:
+                    trace.answered()
                 inference.release()
                 if lifecycle is not None:
                     lifecycle.leave()
@@ -284,6 +305,15 @@ class TritonService(service_pb2_grpc.GRPCInferenceServiceServicer):
                              "bool_param.")
         self.ctx.repository().unload(request.model_name)
         return pb.RepositoryModelUnloadResponse()
+
+    # -- trace extension (triton_compat/trace) --------------------------------------------------
+    @_unary
+    def TraceSetting(self, request, context):
+        new = parse_grpc_update(request.settings) if len(request.settings) else None
+        settings = trace_settings(self.ctx, request.model_name, new)
+        return pb.TraceSettingResponse(settings={
+            k: pb.TraceSettingResponse.SettingValue(value=v if isinstance(v, list) else [v])
+            for k, v in settings.items()})
 
     # -- logging extension (triton_compat/log_settings.py) --------------------------------------
     @_unary

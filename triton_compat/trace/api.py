@@ -1,0 +1,28 @@
+"""The trace API of both protocols: `GET|POST /v2[/models/{m}]/trace/setting` and gRPC
+`TraceSetting` read or update a model's (or the global) trace setting through this one
+function, with tritonserver 2.51's checks and texts.
+"""
+
+from __future__ import annotations
+
+from triton_compat.errors import InferError
+from triton_compat.trace.settings import NewSetting, parse_http_update
+
+
+def trace_settings(ctx, model: str, update) -> dict:
+    """A model's (or, for '', the global) trace setting of `ctx` (a `V2Context`) after
+    `update` (an HTTP body as a dict, a gRPC update parsed to a `NewSetting`, or None to read). Raises InferError: 400 for a
+    model that is not ready (tritonserver's text), for a bad update, 501 for trace_file."""
+    if model and not _model_ready(ctx, model):
+        raise InferError(f"Request for unknown model : {model}")
+    if update is not None:
+        ctx.tracer.update(model, update if isinstance(update, NewSetting)
+                          else parse_http_update(update))
+    return ctx.tracer.setting(model).as_dict()
+
+
+def _model_ready(ctx, model: str) -> bool:
+    try:
+        return bool(ctx.repository().runtime(model, ""))
+    except InferError:
+        return False

@@ -42,6 +42,7 @@ class NetworkConfig:
     enable_log_requests: bool = False
     max_log_len: int | None = None
     disable_uvicorn_access_log: bool = False
+    otlp_traces_endpoint: str | None = None       # OpenAI spans (api/tracing.py)
     grpc_use_ssl: bool = False
     grpc_server_cert: str | None = None
     grpc_server_key: str | None = None
@@ -88,6 +89,10 @@ def add_network_flags(p: argparse.ArgumentParser) -> None:
                         "token ids (default: all)")
     g.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="no access-log line per HTTP request")
+    g.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="send an OpenTelemetry span per OpenAI request to this OTLP endpoint "
+                        "(gRPC; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf for HTTP), "
+                        "as vLLM (default: off)")
     g.add_argument("--grpc-use-ssl", nargs="?", const="true", default="false", metavar="BOOL",
                    help="gRPC over TLS (Triton's flag; needs --grpc-server-cert and "
                         "--grpc-server-key)")
@@ -123,6 +128,7 @@ def network_config(args: argparse.Namespace) -> NetworkConfig:
         allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials,
         root_path=args.root_path, enable_log_requests=args.enable_log_requests,
         max_log_len=args.max_log_len, disable_uvicorn_access_log=args.disable_uvicorn_access_log,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
         grpc_use_ssl=bool_flag("--grpc-use-ssl", args.grpc_use_ssl),
         grpc_server_cert=args.grpc_server_cert, grpc_server_key=args.grpc_server_key,
         grpc_root_cert=args.grpc_root_cert,

@@ -68,6 +68,7 @@ class ServerState:
     stuck: bool = False                       # a model's code still ran at shutdown
     lifecycle: Lifecycle = field(default_factory=Lifecycle)
     lora_paths: dict[str, str] = field(default_factory=dict)    # served LoRA adapters (api.lora)
+    tracer: object = None                     # api.tracing.RequestTracer (--otlp-traces-endpoint)
 
     @property
     def engine_config(self) -> EngineConfig | None:
@@ -97,6 +98,9 @@ class ServerState:
     def __post_init__(self) -> None:
         self.lora_paths = dict(self.config.engine.lora_modules)
         self.metrics = Metrics(self.served_model_name)
+        if self.config.network.otlp_traces_endpoint:
+            from api.tracing import RequestTracer
+            self.tracer = RequestTracer(self.config.network.otlp_traces_endpoint)
         self.lifecycle.abort_all = self.abort_all
 
     def abort_all(self) -> None:
@@ -274,6 +278,8 @@ def build_app(state: ServerState, load_in_background: bool = True):
         if state.v2 is not None:
             state.v2.shm.close()
             state.v2.tracer.close()         # traces not yet in a file, and the files' ends
+        if state.tracer is not None:
+            state.tracer.shutdown()
 
     app = FastAPI(title="Continuum", version=VERSION, lifespan=lifespan)
 
@@ -440,7 +446,10 @@ async def _respond(request: Request, llm: ProcessAsyncLLM, ctx: ResponseContext,
     generate = llm.generate if beam is None else (     # api/beam_search.py: n beams
         lambda rid, p, _, prio: beam_search(llm, beam, state.tokenizer,
                                             state.tokenizer.eos_token_id, rid, p, prio))
-    streams = [_timed(generate(f"{ctx.request_id}-{tag}-{i}", p, params, body.priority), state)
+    span = None if state.tracer is None else (state.tracer, state.tracer.context(
+        request.headers), params, body.model)
+    streams = [_timed(generate(f"{ctx.request_id}-{tag}-{i}", p, params, body.priority), state,
+                      span)
                for i, p in enumerate(prompts)]
     merged = merge(streams)
     try:
@@ -475,8 +484,10 @@ async def _respond(request: Request, llm: ProcessAsyncLLM, ctx: ResponseContext,
     return JSONResponse(ctx.final_body())
 
 
-async def _timed(stream, state: ServerState):
-    """Pass outputs through, observing TTFT and ITL as the client sees them."""
+async def _timed(stream, state: ServerState, span=None):
+    """Pass outputs through, observing TTFT and ITL as the client sees them; with `span`
+    ((RequestTracer, trace context, params, model) under --otlp-traces-endpoint) the request's
+    span goes out with its last output."""
     start = last = time.perf_counter()
     first = True
     try:
@@ -488,6 +499,9 @@ async def _timed(stream, state: ServerState):
             else:
                 state.metrics.itl.observe(now - last)
             last = now
+            if span is not None and out.finished:
+                tracer, context, params, model = span
+                tracer.record(out, params, model, context)
             yield out
     finally:
         await stream.aclose()       # closing us must abort the engine request now, not at GC

@@ -47,12 +47,13 @@ def free_port() -> int:
 
 
 def launch(cmd: list[str], log: IO[bytes] | None = None,
-           env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start `cmd` in the repository root, in a process group of its own (so that `stop`
-    reaches what it starts: the engine process, python-backend stubs), its output to `log` (a
-    file opened in binary mode) or discarded, with `env` (default: this process's)."""
+           env: dict[str, str] | None = None, cwd: Path | None = None) -> subprocess.Popen:
+    """Start `cmd` in `cwd` (default: the repository root), in a process group of its own (so
+    that `stop` reaches what it starts: the engine process, python-backend stubs), its output
+    to `log` (a file opened in binary mode) or discarded, with `env` (default: this
+    process's)."""
     out = log if log is not None else subprocess.DEVNULL
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=out, env=env,
+    return subprocess.Popen(cmd, cwd=cwd or ROOT, stdout=out, stderr=out, env=env,
                             start_new_session=True)
 
 

@@ -27,9 +27,12 @@ def test_schemathesis_finds_no_server_error(tmp_path):
     repo = simple_repository(tmp_path)
     log = tmp_path / "server.log"
     # A short max_model_len keeps each generated request's generation short. Client shared
-    # memory is on so that the shared-memory routes are fuzzed past Triton's 501 "disabled".
+    # memory is on so that the shared-memory routes are fuzzed past Triton's 501 "disabled",
+    # and model control explicit so that load / unload are fuzzed past tritonserver 2.51's
+    # 503 refusal without it.
     proc, base = start_server(["--api-key", KEY, "--max-model-len", "64", "--kv-cache-memory",
                                "0.1", "--model-repository", repo, "--allow-client-shm",
+                               "--model-control-mode", "explicit", "--load-model", "*",
                                "--uvicorn-log-level", "warning"], "/health/ready", log)
     try:
         before = greedy(base, KEY)

@@ -341,3 +341,30 @@ def test_requests_queued_behind_a_busy_instance_run_next_as_one_batch(tmp_path, 
         assert (waited < 0.28) if delay_us == 0 else (waited >= 0.29)
     finally:
         repo.close()
+
+
+def test_every_runtime_implements_the_declared_protocol():
+    """The front ends and the repository use `triton_compat.runtime_api.Runtime` alone: a
+    python model, an onnxruntime one, a sequence model, an ensemble and the LLM all implement
+    it."""
+    from examples.prepare_model_repository import DEFAULT_REPO, prepare
+    from triton_compat.ensemble import EnsembleRuntime
+    from triton_compat.llm_model import LLMModel
+    from triton_compat.runtime import ModelRuntime
+    from triton_compat.runtime_api import Runtime
+    from triton_compat.sequence.runtime import SequenceRuntime
+
+    prepare()
+    repo = ModelRepository(DEFAULT_REPO)
+    try:
+        kinds = {}
+        for name in ("simple", "content_type", "vad", "text_embedding"):
+            rt = repo.runtime(name)
+            assert isinstance(rt, Runtime), name
+            kinds[name] = type(rt)
+        assert kinds == {"simple": ModelRuntime, "content_type": ModelRuntime,
+                         "vad": SequenceRuntime, "text_embedding": EnsembleRuntime}
+        assert isinstance(LLMModel("llm", lambda: None, lambda: None), Runtime)
+        assert not isinstance(object(), Runtime)
+    finally:
+        repo.close()

@@ -196,7 +196,7 @@ def _target(request: InferenceRequest, decoupled: bool):
     except InferError:
         raise BLSError(f"Model {name} - Error when running inference: Failed for execute "
                        f"the inference request. Model '{name}' is not ready.") from None
-    if getattr(target, "decoupled", False) and not decoupled:
+    if target.decoupled and not decoupled:
         raise BLSError(f"Model {name} - Error when running inference: Model {name} is using "
                        "the decoupled. The current BLS request call doesn't support models "
                        "using the decoupled transaction policy. Please use 'decoupled=True' "
@@ -244,7 +244,7 @@ def _stream(target, backend_request: BackendRequest, datatypes: dict, timeout,
         else:
             it.cancel = asyncio.run_coroutine_threadsafe(pump, _Server.loop).cancel
         return it
-    if getattr(target, "decoupled", False):
+    if target.decoupled:
         backend_request.deliver = lambda result, final: it.put(_response(result, wanted), final)
 
     def done(f: concurrent.futures.Future) -> None:    # failed, or a one-response model

@@ -37,8 +37,8 @@ class EnsembleRuntime:
     def __init__(self, config, version: int, resolve) -> None:
         self.config, self.version, self.resolve = config, version, resolve
         self.steps = list(config.ensemble_scheduling.step)
-        self.decoupled = any(getattr(resolve(s.model_name, s.model_version), "decoupled",
-                                     False) for s in self.steps)
+        self.decoupled = any(resolve(s.model_name, s.model_version).decoupled
+                             for s in self.steps)
         if self.decoupled:            # as Triton serves the config of such an ensemble
             config.model_transaction_policy.decoupled = True
         self.signature = Signature(config)
@@ -71,6 +71,10 @@ class EnsembleRuntime:
         run = _EnsembleRun(self, request, wanted, priority, timeout_us, batch_size)
         run.launch(_Branch(dict(request.inputs), set()))
         return run.future
+
+    def abort_all(self, message: str) -> None:
+        """Nothing of its own to answer: its steps' requests are in the composing models'
+        runtimes, which the repository aborts too (and each step's failure fails the run)."""
 
     def close(self, timeout_s: float = 30.0) -> bool:
         """Nothing to release: composing models are unloaded on their own. True."""
@@ -124,7 +128,7 @@ class _EnsembleRun:
         try:
             runtime = self.ensemble.resolve(step.model_name, step.model_version)
             deliver = None
-            if getattr(runtime, "decoupled", False):
+            if runtime.decoupled:
                 def deliver(result, final, branch=branch, step=step):
                     self._response(branch, step, result, final)
             sub = runtime.submit(BackendRequest(inputs, list(step.output_map), self.request.id,

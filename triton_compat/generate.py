@@ -172,7 +172,7 @@ async def responses(ctx: V2Context, model: str, version: str,
     runs (`refused` set), or a model's error response."""
     rt = ctx.repository().runtime(model, version)
     inputs, datatypes, params, request_id = to_inputs(rt.config, pairs)
-    if getattr(rt, "decoupled", False):
+    if rt.decoupled:
         async for outputs, _final in rt.generate(inputs, request_id, datatypes, params):
             if outputs is not None:            # None: a flag-only final response
                 yield to_json(model, str(rt.version), outputs, request_id)

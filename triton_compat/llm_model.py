@@ -161,6 +161,13 @@ class LLMModel:
         own in the service)."""
         raise InferError(DECOUPLED_HTTP, 501)
 
+    def abort_all(self, message: str) -> None:
+        """Nothing here: the engine aborts its own requests (`ProcessAsyncLLM.abort_all`)."""
+
+    def close(self, timeout_s: float = 30.0) -> bool:
+        """Nothing to release: the engine is the server's. True."""
+        return True
+
     async def generate(self, inputs: dict, request_id: str = "",
                        datatypes: dict | None = None,
                        parameters: dict | None = None) -> AsyncIterator[tuple]:

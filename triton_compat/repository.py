@@ -299,9 +299,7 @@ class ModelRepository:
         with self.lock:
             runtimes = [rt for e in self.models.values() for rt in e.runtimes.values()]
         for rt in runtimes:
-            abort = getattr(rt, "abort_all", None)
-            if abort is not None:
-                abort(message)
+            rt.abort_all(message)
 
     def close(self, timeout_s: float = 10.0) -> bool:
         """Unload everything (finalize python models) within `timeout_s` seconds in all (a

@@ -197,7 +197,7 @@ class TritonService(service_pb2_grpc.GRPCInferenceServiceServicer):
             reply = _traced_reply(reply, trace)
         try:
             rt = self.ctx.repository().runtime(msg.model_name, msg.model_version)
-            if getattr(rt, "decoupled", False):         # Triton's text (infer_handler.cc)
+            if rt.decoupled:         # Triton's text (infer_handler.cc)
                 raise InferError("ModelInfer RPC doesn't support models with decoupled "
                                  "transaction policy", 501)
             request = decode_request(msg)

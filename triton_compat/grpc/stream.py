@@ -113,7 +113,7 @@ class Stream:
             rt = self.ctx.repository().runtime(msg.model_name, msg.model_version)
         except Exception as e:
             error = e
-        if rt is not None and getattr(rt, "decoupled", False):
+        if rt is not None and rt.decoupled:
             try:
                 self._start_decoupled(msg, rt, decode_request(msg))
             except Exception as e:

@@ -21,7 +21,7 @@ from starlette.requests import ClientDisconnect, Request
 from engine.log_config import verbose
 from triton_compat.context import V2Context
 from triton_compat.errors import InferError
-from triton_compat.infer import InferRequest, run
+from triton_compat.infer import run
 from triton_compat.tensors import TensorError, encode_response, parse_request
 
 INFER_PATH = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")
@@ -94,16 +94,14 @@ async def infer_http(ctx: V2Context, model: str, version: str, headers, body: by
     header_length = headers.get("inference-header-content-length")
     try:
         parsed = parse_request(body, int(header_length) if header_length else None,
-                               model)
+                               model, version)
     except ValueError as e:                # TensorError, or a bad header value
         raise InferError(str(e) if isinstance(e, TensorError) else
                          f"invalid Inference-Header-Content-Length: {header_length}") from None
     if verbose():                          # --log-verbose 1: each request, as Triton logs it
         logger.debug("HTTP infer request: model '%s' version '%s' id '%s'", model, version,
                      parsed.id)
-    version_ran, outputs = await run(repo, ctx.shm, InferRequest(
-        model, version, parsed.id, parsed.inputs, parsed.datatypes, parsed.outputs,
-        parsed.parameters), ctx.busy, trace)
+    version_ran, outputs = await run(repo, ctx.shm, parsed, ctx.busy, trace)
     try:
         payload, json_length = encode_response(model, version_ran, parsed.id, outputs,
                                                parsed.binary_default)

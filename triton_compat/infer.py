@@ -56,8 +56,10 @@ class OutputRequest:
 
 @dataclass
 class InferRequest:
-    """A decoded v2 infer request. `inputs` keeps the client's order; a value is an array or
-    a `ShmInput`. `outputs` None: every output of the model, as the protocol says."""
+    """A decoded v2 infer request, the one type both front ends decode into (HTTP:
+    `tensors.parse_request`, gRPC: `grpc/codec.decode_request`) and `Inference` submits.
+    `inputs` keeps the client's order; a value is an array or a `ShmInput`. `outputs` None:
+    every output of the model, as the protocol says."""
 
     model: str
     version: str
@@ -66,6 +68,7 @@ class InferRequest:
     datatypes: dict[str, str]
     outputs: list[OutputRequest] | None
     parameters: dict = field(default_factory=dict)
+    binary_default: bool = False     # HTTP: the `binary_data_output` request parameter
 
 
 @dataclass

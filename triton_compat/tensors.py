@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import orjson
 from tritonclient.utils import deserialize_bytes_tensor, triton_to_np_dtype
 
 from triton_compat.classification import class_count
-from triton_compat.infer import OutputRequest, OutputTensor, ShmInput, ShmRef, tensor_bytes
+from triton_compat.infer import (InferRequest, OutputRequest, OutputTensor, ShmInput, ShmRef,
+                                 tensor_bytes)
 
 MAX_ELEMENTS = 1 << 31          # larger tensors are refused before any allocation
 
@@ -37,22 +37,10 @@ class TensorError(ValueError):
     """A malformed request or tensor; the message is sent to the client with HTTP 400."""
 
 
-@dataclass
-class ParsedRequest:
-    """An infer request body, decoded. `inputs` keeps the client's order; an input in a
-    shared-memory region is a `ShmInput`, read when the request runs."""
-
-    id: str
-    inputs: dict[str, np.ndarray | ShmInput]
-    datatypes: dict[str, str]
-    outputs: list[OutputRequest] | None       # None: every output of the model
-    binary_default: bool                      # `binary_data_output` request parameter
-    parameters: dict
-
-
-def parse_request(body: bytes, header_length: int | None, model: str = "") -> ParsedRequest:
-    """Decode an infer request for `model` (named in error texts). Raises TensorError with a
-    message fit for the client."""
+def parse_request(body: bytes, header_length: int | None, model: str = "",
+                  version: str = "") -> InferRequest:
+    """Decode an infer request for `model` at `version` (the model named in error texts).
+    Raises TensorError with a message fit for the client."""
     if header_length is not None:
         if not 0 <= header_length <= len(body):
             raise TensorError(f"Inference-Header-Content-Length {header_length} is outside the "
@@ -94,8 +82,8 @@ def parse_request(body: bytes, header_length: int | None, model: str = "") -> Pa
         # a repeated output is answered once (infer.Inference.finish), as tritonserver 2.51
         outputs = [_parse_output(o, bool(params.get("binary_data_output", False)))
                    for o in req["outputs"]]
-    return ParsedRequest(str(req.get("id", "")), inputs, datatypes, outputs,
-                         bool(params.get("binary_data_output", False)), params)
+    return InferRequest(model, version, str(req.get("id", "")), inputs, datatypes, outputs,
+                        params, bool(params.get("binary_data_output", False)))
 
 
 def _loads(header) -> object:

@@ -33,7 +33,7 @@ from triton_compat.grpc.codec import decode_request, encode_response
 from triton_compat.grpc.stream import Stream
 from triton_compat.infer import Inference, model_failure
 from triton_compat.trace.api import trace_settings
-from triton_compat.trace.settings import parse_grpc_update
+from triton_compat.trace.settings import grpc_body
 
 logger = logging.getLogger("continuum.triton.grpc")
 
@@ -309,8 +309,8 @@ class TritonService(service_pb2_grpc.GRPCInferenceServiceServicer):
     # -- trace extension (triton_compat/trace) --------------------------------------------------
     @_unary
     def TraceSetting(self, request, context):
-        new = parse_grpc_update(request.settings) if len(request.settings) else None
-        settings = trace_settings(self.ctx, request.model_name, new)
+        body = grpc_body(request.settings) if len(request.settings) else None
+        settings = trace_settings(self.ctx, request.model_name, body)
         return pb.TraceSettingResponse(settings={
             k: pb.TraceSettingResponse.SettingValue(value=v if isinstance(v, list) else [v])
             for k, v in settings.items()})

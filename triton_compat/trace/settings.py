@@ -9,8 +9,7 @@ traces to an indexed file, when `count` runs out likewise, else to the main file
 setting is replaced or the server stops) and `TraceManager` (the global setting, the models'
 settings — a model's fields not set fall back to the global ones, and follow them —, updates,
 GET answers). A setting is replaced, never changed, so traces in flight keep theirs.
-In: flags, updates (`NewSetting`, parsed from HTTP JSON or gRPC by `parse_http_update` /
-`parse_grpc_update`). Out: `sample(model) -> Trace | None`, settings as the API shows them.
+In: flags, updates (parsed from HTTP JSON, or gRPC through `grpc_body`, by `parse_update`). Out: `sample(model) -> Trace | None`, settings as the API shows them.
 """
 
 from __future__ import annotations
@@ -26,12 +25,7 @@ from triton_compat.trace.record import Trace, TraceFile
 LEVELS = ("TIMESTAMPS", "TENSORS")
 UINT32_MAX, INT32_MAX, INT32_MIN = 2**32 - 1, 2**31 - 1, -2**31
 _FIELDS = ("level", "rate", "count", "log_frequency")
-CLEAR = object()                      # a NewSetting value: back to the fallback setting
-
-
-class NewSetting(dict):
-    """A parsed settings update: {"level" | "rate" | "count" | "log_frequency": value or
-    CLEAR}."""
+CLEAR = object()                      # an update's value: back to the fallback setting
 
 
 @dataclass
@@ -278,12 +272,13 @@ _KEYS = {"trace_level": "level", "trace_rate": "rate", "trace_count": "count",
 TRACE_FILE = "trace file location can not be updated through network protocol"
 
 
-def parse_http_update(body: dict) -> NewSetting:
-    """The `NewSetting` of an HTTP trace-setting body. Raises InferError: 501 for trace_file,
-    400 for a bad value (wrong JSON types too: 500 in tritonserver 2.51)."""
+def parse_update(body: dict) -> dict:
+    """The update ({field: value or CLEAR}, `TraceManager.update`'s) of a trace-setting body:
+    HTTP's JSON, or gRPC's map through `grpc_body`. Raises InferError: 501 for trace_file, 400
+    for a bad value (wrong JSON types too: 500 in tritonserver 2.51)."""
     if "trace_file" in body:
         raise InferError(TRACE_FILE, 501)
-    new = NewSetting()
+    new = {}
     for key, name in _KEYS.items():
         if key not in body:
             continue
@@ -304,24 +299,12 @@ def parse_http_update(body: dict) -> NewSetting:
     return new
 
 
-def parse_grpc_update(settings) -> NewSetting:
-    """The `NewSetting` of a gRPC `TraceSettingRequest.settings` map (a value with no strings
-    clears the field). Raises InferError: 501 for trace_file, 400 for a bad value."""
-    if "trace_file" in settings:
-        raise InferError(TRACE_FILE, 501)
-    new = NewSetting()
-    for key, name in _KEYS.items():
-        if key not in settings:
-            continue
-        values = list(settings[key].value)
-        if not values:
-            new[name] = CLEAR
-        elif key == "trace_level":
-            if (level := _levels(values)) is not None:
-                new[name] = level
-        else:
-            new[name] = _number(key, values[0])
-    return new
+def grpc_body(settings) -> dict:
+    """A gRPC `TraceSettingRequest.settings` map in the HTTP body's shape, for `parse_update`:
+    a value with no strings is null (clears the field), trace_level a list, the others their
+    first string (as tritonserver reads them)."""
+    return {key: (list(v.value) if key == "trace_level" else v.value[0]) if len(v.value) else None
+            for key, v in settings.items()}
 
 
 def parse_trace_config(flags: list[str]) -> dict:

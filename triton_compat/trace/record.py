@@ -76,8 +76,8 @@ class Trace:
         self.exporter, self.context = exporter, context
         self.timestamps = "TIMESTAMPS" in setting.level
         self.tensors = "TENSORS" in setting.level
-        self.parts: list[str] = []               # Triton's JSON objects, as text
-        self.events: list[tuple[str, int]] = []  # (activity, ns), for OpenTelemetry
+        self.parts: list[str] = []               # Triton's JSON objects, as text (triton mode)
+        self.events: list[tuple[str, int]] = []  # (activity, ns) (opentelemetry mode)
         self.info: dict = {}
         self._lock = threading.Lock()
         self._done = self._answered = False
@@ -89,8 +89,11 @@ class Trace:
             return
         ns = time.perf_counter_ns() if ns is None else ns
         with self._lock:
-            self.events.append((name, ns))
-            self.parts.append(f'{{"id":{self.id},"timestamps":[{{"name":"{name}","ns":{ns}}}]}}')
+            if self.exporter is not None:
+                self.events.append((name, ns))
+            else:
+                self.parts.append(
+                    f'{{"id":{self.id},"timestamps":[{{"name":"{name}","ns":{ns}}}]}}')
 
     def start(self, model: str, version: int, request_id: str) -> None:
         """The request reached its model: its description, then REQUEST_START."""
@@ -98,10 +101,10 @@ class Trace:
         if request_id:
             info["request_id"] = request_id
         self.info = info
-        if self.timestamps:
+        if self.timestamps and self.exporter is None:
             with self._lock:
                 self.parts.append(json.dumps(info, separators=(",", ":")))
-            self.mark("REQUEST_START")
+        self.mark("REQUEST_START")
 
     def answered(self) -> None:
         """INFER_RESPONSE_COMPLETE and REQUEST_END, once: the request's answer is handed

@@ -309,6 +309,7 @@ class TritonService(service_pb2_grpc.GRPCInferenceServiceServicer):
     # -- trace extension (triton_compat/trace) --------------------------------------------------
     @_unary
     def TraceSetting(self, request, context):
+        """Read or update a model's (or the global) trace setting (Triton's trace extension)."""
         body = grpc_body(request.settings) if len(request.settings) else None
         settings = trace_settings(self.ctx, request.model_name, body)
         return pb.TraceSettingResponse(settings={
@@ -318,6 +319,8 @@ class TritonService(service_pb2_grpc.GRPCInferenceServiceServicer):
     # -- logging extension (triton_compat/log_settings.py) --------------------------------------
     @_unary
     def LogSettings(self, request, context):
+        """Read or update the log settings (Triton's logging extension); each value's set
+        field is its type, checked as tritonserver checks it."""
         changes, kinds = {}, {}
         for name, value in request.settings.items():
             kind = value.WhichOneof("parameter_choice")     # None: no value set (skipped)

@@ -34,6 +34,8 @@ class TraceFile:
         self._lock = threading.Lock()
 
     def save(self, parts: list[str], indexed: bool) -> None:
+        """Write `parts` (JSON objects as text): as `<path>.<n>` when `indexed`, else appended
+        to the main file's array. OSError is logged, not raised."""
         text = ",".join(parts)
         try:
             with self._lock:

@@ -202,12 +202,16 @@ class EngineCore:
         if self.device.cpu_isa() is None:
             return "n/a"
         from engine.kernels.isa import isa_label
-        return isa_label()
+        kernels = self.runner.kernels
+        refused = self.device.cpu_isa() == "amx" and kernels is not None and not kernels.amx_rows
+        return isa_label() + (", tiles refused" if refused else "")
 
     def _linear_description(self) -> str:
         """The ready log's linear path: e.g. `gguf Q4_1/Q8_0 kernels (avx512)` quantized."""
         if self.model.quant_types:
-            return self.quant.describe(self.model.quant_types, self.device.cpu_isa())
+            kernels = self.runner.kernels
+            return self.quant.describe(self.model.quant_types, kernels.quant_label if kernels
+                                       else self.device.cpu_isa())
         return LINEAR_PATH_NAMES[self.model.linear_path]
 
     def _proposer(self) -> NgramProposer | None:

@@ -183,8 +183,8 @@ def resolve_dtype(name: str, device: Device, quantized: bool = False) -> torch.d
     if name == "auto":
         if device.kind != "cpu":
             return torch.bfloat16
-        from engine.kernels.isa import bf16_matmul, cpu_isa
-        fast = bf16_matmul() or (quantized and cpu_isa() == "avx512")
+        from engine.kernels.isa import at_least, bf16_matmul
+        fast = bf16_matmul() or (quantized and at_least("avx512"))
         return torch.bfloat16 if fast else torch.float32
     if name not in DTYPES:
         raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {name!r}")

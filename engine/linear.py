@@ -42,8 +42,8 @@ def _onednn_supports(dtype: torch.dtype) -> bool:
         return False
     if dtype == torch.float32:
         return True
-    from engine.kernels.isa import is_capped
-    if is_capped():                          # CONTINUUM_CPU_ISA below the host: act like it
+    from engine.kernels.isa import at_least, is_capped
+    if is_capped() and not at_least("avx512"):   # CONTINUUM_CPU_ISA=avx2 or below: act like it
         return False
     if dtype == torch.bfloat16:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())

@@ -38,15 +38,19 @@ def tokenizer(model_dir):
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
-KERNEL_BUILDS = {"native": ["-march=native"], "avx2": ["-march=x86-64-v3"],
-                 "portable": ["-march=x86-64-v2"]}
+KERNEL_BUILDS = {"native": ["-march=native"],
+                 "avx512-no-amx": ["-march=native", "-mno-amx-tile", "-mno-amx-bf16",
+                                   "-mno-amx-int8"],
+                 "avx2": ["-march=x86-64-v3"], "portable": ["-march=x86-64-v2"]}
 
 
 @pytest.fixture(scope="session", params=list(KERNEL_BUILDS))
 def lib(request, tmp_path_factory):
-    """The CPU kernels built three ways: this machine's (-march=native: AVX-512 where it has
-    it), AVX2 + FMA (-march=x86-64-v3; skipped without AVX2) and portable (-march=x86-64-v2, the
-    generic C loops); skipped without a C compiler."""
+    """The CPU kernels built each way this host runs them: its own (-march=native: AVX-512
+    where it has it; on an AMX host, the quantized linears on tiles from AMX_MIN_ROWS rows of
+    bfloat16 x), `avx512-no-amx` (the AMX extensions off, as under CONTINUUM_CPU_ISA=avx512;
+    skipped without AMX), AVX2 + FMA (-march=x86-64-v3; skipped without AVX2) and portable
+    (-march=x86-64-v2, the generic C loops); skipped without a C compiler."""
     import ctypes
     import platform
 
@@ -64,8 +68,30 @@ def lib(request, tmp_path_factory):
         flags = kernels.BASE_CFLAGS + KERNEL_BUILDS[request.param]
     if request.param == "avx2" and LEVELS.index(host_isa()) < LEVELS.index("avx2"):
         pytest.skip("this CPU has no AVX2 + FMA")
+    if request.param == "avx512-no-amx" and host_isa() != "amx":
+        pytest.skip("needs an AMX host (amx_tile, amx_bf16, avx512_bf16)")
     path = kernels.build(compiler, flags, tmp_path_factory.mktemp(request.param))
     return kernels.CpuKernels(ctypes.CDLL(str(path)))
+
+
+@pytest.fixture(scope="session")
+def amx_lib(tmp_path_factory):
+    """This host's kernels with the quantized linears on AMX tiles at every row count of
+    bfloat16 x; skipped without AMX or a C compiler."""
+    import ctypes
+
+    from engine import kernels
+    from engine.kernels.isa import host_isa
+
+    compiler = kernels.find_compiler()
+    if compiler is None or host_isa() != "amx":
+        pytest.skip("needs an AMX host (amx_tile, amx_bf16, avx512_bf16) and a C compiler")
+    path = kernels.build(compiler, kernels.BASE_CFLAGS + ["-march=native"],
+                         tmp_path_factory.mktemp("amx"))
+    built = kernels.CpuKernels(ctypes.CDLL(str(path)))
+    assert built._fn["quant_amx_config"](1) == 0, "AMX tiles refused on an AMX host"
+    built.amx_rows = 1
+    return built
 
 
 def free_port() -> int:
@@ -76,9 +102,11 @@ def free_port() -> int:
 
 def start_server(args: list[str], ready_path: str, log_path, timeout: float = 300,
                  new_session: bool = False, https_ca: str | None = None,
-                 client_cert: tuple[str, str] | None = None):
+                 client_cert: tuple[str, str] | None = None, launcher: list[str] | None = None):
     """Start `python -m api serve ARGS --port P` (output to `log_path`; in a process group of
-    its own with `new_session`, as a terminal's foreground job) and wait until `ready_path`
+    its own with `new_session`, as a terminal's foreground job; `launcher` in place of
+    `-m api`, e.g. a script that runs the module after changing the process) and wait until
+    `ready_path`
     answers 200 (over HTTPS checked against the CA file `https_ca` when given, presenting
     `client_cert` (certificate, key) when given). Returns
     (process, base URL); raises RuntimeError with the log's tail if it exits or is not ready in
@@ -89,7 +117,8 @@ def start_server(args: list[str], ready_path: str, log_path, timeout: float = 30
     if "--model-repository" in args and "--grpc-port" not in args:
         args = [*args, "--grpc-port", str(free_port())]     # never Triton's default 8001
     log = open(log_path, "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "api", "serve", "--port", str(port), *args],
+    proc = subprocess.Popen([sys.executable, *(launcher or ["-m", "api"]), "serve", "--port",
+                             str(port), *args],
                             stdout=log, stderr=log, env=dict(os.environ),
                             start_new_session=new_session)
     base = f"{'https' if https_ca else 'http'}://127.0.0.1:{port}"

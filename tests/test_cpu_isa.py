@@ -33,6 +33,10 @@ def test_host_level_from_flags():
     full = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"}
     assert isa.host_isa(full) == "avx512"
     assert isa.host_isa(full - {"avx512bw"}) == "avx2"
+    tiles = full | {"amx_tile", "amx_bf16", "amx_int8", "avx512_bf16"}
+    assert isa.host_isa(tiles) == "amx"
+    assert isa.host_isa(tiles - {"avx512_bf16"}) == "avx512"     # tiles need its conversions
+    assert isa.at_least("avx512", "amx") and not isa.at_least("amx", "avx512")
 
 
 @pytest.mark.skipif(not X86, reason="x86 levels")
@@ -45,7 +49,7 @@ def test_auto_dtype_follows_the_hosts_matmul_units():
     assert isa.bf16_matmul(amx) and isa.bf16_matmul(avx512 | {"avx512_bf16"})
     assert not isa.bf16_matmul(avx512)
     assert not isa.bf16_matmul({"avx2", "fma", "avx512_bf16"})      # below avx512: not used
-    assert isa.isa_label(amx) == "avx512 (amx, vnni, bf16)"
+    assert isa.isa_label(amx) == "amx (avx512, vnni, bf16)"
     assert isa.isa_label(avx512) == "avx512 (vnni)"
     assert isa.isa_label({"avx2", "fma"}) == "avx2"
 
@@ -58,7 +62,7 @@ def test_auto_dtype_on_this_host(capped):
     cpu = resolve_device("cpu")
     units = isa.bf16_matmul()
     assert resolve_dtype("auto", cpu) == (torch.bfloat16 if units else torch.float32)
-    quantized = units or isa.cpu_isa() == "avx512"
+    quantized = units or isa.at_least("avx512")
     assert resolve_dtype("auto", cpu, quantized=True) == (torch.bfloat16 if quantized
                                                           else torch.float32)
     assert resolve_dtype("float32", cpu, quantized=True) == torch.float32
@@ -83,10 +87,25 @@ def test_switch_refuses_unknown_or_missing_levels(capped):
     capped("avx3")
     with pytest.raises(ValueError, match="CONTINUUM_CPU_ISA='avx3': must be one of"):
         isa.cpu_isa()
-    if isa.host_isa() != "avx512":
+    if not isa.at_least("avx512", isa.host_isa()):
         capped("avx512")
         with pytest.raises(ValueError, match="this CPU supports only"):
             isa.cpu_isa()
+    if isa.host_isa() != "amx":
+        capped("amx")
+        with pytest.raises(ValueError, match="this CPU supports only"):
+            isa.cpu_isa()
+
+
+@pytest.mark.skipif(isa.host_isa() != "amx", reason="needs an AMX host (amx_tile, amx_bf16)")
+def test_avx512_cap_on_an_amx_host_keeps_its_vector_extensions(capped):
+    """`CONTINUUM_CPU_ISA=avx512` on an AMX host: the host's own -march without the AMX
+    extensions (its AVX512-BF16 and VNNI loops stay), no tiles, bfloat16 by default."""
+    capped("avx512")
+    assert isa.cpu_isa() == "avx512" and isa.is_capped()
+    assert isa.march_flags("avx512") == ["-march=native", "-mno-amx-tile", "-mno-amx-bf16",
+                                         "-mno-amx-int8"]
+    assert isa.isa_label() == "avx512 (vnni, bf16)" and isa.bf16_matmul()
 
 
 class _FakeKernels:
@@ -148,4 +167,4 @@ def test_serve_refuses_a_dtype_or_isa_it_cannot_run_with_one_line():
     r = _serve([], {**env, isa.ENV: "sse9"})
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
-        "continuum: error: CONTINUUM_CPU_ISA='sse9': must be one of generic, avx2, avx512"]
+        "continuum: error: CONTINUUM_CPU_ISA='sse9': must be one of generic, avx2, avx512, amx"]

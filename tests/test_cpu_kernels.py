@@ -12,17 +12,21 @@ from engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk, paged
 
 COMPILER = kernels.find_compiler()
 pytestmark = pytest.mark.skipif(COMPILER is None, reason="no C compiler")
-# the `lib` fixture (one build per ISA: native, avx2, portable) is in conftest.py
+# the `lib` fixture (one build per ISA: native, avx512-no-amx, avx2, portable) is in conftest.py
 
 
 def test_each_build_runs_the_inner_loops_of_its_isa(lib, request):
-    """The ISA guards pick the loops the flags allow: AVX-512 only with AVX-512, AVX2 + FMA on
-    x86-64-v3, the generic C loops on x86-64-v2."""
+    """The ISA guards pick the loops the flags allow: AVX-512 only with AVX-512 (an AMX host's
+    vector loops are AVX-512's, with or without its AMX extensions built), AVX2 + FMA on
+    x86-64-v3, the generic C loops on x86-64-v2; AMX tiles only in an AMX host's own build."""
     from engine.kernels.isa import host_isa
 
     build = request.node.callspec.params["lib"]
-    expected = {"native": host_isa(), "avx2": "avx2", "portable": "generic"}[build]
+    host = host_isa()
+    expected = {"native": "avx512" if host == "amx" else host, "avx512-no-amx": "avx512",
+                "avx2": "avx2", "portable": "generic"}[build]
     assert lib.isa == expected
+    assert bool(lib.amx_rows) == (build == "native" and host == "amx")
 
 
 @pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 64, 130])
@@ -86,6 +90,40 @@ def test_paged_decode_matches_reference(lib, dtype, tol, heads, kv_heads, head_d
     lib.paged_decode(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, out)
     ref = reference_decode(q, k_cache, v_cache, tables, lens, head_dim ** -0.5)
     assert (out.double() - ref).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim",
+                         [(9, 3, 64), (4, 4, 128), (16, 2, 32), (10, 2, 96), (6, 2, 24)])
+def test_prefill_runs_on_amx_tiles_match_reference(amx_lib, heads, kv_heads, head_dim):
+    """Rows of a step as the engine lays them out: decodes first, then prefill chunks — a run
+    of 40 tokens after a cached prefix of 10, one of 17 from position 0, and one of 5 (below the
+    tiles' 16 rows, so on the vector loops) — each chunk's rows with its request's block table
+    and consecutive context lengths. The runs of 16 rows and more are attended on AMX tiles
+    (softmax in float32, P rounded to bfloat16); head_dim 24 is not a multiple of 32 and stays
+    on the vector loops. Against float64."""
+    torch.manual_seed(heads)
+    bs, num_blocks = 16, 64
+    k_cache = torch.randn(kv_heads, num_blocks, bs, head_dim).bfloat16()
+    v_cache = torch.randn(kv_heads, num_blocks, bs, head_dim).bfloat16()
+    perm = torch.randperm(num_blocks).int()
+    seqs = [(perm[0:4], [37]), (perm[4:8], [60]), (perm[8:12], range(11, 51)),
+            (perm[12:14], range(1, 18)), (perm[14:16], range(3, 8))]
+    tables = torch.zeros(0, 4, dtype=torch.int32)
+    lens = []
+    for table, ctxs in seqs:
+        padded = torch.cat([table, torch.zeros(4 - len(table), dtype=torch.int32)])
+        tables = torch.cat([tables, padded.repeat(len(ctxs), 1)])
+        lens += list(ctxs)
+    lens = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(len(lens), heads + kv_heads, head_dim).bfloat16()[:, :heads]
+    out = torch.empty(len(lens), heads, head_dim, dtype=torch.bfloat16)
+    before = amx_lib._fn["attention_amx_rows"]()
+    amx_lib.paged_decode(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, out)
+    tiled = amx_lib._fn["attention_amx_rows"]() - before
+    assert tiled == (40 + 17 if head_dim % 32 == 0 else 0)
+    ref = reference_decode(q, k_cache, v_cache, tables, lens, head_dim ** -0.5)
+    err = (out.double() - ref).abs().max().item()
+    assert err < 2e-2 * ref.abs().max().item(), err
 
 
 def test_cache_write_puts_each_token_at_its_slot(lib):

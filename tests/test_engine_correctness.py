@@ -145,13 +145,18 @@ def test_float_weights_match_transformers(prompts, assert_greedy):
 def test_kernel_path_is_in_use_on_cpu(base_engine):
     """Where a C compiler exists, the CPU engine attends with the compiled kernels (the tests
     above), built for the engine's ISA level (AVX2 under CONTINUUM_CPU_ISA=avx2, even on an
-    AVX-512 host); the pure-torch path, which CUDA and NPU use, is checked below."""
+    AVX-512 host; AVX-512 loops with AMX tiles for the quantized linears on an AMX host, none
+    under CONTINUUM_CPU_ISA=avx512); the pure-torch path, which CUDA and NPU use, is checked
+    below."""
     from engine import kernels
     from engine.kernels.isa import cpu_isa
 
     if kernels.find_compiler() is not None:
-        assert base_engine.runner.kernels is not None
-        assert base_engine.runner.kernels.isa == cpu_isa()
+        lib = base_engine.runner.kernels
+        assert lib is not None
+        # an AMX level's vector loops are AVX-512's, and its quantized linears take tiles
+        assert lib.isa == ("avx512" if cpu_isa() == "amx" else cpu_isa())
+        assert bool(lib.amx_rows) == (cpu_isa() == "amx")
 
 
 @pytest.mark.parametrize("min_group", [None, 1, 2])

@@ -82,6 +82,40 @@ def test_bfloat16_activations(lib, name, m):
     assert_close(y.float(), x.float(), ref.float().bfloat16().double(), None, 1e-2)
 
 
+AMX_SHAPES = {"Q8_0": [32, 96, 608], "Q4_0": [32, 608], "Q4_1": [96, 608], "Q4_K": [256, 768],
+              "Q6_K": [256, 768], "I8": [5, 100, 600]}
+
+
+@pytest.mark.parametrize("name", list(AMX_SHAPES))
+@pytest.mark.parametrize("m", [1, 8, 16, 17, 33, 64, 100])
+def test_amx_tiles_match_gguf_py(amx_lib, name, m):
+    """The AMX tile nest (quant_amx.c) at every row count for every
+    block type: N of 1 to 96 (partial 16- and 32-row units), K of one step to an odd number of
+    steps, int8's K not a multiple of 32; x strided with NaN past K (an edge read of x would
+    leak it, as oneDNN #5717 did); bias on odd rows (float32 out). float32 out against the float64 product of
+    gguf-py's weights rounded to bfloat16 (the bfloat16 model's), bfloat16 out within its
+    rounding."""
+    lib = amx_lib
+    for n in (1, 17, 53, 96):
+        for k in AMX_SHAPES[name]:
+            if name == "I8":
+                w = quantize_int8(torch.randn(n, k))
+                ref = w.dequantize().double()                     # q * scale: exact in bf16
+            else:
+                w = random_blocks(name, n, k, seed=m + n)
+                ref = reference(w).float().bfloat16().double()
+            wide = torch.full((m, k + 11), float("nan"), dtype=torch.bfloat16)
+            wide[:, 3:3 + k] = torch.randn(m, k).bfloat16()
+            x = wide[:, 3:3 + k]
+            bias = torch.randn(n) if m % 2 else None
+            y = lib.quant_linear(x, w, bias, torch.float32)
+            assert torch.isfinite(y).all(), (name, n, k)
+            assert_close(y, x.float(), ref, bias, 1e-5)
+            yb = lib.quant_linear(x, w)            # no bias: the check's scale leaves it out
+            assert yb.dtype == torch.bfloat16
+            assert_close(yb.float(), x.float(), ref, None, 1e-2)
+
+
 def test_int8_rows_and_padded_k(lib):
     """Per-channel int8 of a weight whose K is not a multiple of 32: padded with zeros, scaled
     per row; the lookup of rows (embedding) dequantizes the same values."""

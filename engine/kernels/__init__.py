@@ -7,8 +7,9 @@ and this CPU's feature flags, so an edit or another machine rebuilds; loading it
 that its OpenMP runtime is torch's; and the typed Python entry points: `cache_write` and
 `paged_decode` (attention), `add_rms_norm`, `silu_and_mul` and `rotary` (fused elementwise ops,
 vLLM's), `pack_linear` and `linear` (bfloat16-weight GEMM for hosts without oneDNN bfloat16),
-`quant_linear` (optionally with int8 activations, `q8_available`) and `quant_embed` (GGUF blocks
-and int8 read in place; `engine.quant`), `lora_sgmv` (a step's multi-LoRA deltas of one
+`quant_linear` (optionally with int8 activations, `q8_available`; on AMX tiles from
+`AMX_MIN_ROWS` rows of bfloat16 x where the host has them, `quant_amx.c`) and `quant_embed` (GGUF
+blocks and int8 read in place; `engine.quant`), `lora_sgmv` (a step's multi-LoRA deltas of one
 projection, `engine.lora`), and `layer_stack_forward` (every decoder layer of a quantized model
 in one call; `engine.kernels.stack`).
 
@@ -37,8 +38,8 @@ logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 SOURCES = [HERE / "cpu_kernels.c", HERE / "gemm.c", HERE / "quant.c", HERE / "quant_panel.c",
-           HERE / "quant_q8.c", HERE / "lora.c", HERE / "layer_stack.c"]
-HEADERS = [HERE / "common.h", HERE / "vec.h", HERE / "quant_blocks.h"]
+           HERE / "quant_q8.c", HERE / "quant_amx.c", HERE / "attention_amx.c", HERE / "lora.c", HERE / "layer_stack.c"]
+HEADERS = [HERE / "common.h", HERE / "vec.h", HERE / "quant_blocks.h", HERE / "amx.h"]
 BASE_CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
 
 
@@ -68,10 +69,16 @@ _PLAIN = {
     "quant_linear_q8": ([_I, _P, _I64, _P, _P, _P, _I64, _I, _P, _I64, _I, _I64, _I64, _I64,
                          _I], _I),
     "quant_q8_available": ([], _I),
+    "quant_amx_config": ([_I], _I),
+    "quant_amx_min_rows": ([], _I),
+    "attention_amx_rows": ([], _I64),
     "quant_embed": ([_I, _P, _I64, _P, _P, _I64, _I64, _I64, _P, _I], _I),
     "layer_stack_forward": ([_P, _P, _P, _I, _P, _P, _P, _I, _P, _P, _P, _P, _P, _P, _I], _I),
 }
 NR = 16    # output columns per packed weight panel (gemm.c)
+# The fewest rows of bfloat16 x the quantized linears take on AMX tiles (quant_amx.c), below
+# them the AVX-512 nests: measured by benchmarks/amx_bench.py (docs/cpu.md).
+AMX_MIN_ROWS = 5
 
 
 def build(compiler: str, flags: list[str] | None = None, out_dir: Path | None = None) -> Path:
@@ -122,6 +129,30 @@ class CpuKernels:
             fn.argtypes, fn.restype = argtypes, restype
             self._fn[name] = fn
         self.isa = self._fn["kernels_isa"]().decode()     # "avx512", "avx2" or "generic"
+        self.amx_rows = self._enable_amx()
+
+    def _enable_amx(self) -> int:
+        """Turn the quantized linears' AMX tile nest on where the engine's level is `amx` and
+        this build has it: asks Linux for the tile state once per process (refused: one
+        warning line, and the AVX-512 nests run). Returns the fewest rows of x it takes (0:
+        off)."""
+        from engine.kernels.isa import cpu_isa
+        if cpu_isa() != "amx":
+            return 0
+        rc = self._fn["quant_amx_config"](AMX_MIN_ROWS)
+        if rc == -1:                                # a build for a lower level
+            return 0
+        if rc:
+            logger.warning("AMX tiles refused by Linux (arch_prctl ARCH_REQ_XCOMP_PERM: %s): "
+                           "the quantized linears run on AVX-512", os.strerror(rc))
+            return 0
+        return AMX_MIN_ROWS
+
+    @property
+    def quant_label(self) -> str:
+        """The quantized linears' kernels as the ready log names them: `avx512`, or `amx tiles
+        from 8 rows, avx512` where the tile nest is on."""
+        return f"amx tiles from {self.amx_rows} rows, {self.isa}" if self.amx_rows else self.isa
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:

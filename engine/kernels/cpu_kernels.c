@@ -223,6 +223,16 @@ DEFINE_DECODE_ONE_VEC(bf16, uint16_t)
 #define DECODE_VEC(SUFFIX, ...) decode_one_##SUFFIX(__VA_ARGS__)
 #endif
 
+/* attention_amx.c: the rows of prefill runs attended on AMX tiles (bfloat16; a mask of the rows
+ * done, to be freed, or NULL). */
+uint8_t *attention_amx_prefill(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
+                               const uint16_t *v_cache, const int32_t *tables, int max_blocks,
+                               const int32_t *ctx_lens, uint16_t *out, int num_seqs,
+                               int num_heads, int num_kv_heads, int D, int bs,
+                               int64_t num_blocks, float scale, int num_threads);
+#define AMX_PREFILL_bf16(...) attention_amx_prefill(__VA_ARGS__)
+#define AMX_PREFILL_f32(...) NULL
+
 /* Returns 0, or -1 when head_dim or the GQA group is larger than the kernel's buffers. */
 #define DEFINE_KERNELS(SUFFIX, T)                                                            \
 void cache_write_##SUFFIX(const T *k, const T *v, T *k_cache, T *v_cache,                   \
@@ -248,9 +258,14 @@ int paged_decode_##SUFFIX(const T *q, int64_t q_stride, const T *k_cache, const 
     const int group = num_heads / num_kv_heads;                                              \
     if (head_dim > 256 || group > MAX_GROUP) return -1;                                      \
     const int64_t head_elems = num_blocks * block_size * head_dim;                           \
+    uint8_t *done = AMX_PREFILL_##SUFFIX(q, q_stride, k_cache, v_cache, block_tables,        \
+                                         max_blocks, ctx_lens, out, num_seqs, num_heads,     \
+                                         num_kv_heads, head_dim, block_size, num_blocks,     \
+                                         scale, num_threads);                                \
     _Pragma("omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)")   \
     for (int b = 0; b < num_seqs; b++) {                                                     \
         for (int kh = 0; kh < num_kv_heads; kh++) {                                          \
+            if (done && done[b]) continue;              /* a prefill run's: on AMX tiles */ \
             const int ctx = ctx_lens[b];                                                     \
             float qf[MAX_GROUP * 256];                                                       \
             for (int g = 0; g < group; g++) {                                                \
@@ -275,6 +290,7 @@ int paged_decode_##SUFFIX(const T *q, int64_t q_stride, const T *k_cache, const 
             free(scores);                                                                    \
         }                                                                                    \
     }                                                                                        \
+    free(done);                                                                              \
     return 0;                                                                                \
 }
 

@@ -1,14 +1,17 @@
 """Which x86 instruction-set level the CPU kernels and the linear layers target.
 
-Owns: reading the host's CPU flags, the project switch `CONTINUUM_CPU_ISA` (`avx512`, `avx2` or
-`generic`) that caps the level below what the host has — so an AVX-512 machine can test the
-AVX2 paths, together with oneDNN's `ONEDNN_MAX_CPU_ISA=AVX2` and ATen's
-`ATEN_CPU_CAPABILITY=avx2` —, and the C compiler's `-march` for each level.
+Owns: reading the host's CPU flags, the project switch `CONTINUUM_CPU_ISA` (`amx`, `avx512`,
+`avx2` or `generic`) that caps the level below what the host has — so an AMX machine can test
+the AVX-512 paths, and an AVX-512 one the AVX2 paths (together with oneDNN's
+`ONEDNN_MAX_CPU_ISA=AVX2` and ATen's `ATEN_CPU_CAPABILITY=avx2`) —, and the C compiler's
+`-march` for each level.
 
-Levels: `avx512` needs AVX-512 F, BW, VL and DQ; `avx2` needs AVX2 and FMA (x86-64-v3);
-`generic` is anything else, non-x86 hosts included. In: /proc/cpuinfo and the environment.
-Out: `cpu_isa()`, `host_isa()`, `march_flags(isa)`, `bf16_matmul()` (whether `--dtype auto`
-is bfloat16 here) and `isa_label()` (the ready log's `cpu isa: ...`).
+Levels: `amx` is `avx512` with AMX tiles for bfloat16 (`amx_tile`, `amx_bf16`) and AVX512-BF16
+(Intel Sapphire, Emerald and Granite Rapids Xeons); `avx512` needs AVX-512 F, BW, VL and DQ;
+`avx2` needs AVX2 and FMA (x86-64-v3); `generic` is anything else, non-x86 hosts included.
+In: /proc/cpuinfo and the environment. Out: `cpu_isa()`, `host_isa()`, `at_least(floor)`,
+`march_flags(isa)`, `bf16_matmul()` (whether `--dtype auto` is bfloat16 here) and
+`isa_label()` (the ready log's `cpu isa: ...`).
 """
 
 from __future__ import annotations
@@ -18,8 +21,12 @@ import platform
 from functools import lru_cache
 from pathlib import Path
 
-LEVELS = ("generic", "avx2", "avx512")
-_NEEDS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"}, "avx2": {"avx2", "fma"}}
+LEVELS = ("generic", "avx2", "avx512", "amx")
+_AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+_NEEDS = {"amx": _AVX512 | {"amx_tile", "amx_bf16", "avx512_bf16"}, "avx512": _AVX512,
+          "avx2": {"avx2", "fma"}}
+# The compiler's names of the AMX extensions, turned off in an `avx512` build on an AMX host.
+_NO_AMX = ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
 ENV = "CONTINUUM_CPU_ISA"
 
 
@@ -39,7 +46,7 @@ def host_isa(flags: set[str] | None = None) -> str:
     if platform.machine() not in ("x86_64", "AMD64"):
         return "generic"
     flags = cpu_flags() if flags is None else flags
-    for level in ("avx512", "avx2"):
+    for level in ("amx", "avx512", "avx2"):
         if _NEEDS[level] <= flags:
             return level
     return "generic"
@@ -67,6 +74,12 @@ def is_capped() -> bool:
     return cpu_isa() != host_isa()
 
 
+def at_least(floor: str, level: str | None = None) -> bool:
+    """Whether `level` (default: the engine's, `cpu_isa()`) is `floor` or above it in LEVELS:
+    `at_least("avx512")` holds on AMX hosts too."""
+    return LEVELS.index(level or cpu_isa()) >= LEVELS.index(floor)
+
+
 BF16_MATMUL_FLAGS = ("amx_bf16", "avx512_bf16")     # bfloat16 dot products in hardware
 
 
@@ -78,29 +91,35 @@ def _flags_and_level(flags: set[str] | None) -> tuple[set[str], str]:
 
 def bf16_matmul(flags: set[str] | None = None) -> bool:
     """Whether the engine's level has bfloat16 matmul units: AMX-BF16 tiles or AVX512-BF16's
-    `vdpbf16ps`, at level avx512 (a cap to avx2 takes them away). `flags` default: this
+    `vdpbf16ps`, at level avx512 or amx (a cap to avx2 takes them away). `flags` default: this
     host's. `--dtype auto` is bfloat16 where this holds (vLLM takes the checkpoint's bfloat16
     on such CPUs), float32 elsewhere, where bfloat16 would be converted to float32 for every
     product."""
     flags, level = _flags_and_level(flags)
-    return level == "avx512" and any(f in flags for f in BF16_MATMUL_FLAGS)
+    return at_least("avx512", level) and any(f in flags for f in BF16_MATMUL_FLAGS)
 
 
 def isa_label(flags: set[str] | None = None) -> str:
-    """The level as the ready log names it, with the matmul extensions the kernels and oneDNN
-    use: e.g. "avx512 (vnni)", "avx512 (vnni, bf16)", "avx512 (amx, vnni, bf16)", "avx2"."""
+    """The level as the ready log names it, with the vector extensions the kernels and oneDNN
+    use: e.g. "amx (avx512, vnni, bf16)", "avx512 (vnni, bf16)", "avx512 (vnni)", "avx2"."""
     flags, level = _flags_and_level(flags)
-    if level != "avx512":
+    if not at_least("avx512", level):
         return level
-    extras = [name for name, flag in (("amx", "amx_tile"), ("vnni", "avx512_vnni"),
-                                      ("bf16", "avx512_bf16")) if flag in flags]
-    return f"avx512 ({', '.join(extras)})" if extras else level
+    extras = ["avx512"] if level == "amx" else []
+    extras += [name for name, flag in (("vnni", "avx512_vnni"), ("bf16", "avx512_bf16"))
+               if flag in flags]
+    return f"{level} ({', '.join(extras)})" if extras else level
 
 
 def march_flags(isa: str) -> list[str]:
     """`-march` for a kernel build at `isa`: the host's own (`native`) when `isa` is the host's
-    level, else the level's baseline (`x86-64-v3` for avx2, `x86-64-v2` for generic on x86)."""
-    if isa == host_isa():
+    level; `native` without the AMX extensions for avx512 on an AMX host (its AVX512-BF16 and
+    VNNI loops stay); else the level's baseline (`x86-64-v3` for avx2, `x86-64-v2` for
+    generic on x86)."""
+    host = host_isa()
+    if isa == host:
         return ["-march=native"] if platform.machine() in ("x86_64", "AMD64") else []
+    if isa == "avx512" and host == "amx":
+        return ["-march=native", *_NO_AMX]
     return {"avx512": ["-march=x86-64-v4"], "avx2": ["-march=x86-64-v3"],
             "generic": ["-march=x86-64-v2"]}[isa]

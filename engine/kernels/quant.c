@@ -250,6 +250,10 @@ int quant_linear(int type, const uint8_t *w, int64_t row_bytes, const float *row
                  int64_t ldy, int y_f32, int64_t m, int64_t n, int64_t k, int num_threads) {
     qkernels kn;
     if (!kernels_for(type, &kn)) return -2;
+    const int amx_rows = quant_amx_min_rows();
+    if (x_bf16 && amx_rows && m >= amx_rows)
+        return quant_amx_linear(type, w, row_bytes, row_scale, bias, x, x_stride, y, ldy, y_f32,
+                                m, n, k, num_threads);
     const int qk = kn.qk, bytes = kn.bytes;
     const int64_t nb = (k + qk - 1) / qk, kp = nb * qk;
     const int nest = choose_nest(m, x_bf16);

@@ -48,74 +48,11 @@ INLINE void panel_tile(const float *x, int64_t kp, const float *panel, const int
         for (int v = 0; v < NPV; v++) vstore(acc + r * NP + v * VL, a[r][v]);
 }
 
-/* dst [VL][ldd] = src [VL][lds]^T for one VL x VL tile of 32-bit values (floats, or pairs of
- * bfloat16 taken as one unit). AVX-512: the usual 4-stage unpack / shuffle transpose. */
-#if HAVE_AVX512
-INLINE void transpose_tile(const float *src, int64_t lds, float *dst, int64_t ldd) {
-    __m512 r[16], t[16];
-    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(src + i * lds);
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
-        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
-        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-    }
-    for (int h = 0; h < 16; h += 8)
-        for (int i = 0; i < 4; i++) {
-            t[h + i] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0x88);
-            t[h + i + 4] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0xDD);
-        }
-    for (int i = 0; i < 8; i++) {
-        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
-        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
-    }
-    for (int i = 0; i < 16; i++) _mm512_storeu_ps(dst + i * ldd, r[i]);
-}
-#elif HAVE_AVX2
-INLINE void transpose_tile(const float *src, int64_t lds, float *dst, int64_t ldd) {
-    __m256 r[8], t[8];
-    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + i * lds);
-    for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 8; i += 4) {
-        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-    }
-    for (int i = 0; i < 4; i++) {
-        t[i] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x20);
-        t[i + 4] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x31);
-    }
-    for (int i = 0; i < 8; i++) _mm256_storeu_ps(dst + i * ldd, t[i]);
-}
-#else
-INLINE void transpose_tile(const float *src, int64_t lds, float *dst, int64_t ldd) {
-    for (int i = 0; i < VL; i++)
-        for (int j = 0; j < VL; j++) dst[j * ldd + i] = src[i * lds + j];
-}
-#endif
-
 /* panel [cols][NP] = rows [NP][lds]^T over `cols` columns (a multiple of VL), in tiles. */
 static void transpose_panel(const float *rows, int64_t lds, int64_t cols, float *panel) {
     for (int64_t k = 0; k < cols; k += VL)
         for (int g = 0; g < NP; g += VL)
             transpose_tile(rows + g * lds + k, lds, panel + k * NP + g, NP);
-}
-
-/* Ask for `bytes` bytes from `p` (a panel's rows, contiguous) ahead of their use: the block
- * columns below walk NP rows at once, a pattern the hardware prefetcher does not follow. Each
- * panel asks for the next one's (its thread's next, under the static schedule) before its
- * tiles run, so the rows arrive while it computes (M = 16: 11.3 -> 10.5 ms over the 30 layers;
- * a prefetch past the tensor's end is harmless). */
-INLINE void prefetch_rows(const uint8_t *p, int64_t bytes) {
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
 }
 
 /* The panel of W rows [n0, n1) (zero past n1) as float32 [kp][NP], one block column at a

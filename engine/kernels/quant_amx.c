@@ -1,0 +1,304 @@
+/*
+ * quant.c's nest for bfloat16 x on hosts with AMX tiles (Intel Sapphire / Emerald / Granite
+ * Rapids): W's blocks dequantized to bfloat16 and multiplied with tdpbf16ps,
+ *
+ *   y^T [N, M] = bfloat16(dequant(W)) [N, K] . x^T [K, M]     (float32 accumulation)
+ *
+ * W is the A operand: a tile is 16 W rows by one step of 32 k, which is what dqb_T gives one
+ * block of one W row in a register, so the weights need no transpose (quant_panel.c transposes
+ * every block column); only the small x is transposed, once per call, into AMX's B layout:
+ * k pairs, xt [kp / 2][mp][2] bfloat16 (Intel SDM vol. 1 ch. 18 "Intel AMX", TDPBF16PS; the
+ * weights-as-A roles of llama.cpp's ggml-cpu/amx/mmq.cpp).
+ *
+ * Threads split W into units of NW = 32 rows. A unit is dequantized once per call into an A
+ * scratch [kp / 32][32][32] bfloat16 (36 KiB at K = 576, 96 KiB at 1536: L2), rounded to
+ * nearest even as the bfloat16 model rounds its weights; then 2 x 2 tiles (32 W rows by 32
+ * rows of x) run over every k step — a last 16 rows of x alone. C tiles are stored,
+ * transposed to [m][n] and written by store_row (row scale, bias, output dtype).
+ * Tiles (palette 1, all 16 rows of 64 bytes): 0-3 C, 4-5 A, 6-7 B.
+ *
+ * The tile data state needs Linux's permission (arch_prctl(ARCH_REQ_XCOMP_PERM,
+ * XFEATURE_XTILEDATA), Documentation/arch/x86/xstate.rst; without it a tile instruction is
+ * SIGILL): quant_amx_config asks once per process and leaves the nest off where it is refused,
+ * so quant.c runs its AVX-512 nests. Each call loads the tile configuration on every thread it
+ * uses (oneDNN shares those threads and configures its own) and releases it after.
+ */
+#include "amx.h"
+
+#if HAVE_AMX
+#include <errno.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define ARCH_GET_XCOMP_PERM 0x1022
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#endif
+
+#define NW 32         /* W rows a unit: two A tiles */
+#define TK 32         /* k a step (a tile row: 32 bfloat16) */
+
+static int amx_min_rows;      /* 0: the nest is off; else the fewest rows of x it takes */
+
+/* Turn the nest on for calls of at least `min_rows` rows of bfloat16 x (0: off). The first
+ * time it is turned on in a process, asks Linux for the tile data state. Returns 0; -1 when
+ * this build has no AMX; else the errno of the refusal (the nest stays off). */
+int quant_amx_config(int min_rows) {
+#if HAVE_AMX
+    static int permitted;
+    if (min_rows > 0 && !permitted) {
+        unsigned long bits = 0;
+        if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA))
+            return errno ? errno : EPERM;
+        if (syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &bits) ||
+            !(bits & (1ul << XFEATURE_XTILEDATA)))
+            return EPERM;
+        permitted = 1;
+    }
+    amx_min_rows = min_rows > 0 ? min_rows : 0;
+    return 0;
+#else
+    (void)min_rows;
+    return -1;
+#endif
+}
+
+/* The fewest rows of bfloat16 x the nest takes; 0 when it is off. */
+int quant_amx_min_rows(void) { return amx_min_rows; }
+
+#if HAVE_AMX
+void amx_tiles_configure(void) {
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.rows[t] = 16;
+        c.colsb[t] = 64;
+    }
+    tile_loadconfig(&c);
+}
+
+/* The k pair i of x row r (one 32-bit unit: x[r][2i] low, x[r][2i + 1] high), zero past k. */
+INLINE uint32_t x_pair(const uint16_t *x, int64_t x_stride, int64_t r, int64_t i, int64_t k) {
+    const uint16_t *p = x + r * x_stride + 2 * i;
+    uint32_t u = 0;
+    if (2 * i + 1 < k) memcpy(&u, p, 4);
+    else if (2 * i < k) u = p[0];
+    return u;
+}
+
+/* Columns [i0, i0 + 16) of xt [kp / 2][mp] (k pairs by rows of x; zero past m and past k) from
+ * x [m, k] bfloat16 (row stride x_stride): whole 16 x 16 tiles by transpose_tile, edges pair
+ * by pair. */
+static void pack_x(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, int64_t i0,
+                   int64_t mp, uint32_t *xt) {
+    for (int64_t r0 = 0; r0 < mp; r0 += 16) {
+        if (r0 + 16 <= m && 2 * (i0 + 16) <= k && x_stride % 2 == 0) {
+            transpose_tile((const float *)(x + r0 * x_stride) + i0, x_stride / 2,
+                           (float *)(xt + i0 * mp + r0), mp);
+            continue;
+        }
+        for (int64_t i = i0; i < i0 + 16; i++)
+            for (int64_t r = r0; r < r0 + 16; r++)
+                xt[i * mp + r] = r < m ? x_pair(x, x_stride, r, i, k) : 0;
+    }
+}
+
+/* Blocks [b0, b1) of W rows [0, nr) from w (rows of row_bytes; nr <= NW) of one block type
+ * as A tiles a [(b1 - b0) * qk / TK][NW][TK] bfloat16, row by row. The 32-value types straight
+ * to bfloat16 (dqb_T), the 256-value ones through float32 (dq_T). */
+typedef void (*pack_fn)(const uint8_t *, int64_t, int, int64_t, int64_t, uint16_t *);
+#define DEFINE_PACK(T, ID, QKT, BYTES)                                                        \
+static void pack_##T(const uint8_t *w, int64_t row_bytes, int nr, int64_t b0, int64_t b1,    \
+                     uint16_t *a) {                                                           \
+    for (int r = 0; r < nr; r++) {                                                            \
+        const uint8_t *row = w + r * row_bytes;                                               \
+        for (int64_t b = b0; b < b1; b++) {                                                   \
+            __builtin_prefetch(row + b * BYTES + PF, 0, 3);                                   \
+            PACK_BLOCK_##QKT(T, row + b * BYTES, a + (b - b0) * (QKT / TK) * NW * TK + r * TK); \
+        }                                                                                     \
+    }                                                                                         \
+}
+#define PACK_BLOCK_QK(T, src, dst) _mm512_storeu_si512(dst, dqb_##T(src))
+#define PACK_BLOCK_QK_K(T, src, dst)                                                           \
+    do {                                                                                      \
+        float v_[QK_K] __attribute__((aligned(64)));                                          \
+        dq_##T(src, v_);                                                                      \
+        for (int j = 0; j < QK_K / TK; j++)                                                   \
+            _mm512_storeu_si512((dst) + j * NW * TK, (__m512i)_mm512_cvtne2ps_pbh(           \
+                _mm512_load_ps(v_ + j * TK + 16), _mm512_load_ps(v_ + j * TK)));            \
+    } while (0)
+QUANT_TYPES(DEFINE_PACK)
+
+#define PACK_CASE(T, ID, QKT, BYTES) case ID: *qk = QKT; *bytes = BYTES; return pack_##T;
+static pack_fn packer(int type, int *qk, int *bytes) {
+    switch (type) { QUANT_TYPES(PACK_CASE) default: return NULL; }
+}
+
+/* One C tile [16 W rows][16 rows of x] (c) into y: rows r0 .. of x (those < m), columns n0 ..
+ * n0 + count - 1, times row_scale, plus bias. */
+static void store_c(const float *c, int64_t r0, int64_t m, int64_t n0, int count, void *y,
+                    int64_t ldy, int y_f32, const float *row_scale, const float *bias) {
+    float t[16 * 16] __attribute__((aligned(64)));
+    transpose_tile(c, 16, t, 16);
+    const __mmask16 mask = count >= 16 ? 0xffff : (__mmask16)((1u << count) - 1);
+    const __m512 sc = row_scale ? _mm512_maskz_loadu_ps(mask, row_scale + n0) : _mm512_set1_ps(1);
+    const __m512 bi = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+    for (int i = 0; i < 16 && r0 + i < m; i++) {
+        __m512 v = _mm512_load_ps(t + i * 16);
+        if (row_scale) v = _mm512_mul_ps(v, sc);
+        if (bias) v = _mm512_add_ps(v, bi);
+        if (y_f32) _mm512_mask_storeu_ps((float *)y + (r0 + i) * ldy + n0, mask, v);
+        else _mm256_mask_storeu_epi16((uint16_t *)y + (r0 + i) * ldy + n0, mask,
+                                      (__m256i)_mm512_cvtneps_pbh(v));
+    }
+}
+
+/* Ask for the bytes [s * step, (s + 1) * step) of the next unit's rows (pf): spread over the
+ * k steps of a unit's tiles, so W arrives while they compute (all at once, the prefetches
+ * stalled on full fill buffers). */
+INLINE void prefetch_step(const uint8_t *pf, int64_t step, int64_t s) {
+    for (int64_t off = s * step; off < (s + 1) * step; off += 64) __builtin_prefetch(pf + off, 0, 3);
+}
+
+/* The C tiles of one 32-row block of x (rows mb ..) into y: tiles 0 / 2 (x rows mb .. mb + 15,
+ * W rows n0 .. n0 + 15 / n0 + 16 ..), and 1 / 3 (x rows mb + 16 ..) where `two`. */
+static void store_tiles(int two, int nr, int64_t mb, int64_t m, int64_t n0, void *y,
+                        int64_t ldy, int y_f32, const float *row_scale, const float *bias) {
+    float c[4][16 * 16] __attribute__((aligned(64)));
+    _tile_stored(0, c[0], 64);
+    _tile_stored(2, c[2], 64);
+    if (two) {
+        _tile_stored(1, c[1], 64);
+        _tile_stored(3, c[3], 64);
+    }
+    const int count0 = nr < 16 ? nr : 16, count1 = nr - count0;
+    for (int j = 0; j < 1 + two; j++) {
+        store_c(c[j], mb + 16 * j, m, n0, count0, y, ldy, y_f32, row_scale, bias);
+        if (count1 > 0)
+            store_c(c[2 + j], mb + 16 * j, m, n0 + 16, count1, y, ldy, y_f32, row_scale, bias);
+    }
+}
+
+/* One k step s of the tiles: A from a (the step's [NW][TK]), B from xt at x rows mb ..;
+ * C tiles 0 / 2, and 1 / 3 where `two`. */
+INLINE void tile_step(const uint16_t *a, const uint32_t *xt, int64_t s, int64_t mp, int64_t mb,
+                      int two) {
+    const uint32_t *b = xt + s * 16 * mp + mb;
+    TILE_LOADD(4, a, TK * 2);
+    TILE_LOADD(6, b, mp * 4);
+    _tile_dpbf16ps(0, 4, 6);
+    if (two) {
+        TILE_LOADD(7, b + 16, mp * 4);
+        _tile_dpbf16ps(1, 4, 7);
+    }
+    TILE_LOADD(5, a + 16 * TK, TK * 2);
+    _tile_dpbf16ps(2, 5, 6);
+    if (two) _tile_dpbf16ps(3, 5, 7);
+}
+
+INLINE void tiles_zero(int two) {
+    _tile_zero(0);
+    _tile_zero(2);
+    if (two) {
+        _tile_zero(1);
+        _tile_zero(3);
+    }
+}
+
+/* A unit against at most 32 rows of x (mp <= 32: decode batches), streamed: each block
+ * column of the unit's rows packed (into one of two buffers of [qk / TK][NW][TK], in L1) and
+ * multiplied at once, the C tiles held in their registers over all of K — the A tiles never
+ * leave L1 and packing interleaves with the tiles. */
+static void unit_streamed(pack_fn pack, const uint8_t *w, int64_t row_bytes, int nr,
+                          int64_t nb, int qk, const uint32_t *xt, int64_t mp, int64_t m,
+                          int64_t n0, uint16_t *a, const uint8_t *pf, int64_t pf_step,
+                          void *y, int64_t ldy, int y_f32, const float *row_scale,
+                          const float *bias) {
+    const int two = mp == 32, sub = qk / TK;
+    const int64_t chunk = (int64_t)sub * NW * TK;
+    tiles_zero(two);
+    for (int64_t b = 0; b < nb; b++) {
+        uint16_t *buf = a + (b & 1) * chunk;
+        pack(w, row_bytes, nr, b, b + 1, buf);
+        for (int j = 0; j < sub; j++) {
+            prefetch_step(pf, pf_step, b * sub + j);
+            tile_step(buf + j * NW * TK, xt, b * sub + j, mp, 0, two);
+        }
+    }
+    store_tiles(two, nr, 0, m, n0, y, ldy, y_f32, row_scale, bias);
+}
+
+/* A unit against more rows of x: its A tiles (a, packed whole: [kp / TK][NW][TK]) against
+ * every 32 rows of xt in turn. pf: the next unit's rows, pf_step bytes of them asked for a
+ * k step. */
+static void unit_tiles(const uint16_t *a, int nr, const uint32_t *xt, int64_t steps,
+                       int64_t mp, int64_t m, int64_t n0, const uint8_t *pf, int64_t pf_step,
+                       void *y, int64_t ldy, int y_f32, const float *row_scale,
+                       const float *bias) {
+    for (int64_t mb = 0; mb < mp; mb += 32) {
+        const int two = mp - mb >= 32;
+        tiles_zero(two);
+        for (int64_t s = 0; s < steps; s++) {
+            if (!mb) prefetch_step(pf, pf_step, s);
+            tile_step(a + s * NW * TK, xt, s, mp, mb, two);
+        }
+        store_tiles(two, nr, mb, m, n0, y, ldy, y_f32, row_scale, bias);
+    }
+}
+
+/* quant_linear's contract (quant.c) for bfloat16 x through the tiles. Returns 0; -1 out of
+ * memory; -2 unknown type. */
+int quant_amx_linear(int type, const uint8_t *w, int64_t row_bytes, const float *row_scale,
+                     const float *bias, const uint16_t *x, int64_t x_stride, void *y,
+                     int64_t ldy, int y_f32, int64_t m, int64_t n, int64_t k, int num_threads) {
+    int qk, bytes;
+    const pack_fn pack = packer(type, &qk, &bytes);
+    if (!pack) return -2;
+    const int64_t nb = (k + qk - 1) / qk, kp = nb * qk, mp = (m + 15) / 16 * 16;
+    const int64_t steps = kp / TK, units = (n + NW - 1) / NW;
+    const int64_t pf_step = (NW * row_bytes + steps * 64 - 1) / (steps * 64) * 64;
+    uint32_t *xt = scratch(0, sizeof(uint32_t) * (size_t)(kp / 2 * mp));
+    if (!xt) return -1;
+    int failed = 0;
+    _Pragma("omp parallel num_threads(num_threads)")
+    {
+        _Pragma("omp for schedule(static)")
+        for (int64_t i0 = 0; i0 < kp / 2; i0 += 16) pack_x(x, x_stride, m, k, i0, mp, xt);
+        /* the unit's A tiles: all of K, or (mp <= 32) two block columns */
+        const size_t a_bytes = sizeof(uint16_t) * (size_t)((kp > 2 * qk ? kp : 2 * qk) * NW);
+        uint16_t *a = scratch(1, a_bytes);
+        if (!a) {
+            _Pragma("omp atomic write")
+            failed = 1;
+        } else {
+            amx_tiles_configure();
+        }
+        _Pragma("omp for schedule(static)")
+        for (int64_t u = 0; u < units; u++) {
+            if (!a) continue;
+            const int64_t n0 = u * NW, nr = n0 + NW < n ? NW : n - n0;
+            const uint8_t *wu = w + n0 * row_bytes, *pf = w + (n0 + NW) * row_bytes;
+            if (nr < NW) memset(a, 0, a_bytes);
+            if (mp <= 32) {
+                unit_streamed(pack, wu, row_bytes, (int)nr, nb, qk, xt, mp, m, n0, a, pf,
+                              pf_step, y, ldy, y_f32, row_scale, bias);
+            } else {
+                pack(wu, row_bytes, (int)nr, 0, nb, a);
+                unit_tiles(a, (int)nr, xt, steps, mp, m, n0, pf, pf_step, y, ldy, y_f32,
+                           row_scale, bias);
+            }
+        }
+        if (a) _tile_release();
+    }
+    return failed ? -1 : 0;
+}
+#else
+int quant_amx_linear(int type, const uint8_t *w, int64_t row_bytes, const float *row_scale,
+                     const float *bias, const uint16_t *x, int64_t x_stride, void *y,
+                     int64_t ldy, int y_f32, int64_t m, int64_t n, int64_t k, int num_threads) {
+    (void)type, (void)w, (void)row_bytes, (void)row_scale;
+    (void)bias, (void)x, (void)x_stride, (void)y, (void)ldy, (void)y_f32, (void)m, (void)n;
+    (void)k, (void)num_threads;
+    return -2;
+}
+#endif

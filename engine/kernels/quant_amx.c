@@ -206,9 +206,9 @@ INLINE void tiles_zero(int two) {
 }
 
 /* A unit against at most 32 rows of x (mp <= 32: decode batches), streamed: each block
- * column of the unit's rows packed (into one of two buffers of [qk / TK][NW][TK], in L1) and
- * multiplied at once, the C tiles held in their registers over all of K — the A tiles never
- * leave L1 and packing interleaves with the tiles. */
+ * column of the unit's rows packed (into one of two buffers of [qk / TK][NW][TK], in L1) one
+ * column ahead of its tiles, the C tiles held in their registers over all of K — the A tiles
+ * never leave L1 and packing interleaves with the tiles. */
 static void unit_streamed(pack_fn pack, const uint8_t *w, int64_t row_bytes, int nr,
                           int64_t nb, int qk, const uint32_t *xt, int64_t mp, int64_t m,
                           int64_t n0, uint16_t *a, const uint8_t *pf, int64_t pf_step,
@@ -217,9 +217,12 @@ static void unit_streamed(pack_fn pack, const uint8_t *w, int64_t row_bytes, int
     const int two = mp == 32, sub = qk / TK;
     const int64_t chunk = (int64_t)sub * NW * TK;
     tiles_zero(two);
+    pack(w, row_bytes, nr, 0, 1, a);
     for (int64_t b = 0; b < nb; b++) {
-        uint16_t *buf = a + (b & 1) * chunk;
-        pack(w, row_bytes, nr, b, b + 1, buf);
+        /* the next column first: a tile load right after the vector stores of its data
+         * waited for them to drain (store forwarding does not reach the tiles) */
+        if (b + 1 < nb) pack(w, row_bytes, nr, b + 1, b + 2, a + ((b + 1) & 1) * chunk);
+        const uint16_t *buf = a + (b & 1) * chunk;
         for (int j = 0; j < sub; j++) {
             prefetch_step(pf, pf_step, b * sub + j);
             tile_step(buf + j * NW * TK, xt, b * sub + j, mp, 0, two);

@@ -11,8 +11,11 @@ each (arguments made beforehand, as the layer stack calls them), best of `--repe
            computes
 Prints one JSON line per M (milliseconds and the amx / avx512 and amx / dense time ratios),
 then `min_rows`: the fewest rows from which the tiles are faster at every M measured, the
-value `engine/kernels/__init__.py:AMX_MIN_ROWS` takes. Skips (exit 0, one line) on a host or
-build without AMX.
+value `engine/kernels/__init__.py:AMX_MIN_ROWS` takes. Then, per row count of `--lora-rows`,
+the multi-LoRA deltas of a step (`lora_sgmv`, lora.c) for the model's four fused projections
+x 30 layers, rank 16 on every module (R = 48 / 16 / 32 / 16), 16 rows to each of 4 slots'
+adapters in turn (full tiles): on AMX tiles (lora_amx.c) against vdpbf16ps. Skips (exit
+0, one line) on a host or build without AMX.
 
     python benchmarks/amx_bench.py --rows 1,2,3,4,5,6,8,12,16,32,64,128,512
 """
@@ -80,10 +83,46 @@ def measure(lib, linears, dense, m: int, repeats: int) -> dict:
     return out
 
 
+def measure_lora(lib, m: int, repeats: int) -> dict:
+    """Milliseconds of one step's LoRA deltas (120 projections) at m rows, tiles and vectors."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    calls = []
+    for n_in, outs in ((576, (576, 192, 192)), (576, (576,)), (576, (1536, 1536)),
+                       (1536, (576,))):
+        rank, slots = 16, 4
+        r = rank * len(outs)
+        bands, c = [], 0
+        for i, o in enumerate(outs):
+            bands.append([i * rank, (i + 1) * rank, c, c + o])
+            c += o
+        a = (torch.randn(slots, r, n_in, generator=g) * 0.05).bfloat16()
+        bt = (torch.randn(slots, r, c, generator=g) * 0.05).bfloat16()
+        held = (torch.ones(slots, dtype=torch.int32), a, bt,
+                torch.tensor(bands, dtype=torch.int32))     # bound by address: kept alive
+        fn = lib.lora_sgmv_bound(*held)
+        x = torch.randn(m, n_in, generator=g).bfloat16()
+        out = torch.zeros(m, c, dtype=torch.bfloat16)
+        calls.append((fn, x, out, held))
+    row_slot = ((torch.arange(m) // 16) % 4).int()       # 16 rows a slot: full tiles
+    threads = torch.get_num_threads()
+    out = {"lora_rows": m}
+    for name, rows in (("amx", 1), ("avx512", 0)):
+        lib._fn["quant_amx_config"](rows)
+        run = lambda: [fn(x, o, row_slot.data_ptr(), threads)           # noqa: E731
+                       for _ in range(30) for fn, x, o, _ in calls]
+        run()
+        out[f"{name}_ms"] = round(best(run, repeats) * 1e3, 3)
+    out["amx_over_avx512"] = round(out["amx_ms"] / out["avx512_ms"], 3)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", default="1,2,3,4,5,6,8,12,16,32,64,128,512")
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--lora-rows", default="16,64")
     args = ap.parse_args()
     import torch
 
@@ -102,11 +141,13 @@ def main() -> None:
     for m in (int(r) for r in args.rows.split(",")):
         results.append(measure(lib, linears, dense, m, args.repeats))
         print(json.dumps(results[-1]), flush=True)
-    lib._fn["quant_amx_config"](before)
     wins = [r["rows"] for r in results if r["amx_over_avx512"] < 1.0]
     min_rows = next((r["rows"] for r in results if all(
         x["amx_over_avx512"] < 1.0 for x in results if x["rows"] >= r["rows"])), None)
     print(json.dumps({"amx_faster_at": wins, "min_rows": min_rows}))
+    for m in (int(r) for r in args.lora_rows.split(",") if r):
+        print(json.dumps(measure_lora(lib, m, args.repeats)), flush=True)
+    lib._fn["quant_amx_config"](before)
 
 
 if __name__ == "__main__":

@@ -221,18 +221,37 @@ def test_sgmv_kernel_matches_torch(lib, dtype):
     (a fused projection), strided x rows; weights in x's dtype; float32 within 1e-5, bfloat16
     within one rounding of the output plus one of each shrunk rank (AVX512-BF16 hosts round
     them to bfloat16 for vdpbf16ps, as vLLM's punica kernels do)."""
+    check_sgmv(lib, dtype, rank=8, n_in=72, outs=(40, 24), rows=(1, 3, 16, 17, 40))
+
+
+@pytest.mark.parametrize("n_in", [96, 576])
+def test_sgmv_on_amx_tiles_matches_torch(amx_lib, n_in):
+    """lora.c's bfloat16 products on AMX tiles (lora_amx.c: full tiles of 16 rows of one
+    adapter, `in` a multiple of 32, R a multiple of 16): ranks 16 a band (R 32), a band of 300
+    output columns (two expand chunks, the second partial), 16 to 64 rows mostly of one
+    adapter, against the same torch formula and bound as the vector kernels."""
+    check_sgmv(amx_lib, torch.bfloat16, rank=16, n_in=n_in, outs=(40, 300), rows=(16, 33, 64),
+               slots_low=0)
+
+
+def check_sgmv(lib, dtype, rank, n_in, outs, rows, slots_low=-1):
+    """`lib.lora_sgmv` against torch: 4 slots (slot 1 with zero-padded rank rows, slot 2
+    without this projection), two bands, row slots drawn from [slots_low, 4) (-1: the base),
+    strided x rows."""
     g = torch.Generator().manual_seed(0)
-    slots, rank, n_in, outs = 4, 8, 72, (40, 24)
+    slots = 4
     bands = torch.tensor([[0, rank, 0, outs[0]], [rank, 2 * rank, outs[0], sum(outs)]],
                          dtype=torch.int32)
     a = torch.randn(slots, 2 * rank, n_in, generator=g)
     bt = torch.zeros(slots, 2 * rank, sum(outs))
     bt[:, :rank, :outs[0]] = torch.randn(slots, rank, outs[0], generator=g)
     bt[:, rank:, outs[0]:] = torch.randn(slots, rank, outs[1], generator=g)
-    a[1, rank - 3:rank] = 0                              # slot 1: rank 5 in the first band
+    a[1, rank - 3:rank] = 0                              # slot 1: rank - 3 in the first band
     present = torch.tensor([1, 1, 0, 1], dtype=torch.int32)   # slot 2 lacks this projection
-    for n in (1, 3, 16, 17, 40):
-        row_slot = torch.randint(-1, slots, (n,), generator=g, dtype=torch.int32)
+    for n in rows:
+        row_slot = torch.randint(slots_low, slots, (n,), generator=g, dtype=torch.int32)
+        if slots_low >= 0:
+            row_slot[: n - n % 16] = 3                    # full tiles of one adapter
         x = torch.randn(n, 2 * n_in, generator=g).to(dtype)[:, :n_in]       # strided rows
         out = torch.randn(n, sum(outs), generator=g).to(dtype)
         want, spread = out.float().clone(), torch.zeros(n, sum(outs))

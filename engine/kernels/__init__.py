@@ -37,8 +37,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = [HERE / "cpu_kernels.c", HERE / "gemm.c", HERE / "quant.c", HERE / "quant_panel.c",
-           HERE / "quant_q8.c", HERE / "quant_amx.c", HERE / "attention_amx.c", HERE / "lora.c", HERE / "layer_stack.c"]
+SOURCES = [HERE / name for name in (
+    "cpu_kernels.c", "gemm.c", "quant.c", "quant_panel.c", "quant_q8.c", "quant_amx.c",
+    "attention_amx.c", "lora.c", "lora_amx.c", "layer_stack.c")]
 HEADERS = [HERE / "common.h", HERE / "vec.h", HERE / "quant_blocks.h", HERE / "amx.h"]
 BASE_CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
 

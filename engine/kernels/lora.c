@@ -19,6 +19,7 @@
  * over OpenMP threads; each row's delta is added to `out` once (a bfloat16 element is rounded
  * once, to nearest even).
  *
+ * bfloat16 on AMX hosts: a full tile of 16 rows runs both products on AMX tiles (lora_amx.c).
  * bfloat16 on AVX512-BF16 hosts: both products run as vdpbf16ps (two bfloat16 products summed
  * into a float32 lane per instruction, so half the instructions and no widening of the
  * weights). The tile's rows are staged in bfloat16 as they are; the shrunk ranks, summed in
@@ -259,6 +260,19 @@ INLINE void expand_##SUFFIX(const W *B, int out_cols, int r0, int r1, int cn,   
 }
 #endif
 
+/* lora_amx.c: a full tile's shrink and expand on AMX tiles (bfloat16; see there). */
+int lora_amx_fits(int m, int in, int R);
+void lora_amx_shrink(const uint16_t *As, int R, int in, const uint16_t *xt, float *tt);
+void lora_amx_expand(const uint16_t *B, int out_cols, int r0, int r1, int cn, const float *tt,
+                     int R, float *acc);
+#define LORA_AMX_FITS_bf16(m, in, R) lora_amx_fits(m, in, R)
+#define LORA_AMX_FITS_f32(m, in, R) 0
+#define LORA_AMX_SHRINK_bf16(As, R, in, xt, tt) \
+    lora_amx_shrink(As, R, in, (const uint16_t *)(const void *)(xt), tt)
+#define LORA_AMX_SHRINK_f32(As, R, in, xt, tt) (void)0
+#define LORA_AMX_EXPAND_bf16(...) lora_amx_expand(__VA_ARGS__)
+#define LORA_AMX_EXPAND_f32(...) (void)0
+
 #define DEFINE_LORA(SUFFIX, T)                                                               \
 void lora_sgmv_##SUFFIX(const T *x, int64_t x_stride, T *out, int64_t out_stride, int n,     \
                         const int32_t *row_slot, const int32_t *present, int n_slots,        \
@@ -310,6 +324,12 @@ void lora_sgmv_##SUFFIX(const T *x, int64_t x_stride, T *out, int64_t out_stride
         for (int task = 0; task < ntiles * njb; task++) {                                    \
             const int tile = task / njb, jb = task % njb;                                    \
             const int s = row_slot[order[tile_first[tile]]];                                 \
+            if (LORA_AMX_FITS_##SUFFIX(tile_len[tile], in, R)) {  /* all ranks, one task */ \
+                if (!jb) LORA_AMX_SHRINK_##SUFFIX(A + (int64_t)s * R * in, R, in,            \
+                                                  xt + (size_t)tile * LORA_RB * in,          \
+                                                  tt + (size_t)tile * LORA_RB * R);          \
+                continue;                                                                    \
+            }                                                                                \
             const int j1 = (jb + 1) * LORA_JB < R ? (jb + 1) * LORA_JB : R;                  \
             shrink_##SUFFIX(A + (int64_t)s * R * in, R, jb * LORA_JB, j1, in,                \
                             xt + (size_t)tile * LORA_RB * in, tile_len[tile],                \
@@ -331,13 +351,17 @@ void lora_sgmv_##SUFFIX(const T *x, int64_t x_stride, T *out, int64_t out_stride
             const float *ttt = tt + (size_t)tile * LORA_RB * R;                              \
             float *acc = scratch(0, sizeof(float) * LORA_RB * LORA_CB + R);                  \
             if (!acc) continue;                                                              \
-            uint8_t *live = (uint8_t *)(acc + LORA_RB * LORA_CB);                            \
-            for (int j = r0; j < r1; j++) {     /* a zero-padded rank row: skipped */        \
-                live[j] = 0;                                                                 \
-                for (int i = 0; i < m; i++) live[j] |= ttt[i * R + j] != 0.f;                \
+            const T *bs = Bt + (int64_t)row_slot[rows[0]] * R * out_cols + cs;              \
+            if (LORA_AMX_FITS_##SUFFIX(m, in, R)) {                                          \
+                LORA_AMX_EXPAND_##SUFFIX(bs, out_cols, r0, r1, cn, ttt, R, acc);            \
+            } else {                                                                         \
+                uint8_t *live = (uint8_t *)(acc + LORA_RB * LORA_CB);                        \
+                for (int j = r0; j < r1; j++) {     /* a zero-padded rank row: skipped */    \
+                    live[j] = 0;                                                             \
+                    for (int i = 0; i < m; i++) live[j] |= ttt[i * R + j] != 0.f;            \
+                }                                                                            \
+                expand_##SUFFIX(bs, out_cols, r0, r1, cn, ttt, R, m, live, acc);             \
             }                                                                                \
-            expand_##SUFFIX(Bt + (int64_t)row_slot[rows[0]] * R * out_cols + cs, out_cols,  \
-                            r0, r1, cn, ttt, R, m, live, acc);                               \
             for (int i = 0; i < m; i++) {                                                    \
                 T *o = out + (int64_t)rows[i] * out_stride + cs;                             \
                 const float *ai = acc + i * LORA_CB;                                         \

@@ -87,14 +87,14 @@ AMX_SHAPES = {"Q8_0": [32, 96, 608], "Q4_0": [32, 608], "Q4_1": [96, 608], "Q4_K
 
 
 @pytest.mark.parametrize("name", list(AMX_SHAPES))
-@pytest.mark.parametrize("m", [1, 8, 16, 17, 33, 64, 100])
+@pytest.mark.parametrize("m", [1, 8, 16, 17, 33, 64, 100, 300])
 def test_amx_tiles_match_gguf_py(amx_lib, name, m):
-    """The AMX tile nest (quant_amx.c) at every row count for every
-    block type: N of 1 to 96 (partial 16- and 32-row units), K of one step to an odd number of
-    steps, int8's K not a multiple of 32; x strided with NaN past K (an edge read of x would
-    leak it, as oneDNN #5717 did); bias on odd rows (float32 out). float32 out against the float64 product of
-    gguf-py's weights rounded to bfloat16 (the bfloat16 model's), bfloat16 out within its
-    rounding."""
+    """The AMX tile nest (quant_amx.c) at every row count (300: a chunk of 256 rows and the
+    rest) for every block type: N of 1 to 96 (partial 16- and 32-row units), K of one step to
+    an odd number of steps, int8's K not a multiple of 32; x strided with NaN past K (an edge
+    read of x would leak it, as oneDNN #5717 did); bias on odd rows (float32 out). float32 out
+    against the float64 product of gguf-py's weights rounded to bfloat16 (the bfloat16
+    model's), bfloat16 out within its rounding."""
     lib = amx_lib
     for n in (1, 17, 53, 96):
         for k in AMX_SHAPES[name]:

@@ -10,12 +10,15 @@
  * k pairs, xt [kp / 2][mp][2] bfloat16 (Intel SDM vol. 1 ch. 18 "Intel AMX", TDPBF16PS; the
  * weights-as-A roles of llama.cpp's ggml-cpu/amx/mmq.cpp).
  *
- * Threads split W into units of NW = 32 rows. A unit is dequantized once per call into an A
- * scratch [kp / 32][32][32] bfloat16 (36 KiB at K = 576, 96 KiB at 1536: L2), rounded to
- * nearest even as the bfloat16 model rounds its weights; then 2 x 2 tiles (32 W rows by 32
- * rows of x) run over every k step — a last 16 rows of x alone. C tiles are stored,
- * transposed to [m][n] and written by store_row (row scale, bias, output dtype).
- * Tiles (palette 1, all 16 rows of 64 bytes): 0-3 C, 4-5 A, 6-7 B.
+ * Threads split W into units of NW = 32 rows, dequantized to bfloat16 (rounded to nearest
+ * even, as the bfloat16 model rounds its weights) once per call:
+ *   up to 32 rows of x (decode batches): block column by block column into two L1 buffers,
+ *     one column ahead of its tiles, the C tiles held in their registers over all of K;
+ *   more rows: the whole unit into an A scratch [kp / 32][32][32] (36 KiB at K = 576, 96 KiB
+ *     at 1536: L2), then 2 x 2 tiles (32 W rows by 32 rows of x) over every k step for each 32
+ *     rows of x in turn — a last 16 rows of x alone.
+ * C tiles are stored, transposed to [m][n] and written with the row scale, bias and output
+ * dtype. Tiles (palette 1, all 16 rows of 64 bytes): 0-3 C, 4-5 A, 6-7 B.
  *
  * The tile data state needs Linux's permission (arch_prctl(ARCH_REQ_XCOMP_PERM,
  * XFEATURE_XTILEDATA), Documentation/arch/x86/xstate.rst; without it a tile instruction is
@@ -36,6 +39,11 @@
 
 #define NW 32         /* W rows a unit: two A tiles */
 #define TK 32         /* k a step (a tile row: 32 bfloat16) */
+#ifndef M_CHUNK
+#define M_CHUNK 256   /* rows of x a call takes at once (more: in chunks), so that x's k pairs
+                         (K / 2 x 256 x 4 bytes: 768 KiB at K = 1536) stay in L2 while every
+                         unit of W streams past them; W is dequantized once per chunk */
+#endif
 
 static int amx_min_rows;      /* 0: the nest is off; else the fewest rows of x it takes */
 
@@ -257,6 +265,18 @@ int quant_amx_linear(int type, const uint8_t *w, int64_t row_bytes, const float 
     int qk, bytes;
     const pack_fn pack = packer(type, &qk, &bytes);
     if (!pack) return -2;
+    if (m > M_CHUNK) {              /* one chunk of x at a time: its k pairs stay in L2 */
+        const size_t y_elem = y_f32 ? 4 : 2;
+        for (int64_t r0 = 0; r0 < m; r0 += M_CHUNK) {
+            const int rc = quant_amx_linear(type, w, row_bytes, row_scale, bias,
+                                            x + r0 * x_stride, x_stride,
+                                            (char *)y + (size_t)(r0 * ldy) * y_elem, ldy, y_f32,
+                                            m - r0 < M_CHUNK ? m - r0 : M_CHUNK, n, k,
+                                            num_threads);
+            if (rc) return rc;
+        }
+        return 0;
+    }
     const int64_t nb = (k + qk - 1) / qk, kp = nb * qk, mp = (m + 15) / 16 * 16;
     const int64_t steps = kp / TK, units = (n + NW - 1) / NW;
     const int64_t pf_step = (NW * row_bytes + steps * 64 - 1) / (steps * 64) * 64;

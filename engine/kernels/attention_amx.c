@@ -61,8 +61,10 @@ INLINE const uint16_t *key_row(const uint16_t *base, const int32_t *table, int t
  * for keys [0, ctx) of one KV head, zero past ctx. */
 static void prep_kv(const uint16_t *kbase, const uint16_t *vbase, const int32_t *table,
                     int ctx, int cp, int bs, int D, uint32_t *kt, uint32_t *vv) {
-    memset(kt, 0, sizeof(uint32_t) * (size_t)(D / 2) * (size_t)cp);
-    memset(vv, 0, sizeof(uint32_t) * (size_t)(cp / 2) * (size_t)D);
+    for (int dp = 0; dp < D / 2; dp++)                 /* the padding only: keys [ctx, cp) */
+        memset(kt + (int64_t)dp * cp + ctx, 0, sizeof(uint32_t) * (size_t)(cp - ctx));
+    memset(vv + (int64_t)(ctx + 1) / 2 * D, 0, sizeof(uint32_t) * (size_t)(cp / 2 - (ctx + 1) / 2)
+                                             * (size_t)D);
     const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
                                         40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
                                         32, 0);
@@ -283,7 +285,10 @@ uint8_t *attention_amx_prefill(const uint16_t *q, int64_t q_stride, const uint16
             total += (int64_t)D * cp;                  /* kt and vv: D / 2 * cp each */
         }
     }
-    if (kv_off && done && (kv = malloc(sizeof(uint32_t) * (size_t)(total ? total : 1)))) {
+    /* the calling thread's scratch, kept between calls: a step's K and V in pairs are
+     * megabytes (64 chunks of 130 tokens: 8 MB a layer), which malloc would map and unmap —
+     * and the kernel zero — on every call */
+    if (kv_off && done && (kv = scratch(0, sizeof(uint32_t) * (size_t)(total ? total : 1)))) {
         run_tiles(q, q_stride, k_cache, v_cache, tables, max_blocks, ctx_lens, out, runs,
                   nruns, num_heads, num_kv_heads, D, bs, num_blocks, scale, num_threads, kv,
                   kv_off, cp_max, &failed);
@@ -296,7 +301,6 @@ uint8_t *attention_amx_prefill(const uint16_t *q, int64_t q_stride, const uint16
         free(done);
         done = NULL;
     }
-    free(kv);
     free(kv_off);
     free(runs);
     return done;

@@ -58,7 +58,7 @@ def test_a_server_refused_tiles_serves_and_says_so(tmp_path):
     from tests.conftest import start_server, stop_server
     log = tmp_path / "server.log"
     proc, base = start_server(["--max-model-len", "512", "--kv-cache-memory", "0.1"],
-                              "/health", log, launcher=["tests/refuse_amx.py", "api"])
+                              "/health/ready", log, launcher=["tests/refuse_amx.py", "api"])
     try:
         text = log.read_text()
         assert "tiles refused" in text and "AMX tiles refused by Linux" in text

@@ -272,13 +272,20 @@ def test_metrics_use_vllm_names_with_continuum_prefix(server):
     assert not missing, missing
     assert metric(server, "continuum_generation_tokens_total") > 0
     # The step-cost model the SLO scheduler budgets by, fitted on this server's own steps: a
-    # decode step (base + per_decode) takes as long as the step-time histogram says, within 4x.
+    # decode step (base + per_decode) is no slower than 4x the mean step (decode steps are
+    # the cheapest kind) and no faster than a quarter of the fastest steps the step-time
+    # histogram holds (the mean itself depends on how much faster this host prefills than it
+    # decodes: on an AMX host a decode step measured 0.22x the mean)
     costs = {term: float(v) for term, v in re.findall(
         r'^continuum_step_cost_seconds{[^}]*term="(\w+)"[^}]*} (\S+)$', text, re.M)}
     assert set(costs) == {"base", "per_decode", "per_prefill_token"}, costs
     step = metric(server, "continuum_step_duration_seconds_sum") \
         / metric(server, "continuum_step_duration_seconds_count")
-    assert 0.25 * step < costs["base"] + costs["per_decode"] < 4 * step, (costs, step)
+    edges = [(float(le), float(n)) for le, n in re.findall(
+        r'^continuum_step_duration_seconds_bucket{[^}]*le="([^"]+)"[^}]*} (\S+)$', text, re.M)]
+    fastest_floor = max([le for le, n in edges if n == 0] or [0.0])
+    decode = costs["base"] + costs["per_decode"]
+    assert 0.25 * fastest_floor <= decode < 4 * step, (costs, step, fastest_floor)
     assert costs["per_prefill_token"] > 0
     assert json.loads(httpx.get(f"{server}/version", timeout=5).text)["version"]
 

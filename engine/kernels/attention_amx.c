@@ -65,10 +65,6 @@ static void prep_kv(const uint16_t *kbase, const uint16_t *vbase, const int32_t 
         memset(kt + (int64_t)dp * cp + ctx, 0, sizeof(uint32_t) * (size_t)(cp - ctx));
     memset(vv + (int64_t)(ctx + 1) / 2 * D, 0, sizeof(uint32_t) * (size_t)(cp / 2 - (ctx + 1) / 2)
                                              * (size_t)D);
-    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
-                                        40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
-                                        32, 0);
-    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
     for (int t0 = 0; t0 < ctx; t0 += 16) {               /* 16 keys: one block's (bs % 16 == 0) */
         const uint16_t *k = key_row(kbase, table, t0, bs, D);
         if (t0 + 16 <= ctx)
@@ -85,32 +81,9 @@ static void prep_kv(const uint16_t *kbase, const uint16_t *vbase, const int32_t 
                 const __m512i a = _mm512_loadu_si512(v0 + d);
                 const __m512i b = t + 1 < ctx ? _mm512_loadu_si512(v0 + D + d)
                                               : _mm512_setzero_si512();
-                uint32_t *dst = vv + (t / 2) * D + d;
-                _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(a, lo, b));
-                _mm512_storeu_si512(dst + 16, _mm512_permutex2var_epi16(a, hi, b));
+                store_pairs(a, b, vv + (t / 2) * D + d, 1);
             }
         }
-    }
-}
-
-/* S [16][cp] float32 = q16 [16][D] . K^T over the first `keys` keys (a multiple of 16). */
-static void scores_tiles(const uint16_t *q16, const uint32_t *kt, int cp, int keys, int D,
-                         float *s) {
-    for (int t0 = 0; t0 < keys; t0 += 32) {
-        const int two = t0 + 16 < keys;
-        _tile_zero(0);
-        if (two) _tile_zero(1);
-        for (int d0 = 0; d0 < D; d0 += 32) {
-            TILE_LOADD(4, q16 + d0, D * 2);
-            TILE_LOADD(6, kt + (d0 / 2) * cp + t0, cp * 4);
-            _tile_dpbf16ps(0, 4, 6);
-            if (two) {
-                TILE_LOADD(7, kt + (d0 / 2) * cp + t0 + 16, cp * 4);
-                _tile_dpbf16ps(1, 4, 7);
-            }
-        }
-        _tile_stored(0, s + t0, cp * 4);
-        if (two) _tile_stored(1, s + t0 + 16, cp * 4);
     }
 }
 
@@ -177,7 +150,7 @@ static void attend_block(const uint16_t *q, int64_t q_stride, const int32_t *ctx
     for (int i = 0; i < rows; i++)
         memcpy(w->q16 + i * D, q + (int64_t)(r.row + i0 + i) * q_stride + (int64_t)h * D,
                sizeof(uint16_t) * (size_t)D);
-    scores_tiles(w->q16, kt, cp, (longest + 15) / 16 * 16, D, w->s);
+    tiles_times_pairs(w->q16, D, kt, cp, D, (longest + 15) / 16 * 16, w->s, cp);   /* Q K^T */
     float inv[16];
     for (int i = 0; i < 16; i++) {
         uint16_t *p = w->p + (int64_t)i * cp;

@@ -54,10 +54,6 @@ void lora_amx_expand(const uint16_t *B, int out_cols, int r0, int r1, int cn, co
     for (int i = 0; i < 16; i++)
         for (int j = 0; j < rp; j++)
             ta[i * rp + j] = r0 + j < r1 ? store_bf16(tt[i * R + r0 + j]) : 0;
-    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
-                                        40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
-                                        32, 0);
-    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
     for (int p = 0; p < rp / 2; p++) {
         const int j = r0 + 2 * p;
         for (int c = 0; c < cp; c += 32) {
@@ -68,28 +64,11 @@ void lora_amx_expand(const uint16_t *B, int out_cols, int r0, int r1, int cn, co
             const __m512i b = j + 1 < r1 ? _mm512_maskz_loadu_epi16(
                                                mask, B + (int64_t)(j + 1) * out_cols + c)
                                          : _mm512_setzero_si512();
-            _mm512_storeu_si512(bv + p * cp + c, _mm512_permutex2var_epi16(a, lo, b));
-            if (c + 16 < cp)
-                _mm512_storeu_si512(bv + p * cp + c + 16, _mm512_permutex2var_epi16(a, hi, b));
+            store_pairs(a, b, bv + p * cp + c, c + 16 < cp);
         }
     }
     amx_tiles_configure();
-    for (int c0 = 0; c0 < cp; c0 += 32) {
-        const int two = c0 + 16 < cp;
-        _tile_zero(0);
-        if (two) _tile_zero(1);
-        for (int k = 0; k < rp; k += 32) {
-            TILE_LOADD(4, ta + k, rp * 2);
-            TILE_LOADD(6, bv + (k / 2) * cp + c0, cp * 4);
-            _tile_dpbf16ps(0, 4, 6);
-            if (two) {
-                TILE_LOADD(7, bv + (k / 2) * cp + c0 + 16, cp * 4);
-                _tile_dpbf16ps(1, 4, 7);
-            }
-        }
-        _tile_stored(0, acc + c0, 256 * 4);
-        if (two) _tile_stored(1, acc + c0 + 16, 256 * 4);
-    }
+    tiles_times_pairs(ta, rp, bv, cp, rp, cp, acc, 256);
     _tile_release();
 }
 #else

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from engine.config import EngineConfig
+from engine.kernels import AMX_MIN_ROWS
 from engine.llm_engine import LLMEngine
 from scheduler.request import SamplingParams
 from tests.conftest import KEY, MODEL, greedy, metric, start_server, stop_server
@@ -127,9 +128,14 @@ def test_limits_and_seeded_sampling_match(prompts):
 # ----------------------------------------------------------------------------- the server
 @pytest.fixture(scope="module")
 def spec_server(tmp_path_factory):
+    """A served draft of k tokens is verified as k + 1 rows of one sequence; k stays below the
+    row count from which an AMX host runs the quantized linears on bfloat16 tiles, so that
+    verification and plain decode (1 row) run the same kernels and their logprobs agree to
+    float rounding (on tiles they differ by up to ~0.04: docs/cpu.md, "batch invariance")."""
     log = tmp_path_factory.mktemp("spec") / "server.log"
+    k = AMX_MIN_ROWS - 2
     proc, base = start_server(["--speculative-config",
-                               '{"method": "ngram", "num_speculative_tokens": 4}'],
+                               f'{{"method": "ngram", "num_speculative_tokens": {k}}}'],
                               "/health/ready", log)
     yield base
     stop_server(proc)

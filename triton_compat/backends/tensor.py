@@ -1,11 +1,14 @@
 """Tensor backends (TorchScript, ONNX Runtime): the batch is one concatenated tensor per input.
 
-Owns: concatenating the requests' inputs along the batch dimension (in config order), padding
-inputs that allow ragged batching to the largest shape in the batch with zeros (a tokenizer's
-attention mask padded the same way is the mask), running the model once, and splitting every
-output back along the batch dimension by each request's batch size. Requests of differently
-shaped non-ragged inputs never reach one batch (the batcher's shape key keeps them apart).
-A model failure fails every request of the batch with the error (status 500).
+Owns: concatenating the requests' inputs along the batch dimension (in config order), running
+the model once, and splitting every output back along the batch dimension by each request's
+batch size. Inputs that allow ragged batching: where the config declares a `batch_input` or
+`batch_output`, as Triton (`ragged.RaggedBatching`: one 1-D tensor of every request's elements,
+the batch inputs after the configured inputs, scattered outputs); else padded to the largest
+shape in the batch with zeros (a tokenizer's attention mask padded the same way is the mask; a
+deviation, docs/triton-deviations.md). Requests of differently shaped non-ragged inputs never
+reach one batch (the batcher's shape key keeps them apart). A model failure fails every
+request of the batch with the error (status 500).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from triton_compat.backends.base import Backend, BackendRequest, ExecTimes
+from triton_compat.backends.ragged import RaggedBatching
 from triton_compat.errors import InferError
 from triton_compat.sequence.spec import sequence_tensors
 
@@ -32,6 +36,11 @@ def _pad(arrays: list[np.ndarray]) -> list[np.ndarray]:
     return out
 
 
+def _dims(shape) -> str:
+    """An ONNX input shape as Triton prints dims: [-1,3] (symbolic dims are -1)."""
+    return "[" + ",".join(str(d) if isinstance(d, int) else "-1" for d in shape) + "]"
+
+
 class BatchedTensorBackend(Backend):
     """Concatenate → `run` → split. Subclasses implement `run(inputs) -> outputs` (numpy)."""
 
@@ -41,6 +50,10 @@ class BatchedTensorBackend(Backend):
         self.input_names = [t.name for t in config.input]
         self.ragged = {t.name for t in config.input if t.allow_ragged_batch}
         self.output_names = [t.name for t in config.output]
+        self.rb = None                     # Triton's ragged batching, where the config asks
+        if self.batching and (config.batch_input or config.batch_output):
+            self.rb = RaggedBatching(config)
+            self.input_names += self.rb.targets
         inputs, outputs = sequence_tensors(config)     # the sequence batcher's controls, states
         self.input_names += inputs
         self.output_names += outputs
@@ -49,31 +62,49 @@ class BatchedTensorBackend(Backend):
         """Execute the model on full-batch inputs; return every output by config name."""
         raise NotImplementedError
 
+    def _gather(self, requests: list[BackendRequest]) -> dict[str, np.ndarray]:
+        """The model's inputs for the batch (module docstring)."""
+        if self.rb is not None:
+            batch = self.rb.batch_inputs(requests)
+            for name in self.input_names:
+                if name not in batch:
+                    batch[name] = self.rb.gather(name, [r.inputs[name] for r in requests])
+            return batch
+        batch = {}
+        for name in self.input_names:
+            arrays = [r.inputs[name] for r in requests]
+            if name in self.ragged and len(arrays) > 1:
+                arrays = _pad(arrays)
+            batch[name] = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+        return batch
+
+    def _split(self, outputs: dict[str, np.ndarray], requests: list[BackendRequest]) -> list:
+        """Each request's outputs: rows of the batch dimension by its batch size, a scattered
+        output by its source input's shape. Raises ValueError for an output too small."""
+        if not self.batching:
+            return [{k: outputs[k] for k in requests[0].outputs}]
+        scattered = {k: self.rb.scatter(k, outputs[k], requests)
+                     for k in (self.rb.scattered if self.rb else ())}
+        results, start = [], 0
+        for i, r in enumerate(requests):
+            n = r.batch_size
+            results.append({k: scattered[k][i] if k in scattered else outputs[k][start:start + n]
+                            for k in r.outputs})
+            start += n
+        return results
+
     def execute(self, requests: list[BackendRequest]) -> tuple[list, ExecTimes]:
         """Run the batch once; one dict of requested outputs per request."""
         t0 = time.perf_counter_ns()
-        if self.batching:
-            batch = {}
-            for name in self.input_names:
-                arrays = [r.inputs[name] for r in requests]
-                if name in self.ragged and len(arrays) > 1:
-                    arrays = _pad(arrays)
-                batch[name] = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
-        else:
-            batch = requests[0].inputs
+        batch = self._gather(requests) if self.batching else requests[0].inputs
         t1 = time.perf_counter_ns()
         try:
             outputs = self.run(batch)
+            t2 = time.perf_counter_ns()
+            results = self._split(outputs, requests)
         except Exception as e:
             err = InferError(f"model '{self.name}' failed: {type(e).__name__}: {e}", 500)
             return [err] * len(requests), ExecTimes(t1 - t0, time.perf_counter_ns() - t1, 0)
-        t2 = time.perf_counter_ns()
-        results, start = [], 0
-        for r in requests:
-            n = r.batch_size if self.batching else 1
-            results.append({k: (outputs[k][start:start + n] if self.batching else outputs[k])
-                            for k in r.outputs})
-            start += n
         return results, ExecTimes(t1 - t0, t2 - t1, time.perf_counter_ns() - t2)
 
 
@@ -136,6 +167,12 @@ class OnnxBackend(BatchedTensorBackend):
         if missing:
             raise InferError(f"{path}: the ONNX model has no tensor named '{missing[0]}' "
                              f"(it has {sorted(have)})", 500)
+        shapes = {i.name: i.shape for i in self.session.get_inputs()}
+        for name in self.rb.ragged if self.rb else ():      # Triton's onnxruntime backend's
+            if len(shapes[name]) != 1:
+                raise InferError(f"unable to load model '{self.name}', configuration expects "
+                                 f"model provides input with shape [-1]  for ragged input "
+                                 f"'{name}', model provides {_dims(shapes[name])}", 500)
 
     def run(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One `InferenceSession.run` over all configured outputs."""

@@ -145,7 +145,7 @@ class EmbeddingModel:
 
 def _io(config) -> tuple[str, str, int] | None:
     """(input name, output name, native dims) when `config` is text-in / vector-out."""
-    from triton_compat.config import wire_datatype
+    from triton_compat.core.config import wire_datatype
 
     if len(config.input) != 1 or len(config.output) != 1:
         return None
@@ -365,7 +365,7 @@ async def embed_one(model: EmbeddingModel, text: bytes) -> np.ndarray:
     """One text (UTF-8) through the model's runtime as a batch-1 v2 request → float32 [dims].
     Raises APIError: the runtime's refusals (503 queue full or unloading), 500 a model
     failure or a vector that is not `dims` finite values."""
-    from triton_compat.backends import BackendRequest
+    from triton_compat.core.backends import BackendRequest
     from triton_compat.errors import InferError
 
     array = np.array([[text]] if model.max_batch_size > 0 else [text], dtype=object)

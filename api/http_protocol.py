@@ -12,7 +12,7 @@ perf_analyzer on the v2 `simple` model, side by side, three rounds: p99 latency 
 10 pairs (HTTP binary at 16 connections: 4.4 ms against 7.2–7.7 ms), throughput within the
 host's noise. An SSE stream's events of one pass also leave as one send.
 It also counts the requests in progress (`requests_in_progress`), which the v2 infer path
-reads to batch a burst of requests to a cheap model (triton_compat/runtime.py).
+reads to batch a burst of requests to a cheap model (triton_compat/core/runtime.py).
 Flows in: uvicorn's protocol calls; flows out: the same bytes, in the same order, to the real
 transport. `close()` / `write_eof()` send what is held first; `abort()` drops it, as a
 transport's own buffer is dropped.

@@ -39,7 +39,7 @@ from api.protocol import ChatCompletionRequest, CompletionRequest, split_unknown
 from engine.async_llm import ProcessAsyncLLM, RequestFailedError
 from engine.device import freeze_heap
 from api.serve_config import ServeConfig
-from triton_compat.http_infer import read_body
+from triton_compat.frontend.http_infer import read_body
 from engine.config import EngineConfig
 from scheduler.request import ParamError, QueueFullError, SamplingParams
 
@@ -117,13 +117,13 @@ class ServerState:
 
     def load_repository(self) -> None:
         """Load the Triton model repository (runs in a thread; failures are logged)."""
-        from triton_compat.repository import ModelRepository
+        from triton_compat.core.repository import ModelRepository
         try:
             c = self.config
             repository = ModelRepository(c.model_repository, c.model_control_mode,
                                          list(c.load_models))
             if self.engine_config is not None:      # the LLM, as Triton's vLLM backend shows it
-                from triton_compat.llm_model import LLMModel
+                from triton_compat.core.llm_model import LLMModel
                 repository.builtin[self.served_model_name] = LLMModel(
                     self.served_model_name, lambda: self.llm if self.ready else None,
                     lambda: self.tokenizer, lambda: list(self.lora_paths)
@@ -239,12 +239,12 @@ def _front(app: FastAPI, state: ServerState):
     than a small model's whole inference (measured with perf_analyzer on `simple`)."""
     outer = app
     if state.v2 is not None:
-        from triton_compat.http_infer import InferFastPath
+        from triton_compat.frontend.http_infer import InferFastPath
         outer = InferFastPath(outer, state.v2, state.http_max_input_size)
     if state.api_key:
         outer = BearerAuth(outer, api_key=state.api_key)
     if state.config.http_restrictions:
-        from triton_compat.restricted import RestrictedAPI
+        from triton_compat.frontend.restricted import RestrictedAPI
         outer = RestrictedAPI(outer, restrictions=state.config.http_restrictions)
     return InFlightGate(outer, lifecycle=state.lifecycle)
 
@@ -256,7 +256,7 @@ def build_app(state: ServerState, load_in_background: bool = True):
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state.lifecycle.loop = asyncio.get_running_loop()
-        from triton_compat import bls               # BLS: python models call the repository
+        from triton_compat.core import bls  # BLS: python models call the repository
         bls.install(lambda: state.repository, state.lifecycle.loop)
         if state.repository is None:
             threading.Thread(target=state.load_repository, name="continuum-repository",
@@ -374,7 +374,7 @@ def build_app(state: ServerState, load_in_background: bool = True):
                      "CompletionRequest": CompletionRequest}
     bodies = {("post", "/v1/chat/completions"): "ChatCompletionRequest",
               ("post", "/v1/completions"): "CompletionRequest"}
-    from triton_compat.openapi_schemas import BODIES, SCHEMAS
+    from triton_compat.frontend.openapi_schemas import BODIES, SCHEMAS
     schemas |= SCHEMAS
     bodies |= BODIES
 
@@ -393,10 +393,10 @@ def _install_v2(app: FastAPI, state: ServerState) -> None:
     """The KServe v2 / Triton layer: its routes on `app`, its metrics, `state.v2`. It serves
     the LLM as a model, and the model repository when there is one."""
     from api.http_protocol import requests_in_progress
-    from triton_compat import routes
-    from triton_compat.context import V2Context
-    from triton_compat.metrics import TritonCollector
-    from triton_compat.shared_memory import SharedMemoryManager
+    from triton_compat.frontend import routes
+    from triton_compat.frontend.context import V2Context
+    from triton_compat.frontend.metrics import TritonCollector
+    from triton_compat.frontend.shared_memory import SharedMemoryManager
     c = state.config
     state.v2 = V2Context(lambda: state.repository, state.all_ready, VERSION,
                          SharedMemoryManager(c.allow_client_shm), state.lifecycle,
@@ -423,7 +423,7 @@ async def _start_grpc(state: ServerState):
     c = state.config
     if state.v2 is None or not c.grpc_port:
         return None
-    from triton_compat.grpc.server import start
+    from triton_compat.frontend.grpc.server import start
     try:
         return start(state.v2, c.grpc_host, c.grpc_port, grpc_credentials(c.network))
     except RuntimeError as e:

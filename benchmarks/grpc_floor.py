@@ -2,10 +2,10 @@
 much server CPU per request, a servicer reaches when it does nothing but parse the two inputs
 with numpy and return a canned `ModelInferResponse`. Two servers, each over grpcio's core:
 `stock`, grpcio's own thread-pool `grpc.server`, and `loop`, Continuum's completion-queue loop
-(triton_compat/grpc/loop.py, ModelInfer on its fast path). Compare with the `simple/grpc` rows
+(triton_compat/frontend/grpc/loop.py, ModelInfer on its fast path). Compare with the `simple/grpc` rows
 of triton_protocol_bench.py in the same session: the stock floor is at or below tritonserver,
 which is why the loop exists. Both run with C-core's socket I/O on the polling thread, as
-`continuum serve` runs (triton_compat/grpc/core_env.py); GRPC_EXPERIMENTS set by the caller
+`continuum serve` runs (triton_compat/frontend/grpc/core_env.py); GRPC_EXPERIMENTS set by the caller
 wins (`GRPC_EXPERIMENTS=event_engine_listener,event_engine_for_all_other_endpoints` measures
 grpcio's default).
 
@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from triton_compat.grpc.core_env import import_grpc  # noqa: E402
+from triton_compat.frontend.grpc.core_env import import_grpc  # noqa: E402
 
 import_grpc()                # as `continuum serve` does, before anything else imports grpc
 
@@ -38,8 +38,8 @@ from tritonclient.grpc import service_pb2_grpc  # noqa: E402
 
 from benchmarks.harness import add_save_result, free_port, save_result  # noqa: E402
 from benchmarks.triton_protocol_bench import perf_analyzer  # noqa: E402
-from triton_compat.grpc.loop import Server  # noqa: E402
-from triton_compat.grpc.server import WORKERS  # noqa: E402
+from triton_compat.frontend.grpc.loop import Server  # noqa: E402
+from triton_compat.frontend.grpc.server import WORKERS  # noqa: E402
 
 NAMES_IN, NAMES_OUT = ("INPUT0", "INPUT1"), ("OUTPUT0", "OUTPUT1")
 

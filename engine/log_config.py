@@ -1,7 +1,7 @@
 """The process's logging under Triton's log settings (`--log-verbose`, `--log-info`,
 `--log-warning`, `--log-error`, `--log-format`, `--log-file`), for every logger of the server
 and of the engine core process (OpenAI and v2 faces alike); the logging extension that changes
-them at run time is `triton_compat/log_settings.py`.
+them at run time is `triton_compat/frontend/log_settings.py`.
 
 Owns: the one `LogSettings` of the process (`SETTINGS`), the handler on the root logger (the
 console, or `--log-file`), the filter that drops info / warning / error records when their

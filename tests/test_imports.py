@@ -107,3 +107,12 @@ def test_scheduler_and_kvcache_stay_pure():
         if name.split(".")[0] in ("scheduler", "kvcache"):
             roots = {target.split(".")[0] for target in _imports(path)}
             assert roots <= allowed_roots, f"{path.relative_to(ROOT)} imports {roots - allowed_roots}"
+
+
+def test_the_triton_core_never_imports_its_front_end():
+    """Triton's layering: the protocols (`triton_compat.frontend`) sit on the models
+    (`triton_compat.core`); the core, and what both share, never reach up."""
+    for name, path in _modules().items():
+        if name.startswith(("triton_compat.core", "triton_compat.errors", "triton_compat.trace")):
+            up = {t for t in _imports(path) if t.startswith("triton_compat.frontend")}
+            assert not up, f"{path.relative_to(ROOT)} imports {sorted(up)}"

@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from triton_compat.config import ConfigError, batcher_config, config_to_json, select_versions
-from triton_compat.config_loader import load_config
-from triton_compat.infer import OutputRequest, OutputTensor
-from triton_compat.tensors import TensorError, encode_response, parse_request
+from triton_compat.core.config import ConfigError, batcher_config, config_to_json, select_versions
+from triton_compat.core.config_loader import load_config
+from triton_compat.frontend.infer import OutputRequest, OutputTensor
+from triton_compat.frontend.tensors import TensorError, encode_response, parse_request
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "model_repository"
 

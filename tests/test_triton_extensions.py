@@ -172,9 +172,9 @@ def test_model_control_without_explicit_mode_is_unavailable(server, protocol):
         client.close()
 
 
-# --- the rule itself, without a server (triton_compat/classification.py) --------------------
+# --- the rule itself, without a server (triton_compat/frontend/classification.py) --------------------
 def test_ties_types_and_refusals_of_the_rule():
-    from triton_compat.classification import class_count, classify
+    from triton_compat.frontend.classification import class_count, classify
     from triton_compat.errors import InferError
 
     tied = np.array([1.0, 3.0, 3.0, 2.0], dtype=np.float32)

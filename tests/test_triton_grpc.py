@@ -454,7 +454,7 @@ def test_grpc_is_imported_with_loop_thread_io_and_the_environment_restored(user,
     env = {k: v for k, v in os.environ.items() if k != "GRPC_EXPERIMENTS"}
     if user is not None:
         env["GRPC_EXPERIMENTS"] = user
-    code = ("import os, sys; from triton_compat.grpc.core_env import import_grpc; "
+    code = ("import os, sys; from triton_compat.frontend.grpc.core_env import import_grpc; "
             "r = import_grpc(); print(r, 'grpc' in sys.modules, "
             "os.environ.get('GRPC_EXPERIMENTS'))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,

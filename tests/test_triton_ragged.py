@@ -14,10 +14,10 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from triton_compat.backends import BackendRequest
-from triton_compat.backends.tensor import OnnxBackend
-from triton_compat.config import ConfigError
-from triton_compat.config_loader import load_config
+from triton_compat.core.backends import BackendRequest
+from triton_compat.core.backends.tensor import OnnxBackend
+from triton_compat.core.config import ConfigError
+from triton_compat.core.config_loader import load_config
 
 F = TensorProto.FLOAT
 

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from tests.test_triton_e2e import SEQ_IO
-from triton_compat.backends import BackendRequest
-from triton_compat.backends.tensor import BatchedTensorBackend
+from triton_compat.core.backends import BackendRequest
+from triton_compat.core.backends.tensor import BatchedTensorBackend
 from triton_compat.errors import InferError
-from triton_compat.repository import ModelRepository
+from triton_compat.core.repository import ModelRepository
 
 SEQ_MODEL = Path(__file__).resolve().parent / "triton_models" / "seq_model.py"
 
@@ -214,7 +214,7 @@ def test_a_misbehaving_python_model_fails_only_its_own_request(tmp_path, value, 
 def test_an_output_unlike_its_config_is_sent_as_the_model_made_it(tmp_path):
     """Other rows or another datatype than the config's: sent as made, with the array's own
     datatype, as tritonserver 2.51's python backend sends it."""
-    from triton_compat.validate import output_datatype
+    from triton_compat.core.validate import output_datatype
 
     (tmp_path / "m" / "1").mkdir(parents=True)
     (tmp_path / "m" / "1" / "model.py").write_text(MISBEHAVING)
@@ -243,9 +243,9 @@ def test_only_a_model_cheaper_than_a_thread_hop_runs_on_the_event_loop(tmp_path,
     host's speed."""
     import asyncio
 
-    from triton_compat import runtime
-    from triton_compat.infer import InferRequest, run
-    from triton_compat.shared_memory import SharedMemoryManager
+    from triton_compat.core import runtime
+    from triton_compat.frontend.infer import InferRequest, run
+    from triton_compat.frontend.shared_memory import SharedMemoryManager
 
     monkeypatch.setattr(runtime, "INLINE_MAX_US", 5000.0)
     monkeypatch.setattr(runtime, "INLINE_BAN_US", 50_000.0)     # under the 100 ms spike
@@ -344,15 +344,15 @@ def test_requests_queued_behind_a_busy_instance_run_next_as_one_batch(tmp_path, 
 
 
 def test_every_runtime_implements_the_declared_protocol():
-    """The front ends and the repository use `triton_compat.runtime_api.Runtime` alone: a
+    """The front ends and the repository use `triton_compat.core.runtime_api.Runtime` alone: a
     python model, an onnxruntime one, a sequence model, an ensemble and the LLM all implement
     it."""
     from examples.prepare_model_repository import DEFAULT_REPO, prepare
-    from triton_compat.ensemble import EnsembleRuntime
-    from triton_compat.llm_model import LLMModel
-    from triton_compat.runtime import ModelRuntime
-    from triton_compat.runtime_api import Runtime
-    from triton_compat.sequence.runtime import SequenceRuntime
+    from triton_compat.core.ensemble import EnsembleRuntime
+    from triton_compat.core.llm_model import LLMModel
+    from triton_compat.core.runtime import ModelRuntime
+    from triton_compat.core.runtime_api import Runtime
+    from triton_compat.core.sequence.runtime import SequenceRuntime
 
     prepare()
     repo = ModelRepository(DEFAULT_REPO)

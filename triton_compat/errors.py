@@ -33,4 +33,4 @@ class InferError(Exception):
 
 class TritonModelException(Exception):
     """`pb_utils.TritonModelException`: raised by python models, and by the python backend's
-    API (triton_compat.pb_utils, bls, dlpack) where Triton's bindings raise."""
+    API (triton_compat.core.pb_utils, bls, dlpack) where Triton's bindings raise."""

@@ -4,7 +4,7 @@ trace files or exported as OpenTelemetry spans.
 `settings.py` owns the settings (flags, the global and per-model settings API with tritonserver
 2.51's rules and texts) and the sampling; `record.py` a trace in flight (its timestamps) and the
 trace files; `otel.py` the OpenTelemetry export. Hooks: the HTTP and gRPC front ends sample a
-trace and mark their receive / send times, `triton_compat/infer.py` the request's start, the
+trace and mark their receive / send times, `triton_compat/frontend/infer.py` the request's start, the
 model runtime its queue and compute times (`BackendRequest.trace`).
 """
 

@@ -14,10 +14,19 @@ import sys
 from api.serve_flags import add_serve_flags
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse with its errors (an unknown flag, a value not among a flag's choices) as one
+    line, `<prog>: error: <what>`, exit 2 — as the checks of api/serve_config.py report — in
+    place of the usage text before it."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `continuum` argument parser: `serve` and `bench serve|compare`."""
-    parser = argparse.ArgumentParser(prog="continuum", description="Continuum LLM server")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _OneLineParser(prog="continuum", description="Continuum LLM server")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
     add_serve_flags(sub.add_parser("serve", help="serve a model over the OpenAI API"))
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     from benchmarks.servebench.serve_bench import add_arguments
@@ -39,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
         from benchmarks.servebench.serve_bench import main as bench_main
         bench_main(argv[2:])
         return
-    from triton_compat.grpc.core_env import import_grpc
+    from triton_compat.frontend.grpc.core_env import import_grpc
     import_grpc()                        # first, with C-core's I/O on the gRPC loop thread
     from engine.log_config import configure
     configure()                          # Triton's defaults until the flags are read

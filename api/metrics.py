@@ -35,6 +35,16 @@ _SCHEDULER_COUNTERS = {
 class Metrics:
     """All metrics of one server; `render()` gives the text exposition format."""
 
+    def set_cache_config(self, info: dict) -> None:
+        """vLLM's `cache_config_info` (value 1; the KV cache's dtype, block size and block
+        counts as labels) from the engine's `engine_info`."""
+        keys = ("cache_dtype", "block_size", "num_gpu_blocks", "num_cpu_blocks")
+        values = (info.get("kv_cache_dtype"), info.get("block_size"),
+                  info.get("num_gpu_blocks"), info.get("num_cpu_blocks"))
+        Gauge("continuum_cache_config_info", "The KV cache's configuration.",
+              ["model_name", *keys], registry=self.registry).labels(
+            self.model_name, *map(str, values)).set(1)
+
     def __init__(self, model_name: str) -> None:
         self.registry = r = CollectorRegistry()
         labels = ["model_name"]
@@ -214,6 +224,7 @@ METRIC_NAMES = (
     "continuum_kv_cache_usage_perc", "continuum_cpu_kv_cache_usage_perc", "continuum_batch_size",
     "continuum_step_duration_seconds", "continuum_scheduler_overhead_seconds",
     "continuum_preemptions_by_mode_total", "continuum_prefill_budget_tokens",
+    "continuum_cache_config_info",
 )
 SPEC_DECODE_METRIC_NAMES = (
     "continuum_spec_decode_num_drafts_total", "continuum_spec_decode_num_draft_tokens_total",

@@ -56,7 +56,7 @@ class ServeConfig:
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:
     """The `ServeConfig` of parsed `serve` flags. Raises ValueError naming the bad flag."""
-    from triton_compat.restricted import parse_restrictions
+    from triton_compat.frontend.restricted import parse_restrictions
     from triton_compat.trace import parse_trace_config
 
     config = engine_config(args)
@@ -129,7 +129,7 @@ def _check_model(args: argparse.Namespace, config: EngineConfig) -> None:
     """The LLM's device, dtype, weights and tensor-parallel split."""
     from engine.device import DeviceUnavailableError, check_device_dtype
     try:
-        check_device_dtype(args.device, args.dtype)
+        check_device_dtype(args.device, args.dtype, args.kv_cache_dtype)
     except DeviceUnavailableError as e:
         raise ValueError(str(e)) from None
     if args.model is not None and not Path(args.model).exists():
@@ -164,7 +164,7 @@ def engine_config(args: argparse.Namespace):
         speculative_config=args.speculative_config,
         tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
         activation_quantization=args.activation_quantization,
-        **engine_lora_settings(args), **tuned)
+        kv_cache_dtype=args.kv_cache_dtype, **engine_lora_settings(args), **tuned)
 
 
 def _chat_template(value: str | None) -> str | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 
+from engine.kv_quant import KV_CACHE_DTYPES
 from engine.profiles import TUNING_PROFILES
 from api.lora import add_lora_flags
 from api.network import add_network_flags
@@ -42,6 +43,11 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                    help="max tokens per sequence, prompt + output (default: the model's limit)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and KV-cache dtype; auto = float32 on CPU (default: auto)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="KV cache dtype: auto = the activation dtype; int8 (a scale per token "
+                        "and head) or fp8 (= fp8_e4m3), fp8_e5m2 (a scale per tensor) hold "
+                        "about twice the tokens of bfloat16 in the same memory; CPU only "
+                        "(default: auto)")
     p.add_argument("--quantization", "-q", default=None, choices=QUANTIZATION_METHODS,
                    help="weights served quantized by the CPU kernels: gguf (the GGUF file's "
                         "blocks), int8 (per-channel int8 made at load), none (the --dtype "

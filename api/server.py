@@ -154,6 +154,7 @@ class ServerState:
             from engine.structured.grammar import GrammarCompiler
             self.grammars = GrammarCompiler(self.tokenizer, llm.info.get("vocab_size"))
             self.info, self.llm = llm.info, llm
+            self.metrics.set_cache_config(llm.info)
 
             async def warm_up():
                 async for _ in llm.generate("warmup", [1, 2, 3], SamplingParams(max_tokens=2)):

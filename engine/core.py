@@ -31,9 +31,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from engine.accel import has_sliding_window
 from engine.config import GIB, EngineConfig
-from engine.device import resolve_device, resolve_dtype
+from engine.device import check_kv_cache_dtype, resolve_device, resolve_dtype
 from engine.distributed.executor import TensorParallelRunner, start_tensor_parallel
 from engine.distributed.parallel import TensorParallelError, check_tensor_parallel
+from engine.kv_quant import resolve_kv_cache_dtype
 from engine.linear import LINEAR_PATH_NAMES
 from engine.lora.adapter import LoraError
 from engine.lora.manager import LoraSpec, LoraUpdate
@@ -73,6 +74,8 @@ class EngineCore:
         self.quant = resolve_quantization(config.quantization, config.model, self.device,
                                           config.activation_quantization)
         self.dtype = resolve_dtype(config.dtype, self.device, self.quant.method != "none")
+        check_kv_cache_dtype(config.kv_cache_dtype, self.device)
+        self.kv_quant = resolve_kv_cache_dtype(config.kv_cache_dtype)
         self.model_dir = resolve_model(config.model)
         self.model_config = mcfg = ModelConfig.from_dir(self.model_dir)
         self.max_model_len = self._max_model_len(mcfg)
@@ -122,8 +125,9 @@ class EngineCore:
 
         self.lora = self._lora_manager(config) if config.enable_lora else None
         draft = self._load_draft_model()
-        block_bytes = (self.model.cfg.kv_bytes_per_token(self.dtype) + (
-            draft.cfg.kv_bytes_per_token(draft.dtype) if draft is not None else 0)
+        kv = self.kv_quant
+        block_bytes = (self.model.cfg.kv_bytes_per_token(self.dtype, kv) + (
+            draft.cfg.kv_bytes_per_token(draft.dtype, kv) if draft is not None else 0)
         ) * config.block_size
         target = config.target_itl_ms
         sched = self._scheduler_config(None if target == "auto" else target)
@@ -144,12 +148,13 @@ class EngineCore:
             self.runner = TensorParallelRunner(*self._tp, self.model, self.device,
                                                config.block_size, num_gpu_blocks, num_cpu_blocks,
                                                eos_ids, config.seed, self.grammars,
-                                               proposer=self._proposer(), **step_sizes)
+                                               proposer=self._proposer(), kv_quant=kv,
+                                               **step_sizes)
         else:
             self.runner = ModelRunner(self.model, self.device, config.block_size,
                                       num_gpu_blocks, num_cpu_blocks, eos_ids, config.seed,
                                       self.grammars, draft, proposer=self._proposer(),
-                                      **step_sizes)
+                                      kv_quant=kv, **step_sizes)
         self.runner.lora = self.lora
         if self._tp is None and self.lora is None:      # CUDA graphs of the decode steps
             self.runner.capture_graphs(config.enforce_eager)
@@ -161,15 +166,23 @@ class EngineCore:
         self.load_time = time.perf_counter() - self._started
         cache_note = ("" if draft is None else ", with the draft model's") if self._tp is None \
             else f" per rank, tensor parallel over {config.tensor_parallel_size} ranks"
+        self.num_gpu_blocks, self.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
         logger.info("engine ready in %.1f s: %s on %s (%s), %d KV blocks of %d tokens "
-                    "(%.2f GiB%s), max_model_len %d, attention: %s, linear: %s, cpu isa: %s",
+                    "(%s, %.2f GiB%s), max_model_len %d, attention: %s, linear: %s, cpu isa: %s",
                     self.load_time,
                     mcfg.architecture, self.device.kind, str(self.dtype).removeprefix("torch."),
-                    num_gpu_blocks, config.block_size, num_gpu_blocks * block_bytes / GIB,
-                    cache_note,
+                    num_gpu_blocks, config.block_size, self.kv_cache_dtype,
+                    num_gpu_blocks * block_bytes / GIB, cache_note,
                     self.max_model_len,
                     self._attention_description(), self._linear_description(),
                     self._isa_description())
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The KV cache's dtype as the ready log and `/metrics` name it: `int8`, `fp8_e4m3`,
+        `fp8_e5m2`, or the model dtype's name."""
+        kv = self.kv_quant
+        return kv.name if kv is not None else str(self.dtype).removeprefix("torch.")
 
     def _lora_manager(self, config: EngineConfig):
         """The LoRA slots on the model (this rank's shard under tensor parallelism) and the

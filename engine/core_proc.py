@@ -129,7 +129,9 @@ def engine_info(core: EngineCore) -> dict:
     return {"model_dir": str(core.model_dir), "max_model_len": core.max_model_len,
             "vocab_size": core.model_config.vocab_size, "load_time": core.load_time,
             "architecture": core.model_config.architecture, "dtype": str(core.dtype),
-            "device": core.device.kind}
+            "device": core.device.kind, "kv_cache_dtype": core.kv_cache_dtype,
+            "block_size": core.config.block_size, "num_gpu_blocks": core.num_gpu_blocks,
+            "num_cpu_blocks": core.num_cpu_blocks}
 
 
 class QueueCommands:

@@ -156,14 +156,27 @@ def resolve_device(name: str = "auto") -> Device:
     raise ValueError(f"--device must be auto, cpu, cuda or npu, got {name!r}")
 
 
-def check_device_dtype(device_name: str, dtype_name: str) -> None:
+def check_device_dtype(device_name: str, dtype_name: str, kv_cache_dtype: str = "auto") -> None:
     """Fail fast, before any engine starts, where `--dtype` cannot run on `--device` here (e.g.
-    float16 on a CPU without a float16 matmul) or `CONTINUUM_CPU_ISA` is invalid.
+    float16 on a CPU without a float16 matmul), an 8-bit `--kv-cache-dtype` is asked of an
+    accelerator (its attention backends read the model dtype only), or `CONTINUUM_CPU_ISA` is
+    invalid.
 
     Raises: ValueError or DeviceUnavailableError, each one line saying what to use instead."""
     device = resolve_device(device_name)
     device.cpu_isa()                        # raises for a bad CONTINUUM_CPU_ISA
     device.linear_path(resolve_dtype(dtype_name, device))
+    check_kv_cache_dtype(kv_cache_dtype, device)
+
+
+def check_kv_cache_dtype(name: str, device: Device) -> None:
+    """Raises ValueError (one line) for an 8-bit KV cache on a device without it: the CPU
+    kernels and the torch path read 8-bit caches; the CUDA (Triton) and NPU attention
+    backends do not yet."""
+    if name != "auto" and device.kind != "cpu":
+        raise ValueError(f"--kv-cache-dtype {name}: 8-bit KV caches run on the CPU; the "
+                         f"{device.kind} attention backend reads only the model dtype (use "
+                         "--kv-cache-dtype auto)")
 
 
 def resolve_dtype(name: str, device: Device, quantized: bool = False) -> torch.dtype:

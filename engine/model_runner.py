@@ -48,7 +48,6 @@ from engine.spec_decode.rejection_sampler import accepted_prefix
 from engine.structured.mask import fill_bitmask
 from scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
-
 # A decode group's longest context is at most this many times its shortest (in blocks): decodes
 # are padded to their group's longest context, not the step's.
 DECODE_GROUP_RATIO = 1.5
@@ -120,8 +119,10 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, device: Device, block_size: int,
                  num_gpu_blocks: int, num_cpu_blocks: int, eos_token_ids: tuple[int, ...],
                  seed: int = 0, grammars=None, draft_model: LlamaForCausalLM | None = None,
-                 proposer=None, max_num_tokens: int = 8192, max_num_seqs: int = 256) -> None:
+                 proposer=None, max_num_tokens: int = 8192, max_num_seqs: int = 256,
+                 kv_quant=None) -> None:
         self.model, self.device, self.block_size = model, device, block_size
+        self.kv_quant = kv_quant      # engine.kv_quant.KVQuant: an 8-bit cache; None: model dtype
         # An accelerator's attention backend (engine.accel) and the step buffers it reads.
         self.backend = attention_backend(device.kind)
         if self.backend is not None:
@@ -153,12 +154,14 @@ class ModelRunner:
         cfg, bd = model.cfg, self.block_dim
         layout = (self.backend.cache_shape if self.backend is not None
                   else head_major_cache_shape)
-        shape = layout(cfg.num_layers, cfg.num_kv_heads, num_gpu_blocks, self.block_size,
-                       cfg.head_dim)
-        gpu = torch.zeros(shape, dtype=model.dtype, device=self.device.torch_device)
+        kv = self.kv_quant             # 8-bit: uint8 rows of head_dim (+ a scale) bytes
+        row, dtype = ((kv.row_bytes(cfg.head_dim), torch.uint8) if kv is not None
+                      else (cfg.head_dim, model.dtype))
+        shape = layout(cfg.num_layers, cfg.num_kv_heads, num_gpu_blocks, self.block_size, row)
+        gpu = torch.zeros(shape, dtype=dtype, device=self.device.torch_device)
         cpu = None
         if num_cpu_blocks:
-            cpu = torch.zeros(shape[:bd] + (num_cpu_blocks,) + shape[bd + 1:], dtype=model.dtype,
+            cpu = torch.zeros(shape[:bd] + (num_cpu_blocks,) + shape[bd + 1:], dtype=dtype,
                               pin_memory=self.device.pin_memory)
         return gpu, cpu
 
@@ -396,7 +399,8 @@ class ModelRunner:
                 sample_idx.append((i, offset + n - 1))
             offset += n
         positions = torch.cat(pos_parts)
-        meta = AttentionMetadata(slot_mapping=torch.cat(slot_parts).to(dev), kernels=kernels)
+        meta = AttentionMetadata(slot_mapping=torch.cat(slot_parts).to(dev), kernels=kernels,
+                                 kv=self.kv_quant)
         if kernels is not None:
             self._kernel_metadata(meta, ordered, states, positions)
         else:

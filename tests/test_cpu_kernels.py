@@ -142,11 +142,16 @@ def test_cache_write_puts_each_token_at_its_slot(lib):
     assert int((flat_k.abs().sum(-1) > 0).sum()) == 4 * kv_heads        # nothing else written
 
 
+@pytest.mark.parametrize("kv_name", [None, "int8", "fp8_e4m3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_path_equals_torch_path_for_a_mixed_step(lib, dtype):
+def test_kernel_path_equals_torch_path_for_a_mixed_step(lib, dtype, kv_name):
     """One step with decodes of different lengths and a prefill chunk over a cached prefix:
     the kernel path (engine default on CPU: every token attends through the block table) and
-    the pure-torch path (CUDA, NPU: decode groups and SDPA) agree."""
+    the pure-torch path (CUDA, NPU: decode groups and SDPA) agree — over a cache of the model
+    dtype, and over 8-bit caches (`--kv-cache-dtype`), which both quantize on write (to the
+    same bytes) and dequantize on read."""
+    from engine.kv_quant import KVQuant
+    kv = None if kv_name is None else KVQuant(kv_name, 0.5, 1.5)
     torch.manual_seed(1)
     heads, kv_heads, d, bs, nb = 9, 3, 64, 16, 40
     ctx = [5, 40, 70]                         # decodes: context incl. the new token
@@ -160,6 +165,8 @@ def test_kernel_path_equals_torch_path_for_a_mixed_step(lib, dtype):
     k = torch.randn(n, kv_heads, d).to(dtype)
     v = torch.randn(n, kv_heads, d).to(dtype)
     base = torch.randn(kv_heads, nb, bs, d).to(dtype), torch.randn(kv_heads, nb, bs, d).to(dtype)
+    if kv is not None:
+        base = kv.quantize(base[0], kv.k_scale), kv.quantize(base[1], kv.v_scale)
     mask = torch.arange(chunk_start + chunk_len)[None] <= pos[:, None]
     prefill = PrefillChunk(len(ctx), chunk_len, chunk_start, tables[3][:2], mask)
     width = -(-max(ctx) // bs)
@@ -167,13 +174,13 @@ def test_kernel_path_equals_torch_path_for_a_mixed_step(lib, dtype):
     visible = torch.arange(width * bs)[None] < torch.tensor(ctx)[:, None]
     bias = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))[:, None]
     torch_meta = AttentionMetadata(torch.tensor(slots), [DecodeGroup(0, 3, group_ids, bias)],
-                                   [prefill])
+                                   [prefill], kv=kv)
     # the kernel path: one row per query token (its request's table, its position + 1)
     rows = [t[:width] for t in tables[:3]] + [tables[3][:width]] * chunk_len
     kernel_meta = AttentionMetadata(torch.tensor(slots), kernels=lib,
                                     kernel_block_tables=torch.stack(rows).int(),
                                     kernel_ctx_lens=torch.tensor(ctx + (pos + 1).tolist(),
-                                                                 dtype=torch.int32))
+                                                                 dtype=torch.int32), kv=kv)
     results = []
     for meta in (torch_meta, kernel_meta):
         kc, vc = base[0].clone(), base[1].clone()

@@ -162,13 +162,16 @@ class TensorParallelRunner(ModelRunner):
     def __init__(self, group: TensorParallelGroup, workers: TensorParallelWorkers, model,
                  device, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
                  eos_token_ids: tuple[int, ...], seed: int = 0, grammars=None,
-                 proposer=None, max_num_tokens: int = 8192, max_num_seqs: int = 256) -> None:
+                 proposer=None, max_num_tokens: int = 8192, max_num_seqs: int = 256,
+                 kv_quant=None) -> None:
         super().__init__(model, device, block_size, num_gpu_blocks, num_cpu_blocks,
                          eos_token_ids, seed, grammars, proposer=proposer,
-                         max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs)
+                         max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs,
+                         kv_quant=kv_quant)
         self.group, self.workers = group, workers
         workers.send(CacheSpec(block_size, num_gpu_blocks, num_cpu_blocks,
-                               tuple(eos_token_ids), seed, max_num_tokens, max_num_seqs))
+                               tuple(eos_token_ids), seed, max_num_tokens, max_num_seqs,
+                               kv_quant))
         self._guard(group.barrier, "start")
 
     def _guard(self, fn, what: str, *args):

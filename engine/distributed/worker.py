@@ -51,6 +51,7 @@ class CacheSpec:
     seed: int
     max_num_tokens: int = 8192  # an accelerator's step buffers (engine.accel.metadata)
     max_num_seqs: int = 256
+    kv_quant: object = None     # engine.kv_quant.KVQuant: an 8-bit cache; None: model dtype
 
 
 def run(spec: WorkerSpec, stream) -> None:
@@ -77,7 +78,8 @@ def run(spec: WorkerSpec, stream) -> None:
         cache: CacheSpec = pickle.load(stream)
         runner = ModelRunner(model, device, cache.block_size, cache.num_gpu_blocks,
                              cache.num_cpu_blocks, cache.eos_token_ids, cache.seed,
-                             max_num_tokens=cache.max_num_tokens, max_num_seqs=cache.max_num_seqs)
+                             max_num_tokens=cache.max_num_tokens, max_num_seqs=cache.max_num_seqs,
+                             kv_quant=cache.kv_quant)
         runner.lora = lora
         group.barrier()                              # rank 0 waits here for every shard
         while (out := pickle.load(stream)) is not None:

@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = [HERE / name for name in (
     "cpu_kernels.c", "gemm.c", "quant.c", "quant_panel.c", "quant_q8.c", "quant_amx.c",
-    "attention_amx.c", "lora.c", "lora_amx.c", "layer_stack.c")]
+    "attention_amx.c", "lora.c", "lora_amx.c", "layer_stack.c", "kv_cache.c")]
 HEADERS = [HERE / "common.h", HERE / "vec.h", HERE / "quant_blocks.h", HERE / "amx.h"]
 BASE_CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
 
@@ -55,6 +55,9 @@ _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "cache_write": ([_P, _P, _P, _P, _P, _I, _I, _I, _I64, _I64, _I64], None),
     "paged_decode": ([_P, _I64, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I64, _F, _I], _I),
+    "cache_write8": ([_P, _P, _P, _P, _P, _I, _I, _I, _I64, _I64, _I64, _I, _F, _F, _I], _I),
+    "paged_decode8": ([_P, _I64, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I64, _F, _F, _I,
+                       _I], _I),
     "add_rms_norm": ([_P, _P, _P, _P, _I, _I, _F, _I], None),
     "silu_and_mul": ([_P, _P, _I, _I, _I], None),
     "rotary": ([_P, _I64, _P, _P, _P, _I, _I, _I, _I], None),
@@ -170,22 +173,42 @@ class CpuKernels:
             k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
             slot_mapping.data_ptr(), k.shape[0], kvh, d, k.stride(0), v.stride(0), nb * bs)
 
+    def cache_write8(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, slot_mapping: torch.Tensor, kv) -> None:
+        """`cache_write` into 8-bit caches `[num_kv_heads, num_blocks, block_size, row bytes]`
+        uint8 (`kv`: the cache's `engine.kv_quant.KVQuant`): each row quantized (kv_cache.c)."""
+        kvh, nb, bs, _ = k_cache.shape
+        rc = self._fn["cache_write8", k.dtype](
+            k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            slot_mapping.data_ptr(), k.shape[0], kvh, k.shape[-1], k.stride(0), v.stride(0),
+            nb * bs, kv.kind, 1.0 / kv.k_scale, 1.0 / kv.v_scale, torch.get_num_threads())
+        if rc:
+            raise ValueError(f"cache_write8: head_dim {k.shape[-1]} over 256")
+
     def paged_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, ctx_lens: torch.Tensor, scale: float,
-                     out: torch.Tensor) -> None:
+                     out: torch.Tensor, kv=None) -> None:
         """Paged attention (Kwon et al., SOSP 2023) of one query token per row — a decode, or
         one token of a prefill chunk — over the first `ctx_lens[b]` cached tokens of its
-        block table, into `out [B, num_heads, head_dim]`.
+        block table, into `out [B, num_heads, head_dim]`. `kv`: an 8-bit cache's
+        `engine.kv_quant.KVQuant` (its rows read and dequantized in registers), or None.
 
         `q [B, num_heads, head_dim]` (rows may be strided), caches as in `cache_write`,
         `block_tables [B, max_blocks] int32`, `ctx_lens [B] int32` (tokens, ≥ 1).
         Raises ValueError for a head_dim over 256 or more than 32 query heads per KV head."""
         b, h, d = q.shape
         kvh, nb, bs, _ = k_cache.shape
-        rc = self._fn["paged_decode", q.dtype](
-            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-            block_tables.data_ptr(), block_tables.shape[1], ctx_lens.data_ptr(), out.data_ptr(),
-            b, h, kvh, d, bs, nb, scale, torch.get_num_threads())
+        if kv is not None and kv.kind:
+            rc = self._fn["paged_decode8", q.dtype](
+                q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                block_tables.data_ptr(), block_tables.shape[1], ctx_lens.data_ptr(),
+                out.data_ptr(), b, h, kvh, d, bs, nb, scale * kv.k_read_scale,
+                kv.v_read_scale, kv.kind, torch.get_num_threads())
+        else:
+            rc = self._fn["paged_decode", q.dtype](
+                q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                block_tables.data_ptr(), block_tables.shape[1], ctx_lens.data_ptr(),
+                out.data_ptr(), b, h, kvh, d, bs, nb, scale, torch.get_num_threads())
         if rc:
             raise ValueError(f"paged_decode: head_dim {d} or group {h // kvh} too large")
 

@@ -63,4 +63,62 @@ static inline uint16_t store_bf16(float f) {       /* branch-free, so loops vect
     return (uint16_t)(((u & 0x7fffffffu) > 0x7f800000u) ? quiet_nan : rounded);
 }
 
+/* 8-bit KV caches (engine/kv_quant.py): the kinds, a row's bytes, and float16 <-> float32
+ * (C's _Float16: F16C instructions where the target has them). */
+#define KV_INT8 1              /* int8 values and a float16 scale per row (after the values) */
+#define KV_E4M3 2              /* float8 e4m3fn, a per-tensor scale */
+#define KV_E5M2 3              /* float8 e5m2, a per-tensor scale */
+static inline int64_t kv_row_bytes(int kind, int head_dim) {
+    return head_dim + (kind == KV_INT8 ? 2 : 0);
+}
+static inline float f16_to_f32(uint16_t h) {
+    _Float16 x;
+    memcpy(&x, &h, sizeof h);
+    return (float)x;
+}
+static inline uint16_t f32_to_f16(float f) {
+    const _Float16 x = (_Float16)f;
+    uint16_t h;
+    memcpy(&h, &x, sizeof h);
+    return h;
+}
+static inline float f16_at(const uint8_t *p) {      /* an unaligned float16 */
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    return f16_to_f32(h);
+}
+/* Elements of the 8-bit caches to float32. e5m2 is float16's upper byte; e4m3's bits shifted
+ * into float16's give the value / 256 (subnormals included): callers fold the 256 into the
+ * tensor's scale (engine/kv_quant.py: E4M3_UNIT). */
+static inline float load_i8(uint8_t x) { return (float)(int8_t)x; }
+static inline float load_e5m2(uint8_t x) { return f16_to_f32((uint16_t)(x << 8)); }
+static inline float load_e4m3(uint8_t x) {
+    return f16_to_f32((uint16_t)(((x & 0x7f) << 7) | ((x & 0x80) << 8)));
+}
+/* float32 to an fp8 format of M mantissa bits and exponent bias B (e4m3fn: 3, 7; e5m2: 2, 15),
+ * rounded to nearest even straight from float32's bits (subnormals included), saturated at the
+ * largest finite code `maxcode` (448: 0x7e; 57344: 0x7b); NaN stays NaN. */
+static inline uint8_t f32_to_fp8(float f, int M, int B, uint32_t maxcode) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    const uint32_t sign = (u >> 24) & 0x80u;
+    u &= 0x7fffffffu;
+    if (u > 0x7f800000u) return (uint8_t)(sign | 0x7fu);
+    if ((u >> 23) == 0) return (uint8_t)sign;        /* float32 subnormal: rounds to 0 */
+    int e = (int)(u >> 23) - 127 + B;                   /* the fp8 exponent field */
+    const uint32_t mant = (u & 0x7fffffu) | 0x800000u;  /* the significand, hidden bit on */
+    int shift = 23 - M;
+    if (e < 1) {                                        /* an fp8 subnormal: fewer bits */
+        shift += 1 - e;
+        e = 0;
+    }
+    if (shift > 24) return (uint8_t)sign;
+    const uint32_t r = (mant + (1u << (shift - 1)) - 1 + ((mant >> shift) & 1u)) >> shift;
+    uint32_t code = e == 0 ? r : ((uint32_t)e << M) + r - (1u << M);   /* a carry bumps e */
+    if (code > maxcode) code = maxcode;
+    return (uint8_t)(sign | code);
+}
+static inline uint8_t f32_to_e4m3(float x) { return f32_to_fp8(x, 3, 7, 0x7e); }
+static inline uint8_t f32_to_e5m2(float x) { return f32_to_fp8(x, 2, 15, 0x7b); }
+
 #endif

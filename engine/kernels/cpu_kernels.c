@@ -50,26 +50,45 @@ INLINE float exp_and_sum(float *s, int n, float max) {
     return sum;
 }
 
+/* Cache rows. A cache row is one (token, KV head): head_dim elements of the cache's type, and
+ * for the int8 cache a float16 scale after them (engine/kv_quant.py). The element loaders
+ * (load_<C>, vload_<C>), the row width in elements (ROW_<C>: head_dim plus the scale's bytes)
+ * and the row's scale (SCALE_<C>, 1 where the cache has no per-row scale; a per-tensor fp8
+ * scale is folded into the caller's `scale` and `out_scale`) per cache type C. */
+#define ROW_f32(D) (D)
+#define ROW_bf16(D) (D)
+#define ROW_i8(D) ((D) + 2)
+#define ROW_e4m3(D) (D)
+#define ROW_e5m2(D) (D)
+#define SCALE_f32(r, D) 1.f
+#define SCALE_bf16(r, D) 1.f
+#define SCALE_i8(r, D) f16_at((r) + (D))
+#define SCALE_e4m3(r, D) 1.f
+#define SCALE_e5m2(r, D) 1.f
+
 /* One (sequence, KV head) of decode attention. Inlined with a constant head_dim D where the
  * caller can give one, so the per-row loops unroll and vectorize; blocks are walked in order, a
- * block's rows are contiguous. q_scaled [group][D] float32 (query already times scale). */
-#define DEFINE_DECODE_ONE(SUFFIX, T)                                                         \
-INLINE void decode_one_##SUFFIX(const float *q_scaled, const T *kbase, const T *vbase,      \
-                                const int32_t *table, int ctx, int block_size, int group,   \
-                                const int D, float *scores, T *out) {                        \
+ * block's rows are contiguous. q_scaled [group][D] float32 (query already times scale). NAME:
+ * the instance; C: the cache's element suffix (type CT); O: the output's (type OT). The
+ * values' sum is multiplied by out_scale / (sum of the softmax numerators). */
+#define DEFINE_DECODE_ONE(NAME, C, CT, O, OT)                                                \
+INLINE void decode_one_##NAME(const float *q_scaled, const CT *kbase, const CT *vbase,      \
+                              const int32_t *table, int ctx, int block_size, int group,     \
+                              const int D, float out_scale, float *scores, OT *out) {       \
+    const int R = ROW_##C(D);                                                                \
     const int nblocks = (ctx + block_size - 1) / block_size;                                 \
     for (int g = 0; g < group; g++) {                                                        \
         const float *qg = q_scaled + g * D;                                                  \
         float *sg = scores + (int64_t)g * ctx;                                               \
         for (int j = 0; j < nblocks; j++) {                                                  \
-            const T *kb = kbase + (int64_t)table[j] * block_size * D;                        \
+            const CT *kb = kbase + (int64_t)table[j] * block_size * R;                       \
             const int n = j == nblocks - 1 ? ctx - j * block_size : block_size;              \
             for (int t = 0; t < n; t++) {                                                    \
-                const T *kr = kb + t * D;                                                    \
+                const CT *kr = kb + t * R;                                                   \
                 float s = 0.f;                                                               \
                 _Pragma("omp simd reduction(+:s)")                                           \
-                for (int d = 0; d < D; d++) s += qg[d] * load_##SUFFIX(kr[d]);               \
-                sg[j * block_size + t] = s;                                                  \
+                for (int d = 0; d < D; d++) s += qg[d] * load_##C(kr[d]);                    \
+                sg[j * block_size + t] = s * SCALE_##C(kr, D);                               \
             }                                                                                \
         }                                                                                    \
         float m = -INFINITY;                                                                 \
@@ -78,23 +97,29 @@ INLINE void decode_one_##SUFFIX(const float *q_scaled, const T *kbase, const T *
         float acc[D];                                                                        \
         for (int d = 0; d < D; d++) acc[d] = 0.f;                                            \
         for (int j = 0; j < nblocks; j++) {                                                  \
-            const T *vb = vbase + (int64_t)table[j] * block_size * D;                        \
+            const CT *vb = vbase + (int64_t)table[j] * block_size * R;                       \
             const int n = j == nblocks - 1 ? ctx - j * block_size : block_size;              \
             for (int t = 0; t < n; t++) {                                                    \
-                const float p = sg[j * block_size + t];                                      \
-                const T *vr = vb + t * D;                                                    \
+                const CT *vr = vb + t * R;                                                   \
+                const float p = sg[j * block_size + t] * SCALE_##C(vr, D);                   \
                 _Pragma("omp simd")                                                          \
-                for (int d = 0; d < D; d++) acc[d] += p * load_##SUFFIX(vr[d]);              \
+                for (int d = 0; d < D; d++) acc[d] += p * load_##C(vr[d]);                   \
             }                                                                                \
         }                                                                                    \
-        const float inv = sum > 0.f ? 1.f / sum : 0.f;                                       \
-        T *o = out + g * D;                                                                  \
-        for (int d = 0; d < D; d++) o[d] = store_##SUFFIX(acc[d] * inv);                     \
+        const float inv = sum > 0.f ? out_scale / sum : 0.f;                                 \
+        OT *o = out + g * D;                                                                 \
+        for (int d = 0; d < D; d++) o[d] = store_##O(acc[d] * inv);                          \
     }                                                                                        \
 }
 
-DEFINE_DECODE_ONE(f32, float)
-DEFINE_DECODE_ONE(bf16, uint16_t)
+DEFINE_DECODE_ONE(f32, f32, float, f32, float)
+DEFINE_DECODE_ONE(bf16, bf16, uint16_t, bf16, uint16_t)
+DEFINE_DECODE_ONE(i8_f32, i8, uint8_t, f32, float)
+DEFINE_DECODE_ONE(i8_bf16, i8, uint8_t, bf16, uint16_t)
+DEFINE_DECODE_ONE(e4m3_f32, e4m3, uint8_t, f32, float)
+DEFINE_DECODE_ONE(e4m3_bf16, e4m3, uint8_t, bf16, uint16_t)
+DEFINE_DECODE_ONE(e5m2_f32, e5m2, uint8_t, f32, float)
+DEFINE_DECODE_ONE(e5m2_bf16, e5m2, uint8_t, bf16, uint16_t)
 
 /* The vector decode loop, written once against the vector vocabulary of vec.h and
  * instantiated per ISA. */
@@ -112,46 +137,48 @@ const char *kernels_isa(void) { return VEC_ISA; }
  * column). Rows go in pairs with an accumulator each, so twice as many FMA chains are in flight
  * (one chain per head would wait on FMA latency). AVX2, 64 decodes x 160 tokens, 9 heads over 3
  * KV heads, 30 layers, ms per step (median of 5), per-head loop -> this: 34.4 -> 28.4 with each
- * sequence's blocks consecutive, 27.7 -> 23.1 (best) with blocks scattered. */
+ * sequence's blocks consecutive, 27.7 -> 23.1 (best) with blocks scattered. A cache with row
+ * scales (int8) has them applied to each row's scores, and to the probabilities before the
+ * values' loop (SCALED). */
 #define GT 4
-#define DEFINE_DECODE_ONE_VEC(SUFFIX, T)                                                     \
-INLINE void decode_tile_vec_##SUFFIX(const float *q_scaled, const T *kbase, const T *vbase, \
-                                     const int32_t *table, int ctx, int block_size,          \
-                                     const int gt, const int D, int prefetch, float *scores, \
-                                     T *out) {                                               \
-    const int NV = D / VL;                                                                   \
+#define DEFINE_DECODE_ONE_VEC(NAME, C, CT, O, OT, SCALED)                                    \
+INLINE void decode_tile_vec_##NAME(const float *q_scaled, const CT *kbase, const CT *vbase, \
+                                   const int32_t *table, int ctx, int block_size,            \
+                                   const int gt, const int D, int prefetch, float out_scale, \
+                                   float *scores, OT *out) {                                 \
+    const int NV = D / VL, R = ROW_##C(D);                                                   \
     const int nblocks = (ctx + block_size - 1) / block_size;                                 \
+    const int block_bytes = block_size * R * (int)sizeof(CT);                                \
     float m[GT];                                                                             \
     for (int g = 0; g < gt; g++) m[g] = -INFINITY;                                           \
     for (int j = 0; j < nblocks; j++) {                                                      \
-        const T *kb = kbase + (int64_t)table[j] * block_size * D;                            \
+        const CT *kb = kbase + (int64_t)table[j] * block_size * R;                           \
         const int n = j == nblocks - 1 ? ctx - j * block_size : block_size;                  \
         if (prefetch) {                    /* the values are read next: fetch them too */   \
             if (j + 1 < nblocks)                                                             \
-                prefetch_block(kbase + (int64_t)table[j + 1] * block_size * D,               \
-                               block_size * D * (int)sizeof(T));                             \
-            prefetch_block(vbase + (int64_t)table[j] * block_size * D,                       \
-                           block_size * D * (int)sizeof(T));                                 \
+                prefetch_block(kbase + (int64_t)table[j + 1] * block_size * R, block_bytes); \
+            prefetch_block(vbase + (int64_t)table[j] * block_size * R, block_bytes);         \
         }                                                                                    \
         for (int t = 0; t < n; t += 2) {   /* row pairs: twice the independent FMA chains; */ \
             const int two = t + 1 < n;     /* an odd last row is paired with itself         */ \
-            const T *k0r = kb + t * D, *k1r = k0r + two * D;                                 \
+            const CT *k0r = kb + t * R, *k1r = k0r + two * R;                                \
             V s0[GT], s1[GT];                                                                \
             for (int g = 0; g < gt; g++) s0[g] = s1[g] = vzero();                            \
             for (int i = 0; i < NV; i++) {                                                   \
-                const V k0 = vload_##SUFFIX(k0r + VL * i), k1 = vload_##SUFFIX(k1r + VL * i);\
+                const V k0 = vload_##C(k0r + VL * i), k1 = vload_##C(k1r + VL * i);          \
                 for (int g = 0; g < gt; g++) {                                               \
                     const V q = vload_f32(q_scaled + g * D + VL * i);                        \
                     s0[g] = vfma(q, k0, s0[g]);                                              \
                     s1[g] = vfma(q, k1, s1[g]);                                              \
                 }                                                                            \
             }                                                                                \
+            const float r0 = SCALE_##C(k0r, D), r1 = SCALE_##C(k1r, D);                      \
             for (int g = 0; g < gt; g++) {                                                   \
                 float *sg = scores + (int64_t)g * ctx + j * block_size + t;                  \
-                sg[0] = vsum(s0[g]);                                                         \
+                sg[0] = vsum(s0[g]) * r0;                                                    \
                 m[g] = sg[0] > m[g] ? sg[0] : m[g];                                          \
                 if (two) {                                                                   \
-                    sg[1] = vsum(s1[g]);                                                     \
+                    sg[1] = vsum(s1[g]) * r1;                                                \
                     m[g] = sg[1] > m[g] ? sg[1] : m[g];                                      \
                 }                                                                            \
             }                                                                                \
@@ -160,28 +187,36 @@ INLINE void decode_tile_vec_##SUFFIX(const float *q_scaled, const T *kbase, cons
     V inv[GT];                                                                               \
     for (int g = 0; g < gt; g++) {                                                           \
         const float sum = exp_and_sum(scores + (int64_t)g * ctx, ctx, m[g]);                 \
-        inv[g] = vset1(sum > 0.f ? 1.f / sum : 0.f);                                         \
+        inv[g] = vset1(sum > 0.f ? out_scale / sum : 0.f);                                   \
     }                                                                                        \
+    if (SCALED)                            /* the values' row scales, into the weights */   \
+        for (int j = 0; j < nblocks; j++) {                                                  \
+            const CT *vb = vbase + (int64_t)table[j] * block_size * R;                       \
+            const int n = j == nblocks - 1 ? ctx - j * block_size : block_size;              \
+            for (int t = 0; t < n; t++) {                                                    \
+                const float r = SCALE_##C(vb + t * R, D);                                    \
+                for (int g = 0; g < gt; g++) scores[(int64_t)g * ctx + j * block_size + t] *= r;\
+            }                                                                                \
+        }                                                                                    \
     for (int i = 0; i < NV; i++) {                                                           \
         V acc[GT], acc1[GT];                                                                 \
         for (int g = 0; g < gt; g++) acc[g] = acc1[g] = vzero();                             \
         for (int j = 0; j < nblocks; j++) {                                                  \
-            const T *vb = vbase + (int64_t)table[j] * block_size * D + VL * i;               \
+            const CT *vb = vbase + (int64_t)table[j] * block_size * R + VL * i;              \
             const int n = j == nblocks - 1 ? ctx - j * block_size : block_size;              \
             if (prefetch && i == 0 && j + 1 < nblocks)                                       \
-                prefetch_block(vbase + (int64_t)table[j + 1] * block_size * D,               \
-                               block_size * D * (int)sizeof(T));                             \
+                prefetch_block(vbase + (int64_t)table[j + 1] * block_size * R, block_bytes); \
             const float *sj = scores + j * block_size;                                       \
             int t = 0;                                                                       \
             for (; t + 1 < n; t += 2) {    /* row pairs: two accumulators per head */        \
-                const V v0 = vload_##SUFFIX(vb + t * D), v1 = vload_##SUFFIX(vb + (t + 1) * D);\
+                const V v0 = vload_##C(vb + t * R), v1 = vload_##C(vb + (t + 1) * R);        \
                 for (int g = 0; g < gt; g++) {                                               \
                     acc[g] = vfma(vset1(sj[(int64_t)g * ctx + t]), v0, acc[g]);              \
                     acc1[g] = vfma(vset1(sj[(int64_t)g * ctx + t + 1]), v1, acc1[g]);        \
                 }                                                                            \
             }                                                                                \
             if (t < n) {                                                                     \
-                const V v = vload_##SUFFIX(vb + t * D);                                      \
+                const V v = vload_##C(vb + t * R);                                           \
                 for (int g = 0; g < gt; g++)                                                 \
                     acc[g] = vfma(vset1(sj[(int64_t)g * ctx + t]), v, acc[g]);               \
             }                                                                                \
@@ -189,38 +224,44 @@ INLINE void decode_tile_vec_##SUFFIX(const float *q_scaled, const T *kbase, cons
         for (int g = 0; g < gt; g++) {                                                       \
             float res[VL];                                                                   \
             vstore(res, vmul(vadd(acc[g], acc1[g]), inv[g]));                               \
-            T *o = out + g * D + VL * i;                                                     \
-            for (int d = 0; d < VL; d++) o[d] = store_##SUFFIX(res[d]);                      \
+            OT *o = out + g * D + VL * i;                                                    \
+            for (int d = 0; d < VL; d++) o[d] = store_##O(res[d]);                           \
         }                                                                                    \
     }                                                                                        \
 }                                                                                            \
                                                                                              \
-INLINE void decode_one_vec_##SUFFIX(const float *q_scaled, const T *kbase, const T *vbase,  \
-                                    const int32_t *table, int ctx, int block_size,           \
-                                    int group, const int D, float *scores, T *out) {         \
+INLINE void decode_one_vec_##NAME(const float *q_scaled, const CT *kbase, const CT *vbase,  \
+                                  const int32_t *table, int ctx, int block_size, int group,  \
+                                  const int D, float out_scale, float *scores, OT *out) {    \
     for (int g0 = 0; g0 < group; g0 += GT) {    /* constant tile sizes: unrolled, in regs */ \
         const float *q = q_scaled + g0 * D;                                                  \
         float *s = scores + (int64_t)g0 * ctx;                                               \
-        T *o = out + g0 * D;                                                                 \
+        OT *o = out + g0 * D;                                                                \
         switch (group - g0 < GT ? group - g0 : GT) {                                         \
-        case 1: decode_tile_vec_##SUFFIX(q, kbase, vbase, table, ctx, block_size, 1, D,     \
-                                         g0 == 0, s, o); break;                              \
-        case 2: decode_tile_vec_##SUFFIX(q, kbase, vbase, table, ctx, block_size, 2, D,     \
-                                         g0 == 0, s, o); break;                              \
-        case 3: decode_tile_vec_##SUFFIX(q, kbase, vbase, table, ctx, block_size, 3, D,     \
-                                         g0 == 0, s, o); break;                              \
-        default: decode_tile_vec_##SUFFIX(q, kbase, vbase, table, ctx, block_size, 4, D,    \
-                                          g0 == 0, s, o); break;                             \
+        case 1: decode_tile_vec_##NAME(q, kbase, vbase, table, ctx, block_size, 1, D,       \
+                                       g0 == 0, out_scale, s, o); break;                     \
+        case 2: decode_tile_vec_##NAME(q, kbase, vbase, table, ctx, block_size, 2, D,       \
+                                       g0 == 0, out_scale, s, o); break;                     \
+        case 3: decode_tile_vec_##NAME(q, kbase, vbase, table, ctx, block_size, 3, D,       \
+                                       g0 == 0, out_scale, s, o); break;                     \
+        default: decode_tile_vec_##NAME(q, kbase, vbase, table, ctx, block_size, 4, D,      \
+                                        g0 == 0, out_scale, s, o); break;                    \
         }                                                                                    \
     }                                                                                        \
 }
 
-DEFINE_DECODE_ONE_VEC(f32, float)
-DEFINE_DECODE_ONE_VEC(bf16, uint16_t)
-#define DECODE_VEC(SUFFIX, ...) decode_one_vec_##SUFFIX(__VA_ARGS__)
+DEFINE_DECODE_ONE_VEC(f32, f32, float, f32, float, 0)
+DEFINE_DECODE_ONE_VEC(bf16, bf16, uint16_t, bf16, uint16_t, 0)
+DEFINE_DECODE_ONE_VEC(i8_f32, i8, uint8_t, f32, float, 1)
+DEFINE_DECODE_ONE_VEC(i8_bf16, i8, uint8_t, bf16, uint16_t, 1)
+DEFINE_DECODE_ONE_VEC(e4m3_f32, e4m3, uint8_t, f32, float, 0)
+DEFINE_DECODE_ONE_VEC(e4m3_bf16, e4m3, uint8_t, bf16, uint16_t, 0)
+DEFINE_DECODE_ONE_VEC(e5m2_f32, e5m2, uint8_t, f32, float, 0)
+DEFINE_DECODE_ONE_VEC(e5m2_bf16, e5m2, uint8_t, bf16, uint16_t, 0)
+#define DECODE_VEC(NAME, ...) decode_one_vec_##NAME(__VA_ARGS__)
 #else
 #define VL 1           /* unused: HAVE_VEC is 0, so the vector branches are never taken */
-#define DECODE_VEC(SUFFIX, ...) decode_one_##SUFFIX(__VA_ARGS__)
+#define DECODE_VEC(NAME, ...) decode_one_##NAME(__VA_ARGS__)
 #endif
 
 /* attention_amx.c: the rows of prefill runs attended on AMX tiles (bfloat16; a mask of the rows
@@ -230,11 +271,47 @@ uint8_t *attention_amx_prefill(const uint16_t *q, int64_t q_stride, const uint16
                                const int32_t *ctx_lens, uint16_t *out, int num_seqs,
                                int num_heads, int num_kv_heads, int D, int bs,
                                int64_t num_blocks, float scale, int num_threads);
-#define AMX_PREFILL_bf16(...) attention_amx_prefill(__VA_ARGS__)
-#define AMX_PREFILL_f32(...) NULL
+
+/* One (sequence, KV head) of paged_decode: the group's scaled queries, then decode_one of the
+ * cache type NAME (the vector loop at head_dim 64, 128 or a multiple of VL). */
+#define DECODE_HEAD(NAME, T, SUFFIX)                                                         \
+    do {                                                                                     \
+        const int ctx = ctx_lens[b];                                                         \
+        float qf[MAX_GROUP * 256];                                                           \
+        for (int g = 0; g < group; g++) {                                                    \
+            const T *qh = q + b * q_stride + (int64_t)(kh * group + g) * head_dim;           \
+            for (int d = 0; d < head_dim; d++)                                               \
+                qf[g * head_dim + d] = load_##SUFFIX(qh[d]) * scale;                         \
+        }                                                                                    \
+        float *scores = scratch(0, sizeof(float) * (size_t)group * (ctx > 0 ? ctx : 1));    \
+        const int32_t *table = block_tables + (int64_t)b * max_blocks;                       \
+        const CT *kb = k_cache + kh * head_elems, *vb = v_cache + kh * head_elems;           \
+        T *o = out + ((int64_t)b * num_heads + kh * group) * head_dim;                       \
+        if (HAVE_VEC && head_dim == 64)                                                      \
+            DECODE_VEC(NAME, qf, kb, vb, table, ctx, block_size, group, 64, out_scale,       \
+                       scores, o);                                                           \
+        else if (HAVE_VEC && head_dim == 128)                                                \
+            DECODE_VEC(NAME, qf, kb, vb, table, ctx, block_size, group, 128, out_scale,      \
+                       scores, o);                                                           \
+        else if (HAVE_VEC && head_dim % VL == 0)                                             \
+            DECODE_VEC(NAME, qf, kb, vb, table, ctx, block_size, group, head_dim, out_scale, \
+                       scores, o);                                                           \
+        else                                                                                 \
+            decode_one_##NAME(qf, kb, vb, table, ctx, block_size, group, head_dim,           \
+                              out_scale, scores, o);                                         \
+    } while (0)
+
+/* The loop over (sequence, KV head) of paged_decode, `body` per pair not in `done`. */
+#define FOR_HEADS(body)                                                                      \
+    _Pragma("omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)")   \
+    for (int b = 0; b < num_seqs; b++)                                                       \
+        for (int kh = 0; kh < num_kv_heads; kh++) {                                          \
+            if (done && done[b]) continue;              /* a prefill run's: on AMX tiles */ \
+            body;                                                                            \
+        }
 
 /* Returns 0, or -1 when head_dim or the GQA group is larger than the kernel's buffers. */
-#define DEFINE_KERNELS(SUFFIX, T)                                                            \
+#define DEFINE_KERNELS(SUFFIX, T, AMX_PREFILL)                                               \
 void cache_write_##SUFFIX(const T *k, const T *v, T *k_cache, T *v_cache,                   \
                           const int64_t *slots, int num_tokens, int num_kv_heads,            \
                           int head_dim, int64_t k_stride, int64_t v_stride,                  \
@@ -255,47 +332,48 @@ int paged_decode_##SUFFIX(const T *q, int64_t q_stride, const T *k_cache, const 
                           const int32_t *ctx_lens, T *out, int num_seqs, int num_heads,      \
                           int num_kv_heads, int head_dim, int block_size, int64_t num_blocks,\
                           float scale, int num_threads) {                                    \
+    typedef T CT;                                                                            \
+    const float out_scale = 1.f;                                                             \
     const int group = num_heads / num_kv_heads;                                              \
     if (head_dim > 256 || group > MAX_GROUP) return -1;                                      \
     const int64_t head_elems = num_blocks * block_size * head_dim;                           \
-    uint8_t *done = AMX_PREFILL_##SUFFIX(q, q_stride, k_cache, v_cache, block_tables,        \
-                                         max_blocks, ctx_lens, out, num_seqs, num_heads,     \
-                                         num_kv_heads, head_dim, block_size, num_blocks,     \
-                                         scale, num_threads);                                \
-    _Pragma("omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)")   \
-    for (int b = 0; b < num_seqs; b++) {                                                     \
-        for (int kh = 0; kh < num_kv_heads; kh++) {                                          \
-            if (done && done[b]) continue;              /* a prefill run's: on AMX tiles */ \
-            const int ctx = ctx_lens[b];                                                     \
-            float qf[MAX_GROUP * 256];                                                       \
-            for (int g = 0; g < group; g++) {                                                \
-                const T *qh = q + b * q_stride + (int64_t)(kh * group + g) * head_dim;       \
-                for (int d = 0; d < head_dim; d++)                                           \
-                    qf[g * head_dim + d] = load_##SUFFIX(qh[d]) * scale;                     \
-            }                                                                                \
-            float *scores = malloc(sizeof(float) * (size_t)group * (ctx > 0 ? ctx : 1));     \
-            const int32_t *table = block_tables + (int64_t)b * max_blocks;                   \
-            const T *kb = k_cache + kh * head_elems, *vb = v_cache + kh * head_elems;        \
-            T *o = out + ((int64_t)b * num_heads + kh * group) * head_dim;                   \
-            if (HAVE_VEC && head_dim == 64)                                                  \
-                DECODE_VEC(SUFFIX, qf, kb, vb, table, ctx, block_size, group, 64, scores, o);\
-            else if (HAVE_VEC && head_dim == 128)                                            \
-                DECODE_VEC(SUFFIX, qf, kb, vb, table, ctx, block_size, group, 128, scores, o);\
-            else if (HAVE_VEC && head_dim % VL == 0)                                         \
-                DECODE_VEC(SUFFIX, qf, kb, vb, table, ctx, block_size, group, head_dim,      \
-                           scores, o);                                                       \
-            else                                                                             \
-                decode_one_##SUFFIX(qf, kb, vb, table, ctx, block_size, group, head_dim,     \
-                                    scores, o);                                              \
-            free(scores);                                                                    \
-        }                                                                                    \
-    }                                                                                        \
+    uint8_t *done = AMX_PREFILL;                                                             \
+    FOR_HEADS(DECODE_HEAD(SUFFIX, T, SUFFIX));                                               \
     free(done);                                                                              \
+    return 0;                                                                                \
+}                                                                                            \
+                                                                                             \
+/* paged_decode over an 8-bit cache (common.h: kind KV_INT8, KV_E4M3 or KV_E5M2; rows as      \
+ * kv_cache.c writes them); `scale`                                                           \
+ * and `out_scale` carry a per-tensor fp8 scale (engine/kv_quant.py). Returns as paged_decode; \
+ * -2 for an unknown kind. */                                                                \
+int paged_decode8_##SUFFIX(const T *q, int64_t q_stride, const uint8_t *k_cache,            \
+                           const uint8_t *v_cache, const int32_t *block_tables,              \
+                           int max_blocks, const int32_t *ctx_lens, T *out, int num_seqs,    \
+                           int num_heads, int num_kv_heads, int head_dim, int block_size,    \
+                           int64_t num_blocks, float scale, float out_scale, int kind,       \
+                           int num_threads) {                                                \
+    typedef uint8_t CT;                                                                      \
+    const int group = num_heads / num_kv_heads;                                              \
+    if (head_dim > 256 || group > MAX_GROUP) return -1;                                      \
+    if (kind < KV_INT8 || kind > KV_E5M2) return -2;                                         \
+    const int64_t head_elems = num_blocks * block_size * kv_row_bytes(kind, head_dim);       \
+    const uint8_t *done = NULL;                                                              \
+    if (kind == KV_INT8) {                                                                   \
+        FOR_HEADS(DECODE_HEAD(i8_##SUFFIX, T, SUFFIX));                                      \
+    } else if (kind == KV_E4M3) {                                                            \
+        FOR_HEADS(DECODE_HEAD(e4m3_##SUFFIX, T, SUFFIX));                                    \
+    } else {                                                                                 \
+        FOR_HEADS(DECODE_HEAD(e5m2_##SUFFIX, T, SUFFIX));                                    \
+    }                                                                                        \
     return 0;                                                                                \
 }
 
-DEFINE_KERNELS(f32, float)
-DEFINE_KERNELS(bf16, uint16_t)
+DEFINE_KERNELS(f32, float, NULL)
+DEFINE_KERNELS(bf16, uint16_t,
+               attention_amx_prefill(q, q_stride, k_cache, v_cache, block_tables, max_blocks,
+                                     ctx_lens, out, num_seqs, num_heads, num_kv_heads,
+                                     head_dim, block_size, num_blocks, scale, num_threads))
 
 /* ------------------------------------------------------------------ fused elementwise ops
  * vLLM's fused_add_rms_norm, silu_and_mul and rotary_embedding (csrc/layernorm_kernels.cu,

@@ -44,6 +44,9 @@ typedef struct {
     const void *cos, *sin;     /* [max_pos, head_dim] T, sin's first half negated */
     const void *final_norm;
     const layer_ptrs *layers;
+    int kv_kind;               /* 0: caches of T; else an 8-bit cache (common.h's KV_*) */
+    float k_write, v_write;    /* 8-bit: 1 / the fp8 scales (cache_write8's inv scales) */
+    float k_read, v_read;      /* 8-bit: the read scales (paged_decode8's, e4m3's unit in) */
 } layer_stack;
 
 /* cpu_kernels.c's entry points, as it defines them. */
@@ -57,6 +60,38 @@ void silu_and_mul_##SUFFIX(const T *, T *, int, int, int);                      
 void rotary_##SUFFIX(T *, int64_t, const int64_t *, const T *, const T *, int, int, int, int);
 DECLARE_T(f32, float)
 DECLARE_T(bf16, uint16_t)
+#define DECLARE_8(SUFFIX, T)                                                                  \
+int cache_write8_##SUFFIX(const T *, const T *, uint8_t *, uint8_t *, const int64_t *, int,  \
+                          int, int, int64_t, int64_t, int64_t, int, float, float, int);      \
+int paged_decode8_##SUFFIX(const T *, int64_t, const uint8_t *, const uint8_t *,             \
+                           const int32_t *, int, const int32_t *, T *, int, int, int, int,    \
+                           int, int64_t, float, float, int, int);
+DECLARE_8(f32, float)
+DECLARE_8(bf16, uint16_t)
+
+/* The layer's K / V write and paged attention over its cache (8-bit or of T); -3 when
+ * paged attention cannot take head_dim or the GQA group. */
+#define ATTEND(SUFFIX)                                                                        \
+    do {                                                                                      \
+        const int64_t slots_per_head = s->num_blocks * s->block_size;                         \
+        if (s->kv_kind) {                                                                     \
+            if (cache_write8_##SUFFIX(qkv + qs, qkv + qs + kvs, l->k_cache, l->v_cache, slots,\
+                                      n, KVH, D, row, row, slots_per_head, s->kv_kind,       \
+                                      s->k_write, s->v_write, threads) ||                    \
+                paged_decode8_##SUFFIX(qkv, row, l->k_cache, l->v_cache, tables, max_blocks, \
+                                       ctx_lens, attn, n, H, KVH, D, s->block_size,          \
+                                       s->num_blocks, s->scale * s->k_read, s->v_read,       \
+                                       s->kv_kind, threads))                                 \
+                return -3;                                                                    \
+        } else {                                                                              \
+            cache_write_##SUFFIX(qkv + qs, qkv + qs + kvs, l->k_cache, l->v_cache, slots, n,  \
+                                 KVH, D, row, row, slots_per_head);                           \
+            if (paged_decode_##SUFFIX(qkv, row, l->k_cache, l->v_cache, tables, max_blocks,   \
+                                      ctx_lens, attn, n, H, KVH, D, s->block_size,            \
+                                      s->num_blocks, s->scale, threads))                      \
+                return -3;                                                                    \
+        }                                                                                     \
+    } while (0)
 
 static int project(const layer_stack *s, const qproj *p, const void *x, int64_t x_stride,
                    void *y, int n, int threads) {
@@ -82,12 +117,7 @@ static int stack_##SUFFIX(const layer_stack *s, T *x, T *h, int n, const int64_t
         int rc = project(s, &l->qkv, h, s->hidden, qkv, n, threads);                     \
         if (rc) return rc;                                                                    \
         rotary_##SUFFIX(qkv, row, positions, s->cos, s->sin, n, H + KVH, D, threads);          \
-        cache_write_##SUFFIX(qkv + qs, qkv + qs + kvs, l->k_cache, l->v_cache, slots, n, KVH,  \
-                             D, row, row, s->num_blocks * s->block_size);                      \
-        if (paged_decode_##SUFFIX(qkv, row, l->k_cache, l->v_cache, tables, max_blocks,        \
-                                  ctx_lens, attn, n, H, KVH, D, s->block_size, s->num_blocks,  \
-                                  s->scale, threads))                                          \
-            return -3;                                                                        \
+        ATTEND(SUFFIX);                                                                       \
         if ((rc = project(s, &l->o, attn, qs, o, n, threads))) return rc;                \
         add_rms_norm_##SUFFIX(o, x, l->ln2, NULL, n, s->hidden, s->eps, threads);              \
         if ((rc = project(s, &l->gate_up, o, s->hidden, gu, n, threads))) return rc;     \

@@ -38,7 +38,8 @@ class _Stack(ctypes.Structure):
                 ("block_size", c_int), ("bf16", c_int), ("int8_x", c_int),
                 ("num_blocks", c_int64), ("eps", c_float), ("scale", c_float),
                 ("cos", c_void_p), ("sin", c_void_p), ("final_norm", c_void_p),
-                ("layers", POINTER(_Layer))]
+                ("layers", POINTER(_Layer)), ("kv_kind", c_int), ("k_write", c_float),
+                ("v_write", c_float), ("k_read", c_float), ("v_read", c_float)]
 
 
 def _single_quant(lin) -> bool:
@@ -85,9 +86,9 @@ class LayerStack:
             return None
         return cls(model, kernels)
 
-    def _bind(self, kv_cache: torch.Tensor) -> _Stack:
+    def _bind(self, kv_cache: torch.Tensor, kv=None) -> _Stack:
         """The struct with `kv_cache`'s per-layer K / V addresses (rebuilt when the cache
-        tensor changes)."""
+        tensor changes); `kv`: an 8-bit cache's `engine.kv_quant.KVQuant`, or None."""
         if self._cache is kv_cache and self._stack is not None:
             return self._stack
         m, cfg = self.model, self.model.cfg
@@ -99,6 +100,10 @@ class LayerStack:
             cfg.intermediate_size, kv_cache.shape[4], int(m.dtype == torch.bfloat16),
             int(self.int8_x), kv_cache.shape[3], cfg.rms_norm_eps, m.scale, m.cos.data_ptr(),
             m.sin.data_ptr(), m.norm.data_ptr(), self._layers)
+        if kv is not None:
+            st = self._stack
+            st.kv_kind, st.k_write, st.v_write = kv.kind, 1 / kv.k_scale, 1 / kv.v_scale
+            st.k_read, st.v_read = kv.k_read_scale, kv.v_read_scale
         self._cache = kv_cache
         return self._stack
 
@@ -108,7 +113,7 @@ class LayerStack:
         model dtype (see the module docstring); returns `h`. Raises MemoryError, ValueError
         (a weight without kernels, or a head_dim / GQA group paged attention cannot take)."""
         cfg, n = self.model.cfg, x.shape[0]
-        stack = self._bind(kv_cache)
+        stack = self._bind(kv_cache, meta.kv)
         qkv = x.new_empty((n, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim))
         attn = x.new_empty((n, cfg.num_heads * cfg.head_dim))
         o = x.new_empty((n, cfg.hidden_size))

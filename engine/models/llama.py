@@ -86,8 +86,11 @@ class ModelConfig:
             sliding_window=window, eos_token_ids=eos_ids, bos_token_id=cfg.get("bos_token_id"),
             layer_windows=layer_windows)
 
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Bytes of K and V per token over all layers."""
+    def kv_bytes_per_token(self, dtype: torch.dtype, kv=None) -> int:
+        """Bytes of K and V per token over all layers: of `dtype`, or the 8-bit rows of `kv`
+        (`engine.kv_quant.KVQuant`)."""
+        if kv is not None:
+            return 2 * self.num_layers * self.num_kv_heads * kv.row_bytes(self.head_dim)
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
 

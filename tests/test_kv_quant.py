@@ -69,6 +69,30 @@ def test_paged_decode8_matches_reference_over_the_dequantized_cache(lib, name, d
     assert (out.double() - ref).abs().max().item() < tol * max(1.0, ref.abs().max().item())
 
 
+@pytest.mark.parametrize("name", KINDS)
+def test_prefill_runs_on_amx_tiles_over_an_8bit_cache(amx_lib, name):
+    """Prefill runs of 16 rows and more take the AMX tiles over an 8-bit cache too (its rows
+    dequantized to bfloat16 as they are gathered): against float64 attention over the
+    dequantized cache, with fp8 scales 0.25 / 3 folded in."""
+    torch.manual_seed(2)
+    kv = KVQuant(name, 0.25, 3.0) if name != "int8" else KVQuant(name)
+    heads, kv_heads, head_dim, bs, num_blocks = 9, 3, 64, 16, 64
+    k_rows = kv.quantize(torch.randn(kv_heads, num_blocks, bs, head_dim), kv.k_scale)
+    v_rows = kv.quantize(torch.randn(kv_heads, num_blocks, bs, head_dim), kv.v_scale)
+    table = torch.randperm(num_blocks)[:4].int()
+    lens = torch.arange(11, 51, dtype=torch.int32)            # one run of 40 rows
+    tables = table.repeat(len(lens), 1)
+    q = torch.randn(len(lens), heads, head_dim).bfloat16()
+    out = torch.empty(len(lens), heads, head_dim, dtype=torch.bfloat16)
+    before = amx_lib._fn["attention_amx_rows"]()
+    amx_lib.paged_decode(q, k_rows, v_rows, tables, lens, head_dim ** -0.5, out, kv)
+    assert amx_lib._fn["attention_amx_rows"]() - before == 40
+    ref = reference_decode(q, kv.dequantize(k_rows, torch.float64, kv.k_scale),
+                           kv.dequantize(v_rows, torch.float64, kv.v_scale), tables, lens,
+                           head_dim ** -0.5)
+    assert (out.double() - ref).abs().max().item() < 2e-2 * ref.abs().max().item()
+
+
 def test_the_flag_accepts_vllms_values_and_refuses_others():
     assert resolve_kv_cache_dtype("auto") is None
     assert resolve_kv_cache_dtype("fp8").name == "fp8_e4m3"          # vLLM's fp8 is e4m3

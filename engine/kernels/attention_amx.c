@@ -1,6 +1,7 @@
 /*
  * Prefill attention on AMX tiles (bfloat16, hosts with AMX; cpu_kernels.c's paged_decode_bf16
- * hands it the rows it can take and runs the rest on its vector loops).
+ * and paged_decode8_bf16 hand it the rows it can take and run the rest on their vector loops;
+ * an 8-bit cache's rows are dequantized to bfloat16 as they are gathered, 16 at a time).
  *
  * A run is a maximal group of consecutive rows that attend to one sequence's cached prefix
  * with lengths one apart — a prefill chunk's tokens (row b + 1 continues row b's run when its
@@ -52,21 +53,49 @@ static int find_runs(const int32_t *tables, int max_blocks, const int32_t *ctx_l
     return n;
 }
 
-/* Key t's row of one KV head's cache (through the block table). */
-INLINE const uint16_t *key_row(const uint16_t *base, const int32_t *table, int t, int bs, int D) {
-    return base + ((int64_t)table[t / bs] * bs + t % bs) * D;
+/* Key t's row of one KV head's cache (through the block table; rows of rb bytes). */
+INLINE const uint8_t *key_row(const uint8_t *base, const int32_t *table, int t, int bs,
+                              int64_t rb) {
+    return base + ((int64_t)table[t / bs] * bs + t % bs) * rb;
+}
+
+/* The cache's element type: 0 bfloat16, else an 8-bit cache (common.h's KV_*) whose rows
+ * are dequantized to bfloat16 here, times `factor` (and an int8 row's own scale). */
+typedef struct { int kind; float k_factor, v_factor; } cache_kind;
+
+/* Rows [t0, t0 + n) of one KV head's cache as n x D bfloat16: in place for a bfloat16 cache
+ * (a block's rows are consecutive), else dequantized into buf. */
+static const uint16_t *rows16(const uint8_t *base, const int32_t *table, int t0, int n, int bs,
+                              int D, int kind, float factor, uint16_t *buf) {
+    if (!kind) return (const uint16_t *)key_row(base, table, t0, bs, 2 * (int64_t)D);
+    const int64_t rb = kv_row_bytes(kind, D);
+    for (int j = 0; j < n; j++) {
+        const uint8_t *r = key_row(base, table, t0 + j, bs, rb);
+        uint16_t *o = buf + j * D;
+        if (kind == KV_INT8) {
+            const float f = factor * f16_at(r + D);
+            for (int d = 0; d < D; d++) o[d] = store_bf16(load_i8(r[d]) * f);
+        } else if (kind == KV_E4M3) {
+            for (int d = 0; d < D; d++) o[d] = store_bf16(load_e4m3(r[d]) * factor);
+        } else {
+            for (int d = 0; d < D; d++) o[d] = store_bf16(load_e5m2(r[d]) * factor);
+        }
+    }
+    return buf;
 }
 
 /* kt [D / 2][cp] (dword = keys t's d pair) and vv [cp / 2][D] (dword = keys 2j, 2j + 1 at d)
  * for keys [0, ctx) of one KV head, zero past ctx. */
-static void prep_kv(const uint16_t *kbase, const uint16_t *vbase, const int32_t *table,
-                    int ctx, int cp, int bs, int D, uint32_t *kt, uint32_t *vv) {
+static void prep_kv(const uint8_t *kbase, const uint8_t *vbase, const int32_t *table,
+                    int ctx, int cp, int bs, int D, cache_kind ck, uint32_t *kt, uint32_t *vv) {
+    uint16_t kbuf[16 * 256], vbuf[16 * 256];       /* 16 dequantized rows (8-bit caches) */
     for (int dp = 0; dp < D / 2; dp++)                 /* the padding only: keys [ctx, cp) */
         memset(kt + (int64_t)dp * cp + ctx, 0, sizeof(uint32_t) * (size_t)(cp - ctx));
     memset(vv + (int64_t)(ctx + 1) / 2 * D, 0, sizeof(uint32_t) * (size_t)(cp / 2 - (ctx + 1) / 2)
                                              * (size_t)D);
     for (int t0 = 0; t0 < ctx; t0 += 16) {               /* 16 keys: one block's (bs % 16 == 0) */
-        const uint16_t *k = key_row(kbase, table, t0, bs, D);
+        const int n = ctx - t0 < 16 ? ctx - t0 : 16;
+        const uint16_t *k = rows16(kbase, table, t0, n, bs, D, ck.kind, ck.k_factor, kbuf);
         if (t0 + 16 <= ctx)
             for (int d0 = 0; d0 < D / 2; d0 += 16)
                 transpose_tile((const float *)k + d0, D / 2, (float *)(kt + d0 * cp + t0), cp);
@@ -74,7 +103,7 @@ static void prep_kv(const uint16_t *kbase, const uint16_t *vbase, const int32_t 
             for (int t = t0; t < ctx; t++)
                 for (int dp = 0; dp < D / 2; dp++)
                     memcpy(kt + dp * cp + t, k + (t - t0) * D + 2 * dp, 4);
-        const uint16_t *v = key_row(vbase, table, t0, bs, D);
+        const uint16_t *v = rows16(vbase, table, t0, n, bs, D, ck.kind, ck.v_factor, vbuf);
         for (int t = t0; t < t0 + 16 && t < ctx; t += 2) {
             const uint16_t *v0 = v + (t - t0) * D;
             for (int d = 0; d < D; d += 32) {
@@ -170,14 +199,14 @@ static void attend_block(const uint16_t *q, int64_t q_stride, const int32_t *ctx
 }
 
 /* See attention_amx_prefill. */
-static void run_tiles(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
-                      const uint16_t *v_cache, const int32_t *tables, int max_blocks,
+static void run_tiles(const uint16_t *q, int64_t q_stride, const uint8_t *k_cache,
+                      const uint8_t *v_cache, const int32_t *tables, int max_blocks,
                       const int32_t *ctx_lens, uint16_t *out, const run_t *runs, int nruns,
                       int num_heads, int num_kv_heads, int D, int bs, int64_t num_blocks,
-                      float scale, int num_threads, uint32_t *kv, const int64_t *kv_off,
-                      int cp_max, int *failed) {
+                      float scale, cache_kind ck, int num_threads, uint32_t *kv,
+                      const int64_t *kv_off, int cp_max, int *failed) {
     const int group = num_heads / num_kv_heads;
-    const int64_t head_elems = num_blocks * bs * D;
+    const int64_t head_bytes = num_blocks * bs * (ck.kind ? kv_row_bytes(ck.kind, D) : 2 * D);
     int64_t tasks = 0;                         /* (run, query head, block of 16 rows) */
     int64_t first[nruns + 1];
     for (int r = 0; r < nruns; r++) {
@@ -193,8 +222,8 @@ static void run_tiles(const uint16_t *q, int64_t q_stride, const uint16_t *k_cac
                 const int ctx = ctx_lens[runs[r].row + runs[r].len - 1];
                 const int cp = (ctx + 31) / 32 * 32;
                 uint32_t *kt = kv + kv_off[r * num_kv_heads + kh];
-                prep_kv(k_cache + kh * head_elems, v_cache + kh * head_elems,
-                        tables + (int64_t)runs[r].row * max_blocks, ctx, cp, bs, D, kt,
+                prep_kv(k_cache + kh * head_bytes, v_cache + kh * head_bytes,
+                        tables + (int64_t)runs[r].row * max_blocks, ctx, cp, bs, D, ck, kt,
                         kt + (int64_t)(D / 2) * cp);
             }
         block_scratch w;
@@ -228,15 +257,19 @@ static void run_tiles(const uint16_t *q, int64_t q_stride, const uint16_t *k_cac
     }
 }
 
-/* paged_decode_bf16's arguments (cpu_kernels.c). Attends the rows of its runs on tiles and
- * returns a mask [num_seqs] (1: done here; the caller frees it), or NULL when no row was
- * taken (no run, tiles off, head_dim not a multiple of 32 or over 256, block_size not a
- * multiple of 16, out of memory). */
-uint8_t *attention_amx_prefill(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
-                               const uint16_t *v_cache, const int32_t *tables, int max_blocks,
+/* paged_decode_bf16's (or paged_decode8_bf16's) arguments (cpu_kernels.c): kind 0 for a
+ * bfloat16 cache, else an 8-bit one (common.h's KV_*) whose K rows are dequantized as they
+ * are (the per-tensor read scale is in `scale`) and V rows times v_factor (its per-tensor
+ * read scale). Attends the rows of its runs on tiles and returns a mask [num_seqs] (1: done
+ * here; the caller frees it), or NULL when no row was taken (no run, tiles off, head_dim not a
+ * multiple of 32 or over 256, block_size not a multiple of 16, out of memory). */
+uint8_t *attention_amx_prefill(const uint16_t *q, int64_t q_stride, const void *k_cache,
+                               const void *v_cache, const int32_t *tables, int max_blocks,
                                const int32_t *ctx_lens, uint16_t *out, int num_seqs,
                                int num_heads, int num_kv_heads, int D, int bs,
-                               int64_t num_blocks, float scale, int num_threads) {
+                               int64_t num_blocks, float scale, int kind, float v_factor,
+                               int num_threads) {
+    const cache_kind ck = {kind, 1.f, v_factor};
     if (!quant_amx_min_rows() || D % 32 || D > 256 || bs % 16 || num_seqs < MIN_RUN)
         return NULL;
     run_t *runs = malloc(sizeof(run_t) * (size_t)num_seqs);
@@ -263,8 +296,8 @@ uint8_t *attention_amx_prefill(const uint16_t *q, int64_t q_stride, const uint16
      * and the kernel zero — on every call */
     if (kv_off && done && (kv = scratch(0, sizeof(uint32_t) * (size_t)(total ? total : 1)))) {
         run_tiles(q, q_stride, k_cache, v_cache, tables, max_blocks, ctx_lens, out, runs,
-                  nruns, num_heads, num_kv_heads, D, bs, num_blocks, scale, num_threads, kv,
-                  kv_off, cp_max, &failed);
+                  nruns, num_heads, num_kv_heads, D, bs, num_blocks, scale, ck, num_threads,
+                  kv, kv_off, cp_max, &failed);
         for (int r = 0; !failed && r < nruns; r++) {
             memset(done + runs[r].row, 1, (size_t)runs[r].len);
             amx_attention_rows += runs[r].len;
@@ -279,14 +312,15 @@ uint8_t *attention_amx_prefill(const uint16_t *q, int64_t q_stride, const uint16
     return done;
 }
 #else
-uint8_t *attention_amx_prefill(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
-                               const uint16_t *v_cache, const int32_t *tables, int max_blocks,
+uint8_t *attention_amx_prefill(const uint16_t *q, int64_t q_stride, const void *k_cache,
+                               const void *v_cache, const int32_t *tables, int max_blocks,
                                const int32_t *ctx_lens, uint16_t *out, int num_seqs,
                                int num_heads, int num_kv_heads, int D, int bs,
-                               int64_t num_blocks, float scale, int num_threads) {
+                               int64_t num_blocks, float scale, int kind, float v_factor,
+                               int num_threads) {
     (void)q, (void)q_stride, (void)k_cache, (void)v_cache, (void)tables, (void)max_blocks;
     (void)ctx_lens, (void)out, (void)num_seqs, (void)num_heads, (void)num_kv_heads, (void)D;
-    (void)bs, (void)num_blocks, (void)scale, (void)num_threads;
+    (void)bs, (void)num_blocks, (void)scale, (void)kind, (void)v_factor, (void)num_threads;
     return NULL;
 }
 #endif

@@ -138,10 +138,10 @@ const char *kernels_isa(void) { return VEC_ISA; }
  * (one chain per head would wait on FMA latency). AVX2, 64 decodes x 160 tokens, 9 heads over 3
  * KV heads, 30 layers, ms per step (median of 5), per-head loop -> this: 34.4 -> 28.4 with each
  * sequence's blocks consecutive, 27.7 -> 23.1 (best) with blocks scattered. A cache with row
- * scales (int8) has them applied to each row's scores, and to the probabilities before the
- * values' loop (SCALED). */
+ * scales (int8) has them applied to each row's scores, and to each row's weight in the
+ * values' loop (from the row's own cache line). */
 #define GT 4
-#define DEFINE_DECODE_ONE_VEC(NAME, C, CT, O, OT, SCALED)                                    \
+#define DEFINE_DECODE_ONE_VEC(NAME, C, CT, O, OT)                                    \
 INLINE void decode_tile_vec_##NAME(const float *q_scaled, const CT *kbase, const CT *vbase, \
                                    const int32_t *table, int ctx, int block_size,            \
                                    const int gt, const int D, int prefetch, float out_scale, \
@@ -189,20 +189,11 @@ INLINE void decode_tile_vec_##NAME(const float *q_scaled, const CT *kbase, const
         const float sum = exp_and_sum(scores + (int64_t)g * ctx, ctx, m[g]);                 \
         inv[g] = vset1(sum > 0.f ? out_scale / sum : 0.f);                                   \
     }                                                                                        \
-    if (SCALED)                            /* the values' row scales, into the weights */   \
-        for (int j = 0; j < nblocks; j++) {                                                  \
-            const CT *vb = vbase + (int64_t)table[j] * block_size * R;                       \
-            const int n = j == nblocks - 1 ? ctx - j * block_size : block_size;              \
-            for (int t = 0; t < n; t++) {                                                    \
-                const float r = SCALE_##C(vb + t * R, D);                                    \
-                for (int g = 0; g < gt; g++) scores[(int64_t)g * ctx + j * block_size + t] *= r;\
-            }                                                                                \
-        }                                                                                    \
     for (int i = 0; i < NV; i++) {                                                           \
         V acc[GT], acc1[GT];                                                                 \
         for (int g = 0; g < gt; g++) acc[g] = acc1[g] = vzero();                             \
         for (int j = 0; j < nblocks; j++) {                                                  \
-            const CT *vb = vbase + (int64_t)table[j] * block_size * R + VL * i;              \
+            const CT *vrow = vbase + (int64_t)table[j] * block_size * R, *vb = vrow + VL * i;\
             const int n = j == nblocks - 1 ? ctx - j * block_size : block_size;              \
             if (prefetch && i == 0 && j + 1 < nblocks)                                       \
                 prefetch_block(vbase + (int64_t)table[j + 1] * block_size * R, block_bytes); \
@@ -210,15 +201,17 @@ INLINE void decode_tile_vec_##NAME(const float *q_scaled, const CT *kbase, const
             int t = 0;                                                                       \
             for (; t + 1 < n; t += 2) {    /* row pairs: two accumulators per head */        \
                 const V v0 = vload_##C(vb + t * R), v1 = vload_##C(vb + (t + 1) * R);        \
+                const float r0 = SCALE_##C(vrow + t * R, D), r1 = SCALE_##C(vrow + (t + 1) * R, D);\
                 for (int g = 0; g < gt; g++) {                                               \
-                    acc[g] = vfma(vset1(sj[(int64_t)g * ctx + t]), v0, acc[g]);              \
-                    acc1[g] = vfma(vset1(sj[(int64_t)g * ctx + t + 1]), v1, acc1[g]);        \
+                    acc[g] = vfma(vset1(sj[(int64_t)g * ctx + t] * r0), v0, acc[g]);         \
+                    acc1[g] = vfma(vset1(sj[(int64_t)g * ctx + t + 1] * r1), v1, acc1[g]);   \
                 }                                                                            \
             }                                                                                \
             if (t < n) {                                                                     \
                 const V v = vload_##C(vb + t * R);                                           \
+                const float r0 = SCALE_##C(vrow + t * R, D);                                 \
                 for (int g = 0; g < gt; g++)                                                 \
-                    acc[g] = vfma(vset1(sj[(int64_t)g * ctx + t]), v, acc[g]);               \
+                    acc[g] = vfma(vset1(sj[(int64_t)g * ctx + t] * r0), v, acc[g]);          \
             }                                                                                \
         }                                                                                    \
         for (int g = 0; g < gt; g++) {                                                       \
@@ -250,14 +243,14 @@ INLINE void decode_one_vec_##NAME(const float *q_scaled, const CT *kbase, const 
     }                                                                                        \
 }
 
-DEFINE_DECODE_ONE_VEC(f32, f32, float, f32, float, 0)
-DEFINE_DECODE_ONE_VEC(bf16, bf16, uint16_t, bf16, uint16_t, 0)
-DEFINE_DECODE_ONE_VEC(i8_f32, i8, uint8_t, f32, float, 1)
-DEFINE_DECODE_ONE_VEC(i8_bf16, i8, uint8_t, bf16, uint16_t, 1)
-DEFINE_DECODE_ONE_VEC(e4m3_f32, e4m3, uint8_t, f32, float, 0)
-DEFINE_DECODE_ONE_VEC(e4m3_bf16, e4m3, uint8_t, bf16, uint16_t, 0)
-DEFINE_DECODE_ONE_VEC(e5m2_f32, e5m2, uint8_t, f32, float, 0)
-DEFINE_DECODE_ONE_VEC(e5m2_bf16, e5m2, uint8_t, bf16, uint16_t, 0)
+DEFINE_DECODE_ONE_VEC(f32, f32, float, f32, float)
+DEFINE_DECODE_ONE_VEC(bf16, bf16, uint16_t, bf16, uint16_t)
+DEFINE_DECODE_ONE_VEC(i8_f32, i8, uint8_t, f32, float)
+DEFINE_DECODE_ONE_VEC(i8_bf16, i8, uint8_t, bf16, uint16_t)
+DEFINE_DECODE_ONE_VEC(e4m3_f32, e4m3, uint8_t, f32, float)
+DEFINE_DECODE_ONE_VEC(e4m3_bf16, e4m3, uint8_t, bf16, uint16_t)
+DEFINE_DECODE_ONE_VEC(e5m2_f32, e5m2, uint8_t, f32, float)
+DEFINE_DECODE_ONE_VEC(e5m2_bf16, e5m2, uint8_t, bf16, uint16_t)
 #define DECODE_VEC(NAME, ...) decode_one_vec_##NAME(__VA_ARGS__)
 #else
 #define VL 1           /* unused: HAVE_VEC is 0, so the vector branches are never taken */
@@ -266,11 +259,12 @@ DEFINE_DECODE_ONE_VEC(e5m2_bf16, e5m2, uint8_t, bf16, uint16_t, 0)
 
 /* attention_amx.c: the rows of prefill runs attended on AMX tiles (bfloat16; a mask of the rows
  * done, to be freed, or NULL). */
-uint8_t *attention_amx_prefill(const uint16_t *q, int64_t q_stride, const uint16_t *k_cache,
-                               const uint16_t *v_cache, const int32_t *tables, int max_blocks,
+uint8_t *attention_amx_prefill(const uint16_t *q, int64_t q_stride, const void *k_cache,
+                               const void *v_cache, const int32_t *tables, int max_blocks,
                                const int32_t *ctx_lens, uint16_t *out, int num_seqs,
                                int num_heads, int num_kv_heads, int D, int bs,
-                               int64_t num_blocks, float scale, int num_threads);
+                               int64_t num_blocks, float scale, int kind, float v_factor,
+                               int num_threads);
 
 /* One (sequence, KV head) of paged_decode: the group's scaled queries, then decode_one of the
  * cache type NAME (the vector loop at head_dim 64, 128 or a multiple of VL). */
@@ -311,7 +305,7 @@ uint8_t *attention_amx_prefill(const uint16_t *q, int64_t q_stride, const uint16
         }
 
 /* Returns 0, or -1 when head_dim or the GQA group is larger than the kernel's buffers. */
-#define DEFINE_KERNELS(SUFFIX, T, AMX_PREFILL)                                               \
+#define DEFINE_KERNELS(SUFFIX, T, AMX_PREFILL, AMX_PREFILL8)                                 \
 void cache_write_##SUFFIX(const T *k, const T *v, T *k_cache, T *v_cache,                   \
                           const int64_t *slots, int num_tokens, int num_kv_heads,            \
                           int head_dim, int64_t k_stride, int64_t v_stride,                  \
@@ -358,7 +352,7 @@ int paged_decode8_##SUFFIX(const T *q, int64_t q_stride, const uint8_t *k_cache,
     if (head_dim > 256 || group > MAX_GROUP) return -1;                                      \
     if (kind < KV_INT8 || kind > KV_E5M2) return -2;                                         \
     const int64_t head_elems = num_blocks * block_size * kv_row_bytes(kind, head_dim);       \
-    const uint8_t *done = NULL;                                                              \
+    uint8_t *done = AMX_PREFILL8;                                                            \
     if (kind == KV_INT8) {                                                                   \
         FOR_HEADS(DECODE_HEAD(i8_##SUFFIX, T, SUFFIX));                                      \
     } else if (kind == KV_E4M3) {                                                            \
@@ -366,14 +360,20 @@ int paged_decode8_##SUFFIX(const T *q, int64_t q_stride, const uint8_t *k_cache,
     } else {                                                                                 \
         FOR_HEADS(DECODE_HEAD(e5m2_##SUFFIX, T, SUFFIX));                                    \
     }                                                                                        \
+    free(done);                                                                              \
     return 0;                                                                                \
 }
 
-DEFINE_KERNELS(f32, float, NULL)
+DEFINE_KERNELS(f32, float, NULL, NULL)
 DEFINE_KERNELS(bf16, uint16_t,
                attention_amx_prefill(q, q_stride, k_cache, v_cache, block_tables, max_blocks,
                                      ctx_lens, out, num_seqs, num_heads, num_kv_heads,
-                                     head_dim, block_size, num_blocks, scale, num_threads))
+                                     head_dim, block_size, num_blocks, scale, 0, 1.f,
+                                     num_threads),
+               attention_amx_prefill(q, q_stride, k_cache, v_cache, block_tables, max_blocks,
+                                     ctx_lens, out, num_seqs, num_heads, num_kv_heads,
+                                     head_dim, block_size, num_blocks, scale, kind, out_scale,
+                                     num_threads))
 
 /* ------------------------------------------------------------------ fused elementwise ops
  * vLLM's fused_add_rms_norm, silu_and_mul and rotary_embedding (csrc/layernorm_kernels.cu,

@@ -94,23 +94,23 @@ def build_vad(repo: Path, force: bool) -> None:
     target = repo / "vad" / "1" / "model.onnx"
     if target.exists() and not force:
         return
-    path = Path(__file__).resolve().parent / "vad" / "build_model.py"
-    spec = importlib.util.spec_from_file_location("continuum_vad_build_model", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.build(silero_onnx(), target)
+    _builder("vad").build(silero_onnx(), target)
 
 
 def build_ragged_mean(repo: Path, force: bool) -> None:
     """Build ragged_mean/1/model.onnx (examples/ragged_mean/build_model.py)."""
     target = repo / "ragged_mean" / "1" / "model.onnx"
-    if target.exists() and not force:
-        return
-    path = Path(__file__).resolve().parent / "ragged_mean" / "build_model.py"
-    spec = importlib.util.spec_from_file_location("continuum_ragged_mean", path)
+    if not target.exists() or force:
+        _builder("ragged_mean").build(target)
+
+
+def _builder(example: str):
+    """examples/<example>/build_model.py as a module (the examples are not a package)."""
+    path = Path(__file__).resolve().parent / example / "build_model.py"
+    spec = importlib.util.spec_from_file_location(f"continuum_{example}_build_model", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    module.build(target)
+    return module
 
 
 def prepare(repo: Path = DEFAULT_REPO, force: bool = False) -> None:

@@ -112,14 +112,13 @@ INLINE void decode_one_##NAME(const float *q_scaled, const CT *kbase, const CT *
     }                                                                                        \
 }
 
-DEFINE_DECODE_ONE(f32, f32, float, f32, float)
-DEFINE_DECODE_ONE(bf16, bf16, uint16_t, bf16, uint16_t)
-DEFINE_DECODE_ONE(i8_f32, i8, uint8_t, f32, float)
-DEFINE_DECODE_ONE(i8_bf16, i8, uint8_t, bf16, uint16_t)
-DEFINE_DECODE_ONE(e4m3_f32, e4m3, uint8_t, f32, float)
-DEFINE_DECODE_ONE(e4m3_bf16, e4m3, uint8_t, bf16, uint16_t)
-DEFINE_DECODE_ONE(e5m2_f32, e5m2, uint8_t, f32, float)
-DEFINE_DECODE_ONE(e5m2_bf16, e5m2, uint8_t, bf16, uint16_t)
+/* Every (cache type, output type) instance: NAME, C, CT, O, OT. */
+#define DECODE_INSTANCES(X)                                                                  \
+    X(f32, f32, float, f32, float) X(bf16, bf16, uint16_t, bf16, uint16_t)                   \
+    X(i8_f32, i8, uint8_t, f32, float) X(i8_bf16, i8, uint8_t, bf16, uint16_t)               \
+    X(e4m3_f32, e4m3, uint8_t, f32, float) X(e4m3_bf16, e4m3, uint8_t, bf16, uint16_t)       \
+    X(e5m2_f32, e5m2, uint8_t, f32, float) X(e5m2_bf16, e5m2, uint8_t, bf16, uint16_t)
+DECODE_INSTANCES(DEFINE_DECODE_ONE)
 
 /* The vector decode loop, written once against the vector vocabulary of vec.h and
  * instantiated per ISA. */
@@ -243,14 +242,7 @@ INLINE void decode_one_vec_##NAME(const float *q_scaled, const CT *kbase, const 
     }                                                                                        \
 }
 
-DEFINE_DECODE_ONE_VEC(f32, f32, float, f32, float)
-DEFINE_DECODE_ONE_VEC(bf16, bf16, uint16_t, bf16, uint16_t)
-DEFINE_DECODE_ONE_VEC(i8_f32, i8, uint8_t, f32, float)
-DEFINE_DECODE_ONE_VEC(i8_bf16, i8, uint8_t, bf16, uint16_t)
-DEFINE_DECODE_ONE_VEC(e4m3_f32, e4m3, uint8_t, f32, float)
-DEFINE_DECODE_ONE_VEC(e4m3_bf16, e4m3, uint8_t, bf16, uint16_t)
-DEFINE_DECODE_ONE_VEC(e5m2_f32, e5m2, uint8_t, f32, float)
-DEFINE_DECODE_ONE_VEC(e5m2_bf16, e5m2, uint8_t, bf16, uint16_t)
+DECODE_INSTANCES(DEFINE_DECODE_ONE_VEC)
 #define DECODE_VEC(NAME, ...) decode_one_vec_##NAME(__VA_ARGS__)
 #else
 #define VL 1           /* unused: HAVE_VEC is 0, so the vector branches are never taken */

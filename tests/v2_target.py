@@ -106,6 +106,12 @@ DEVIATIONS = {
         "400 / INVALID_ARGUMENT and Triton's own text ('class result not available for "
         "output due to unsupported type ...'); tritonserver 2.51's server process dies on it "
         "(HTTP and gRPC: the connection closes, every model with it).",
+    "ragged-padded-without-batch-input":
+        "An onnxruntime / pytorch model with allow_ragged_batch inputs and no batch_input or "
+        "batch_output gets them zero-padded to the longest request, batch dimension kept (a "
+        "tokenizer's attention mask padded the same way is the mask); tritonserver 2.51 always "
+        "concatenates them into one 1-D tensor, whose request boundaries such a model cannot "
+        "find. With batch_input / batch_output declared, Continuum does as Triton.",
 }
 
 

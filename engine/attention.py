@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+
 # Below this many decodes, CPU SDPA beats two batched matmuls (measured: bfloat16 69 vs 120 us at
 # 1 decode; at 8 and more the matmuls win).
 SMALL_DECODE_BATCH = 8
@@ -141,16 +142,18 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         kernels.paged_decode(q, k_cache, v_cache, meta.kernel_block_tables,
                              meta.kernel_ctx_lens, scale, out, kv)
         return out.view(num_tokens, num_heads * head_dim)
-    _write(k_cache, k, meta, kv, kv.k_scale if kv else 1.0)
-    _write(v_cache, v, meta, kv, kv.v_scale if kv else 1.0)
+    k_scale, v_scale = (kv.k_scale, kv.v_scale) if kv is not None else (1.0, 1.0)
+    _write(k_cache, k, meta, kv, k_scale)
+    _write(v_cache, v, meta, kv, v_scale)
 
     groups = meta.decode_groups
     if len(groups) == 1 and groups[0].count == num_tokens:      # decodes only, one group
-        return _decode(q, k_cache, v_cache, groups[0], scale, group, kv).reshape(num_tokens, -1)
+        return _decode(q, k_cache, v_cache, groups[0], scale, group, kv,
+                       (k_scale, v_scale)).reshape(num_tokens, -1)
     out = q.new_empty(q.shape)
     for g in groups:
         out[g.start:g.start + g.count] = _decode(q[g.start:g.start + g.count], k_cache, v_cache,
-                                                 g, scale, group, kv)
+                                                 g, scale, group, kv, (k_scale, v_scale))
     for p in meta.prefills:
         s, n = p.token_start, p.num_tokens
         qp = q[s:s + n].transpose(0, 1).unsqueeze(0)                 # [1, H, n, D]
@@ -159,8 +162,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             mask, causal = None, True
         else:
             ctx = p.start_position + n
-            kp = _gather(k_cache, p.block_table, kv, q.dtype, "k")
-            vp = _gather(v_cache, p.block_table, kv, q.dtype, "v")
+            kp = _gather(k_cache, p.block_table, kv, q.dtype, k_scale)
+            vp = _gather(v_cache, p.block_table, kv, q.dtype, v_scale)
             kp = kp.reshape(num_kv_heads, -1, head_dim)[:, :ctx]
             vp = vp.reshape(num_kv_heads, -1, head_dim)[:, :ctx]
             mask, causal = p.mask, False
@@ -192,22 +195,21 @@ def _write(cache: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, kv,
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, kv, dtype: torch.dtype,
-            which: str) -> torch.Tensor:
-    """`gather_blocks`, dequantized to `dtype` from an 8-bit cache (`kv`; `which`: "k" or
-    "v", whose fp8 scale applies)."""
+            scale: float) -> torch.Tensor:
+    """`gather_blocks`, dequantized to `dtype` from an 8-bit cache (`kv`, its fp8 `scale`)."""
     blocks = gather_blocks(cache, block_ids)
-    if kv is None:
-        return blocks
-    return kv.dequantize(blocks, dtype, kv.k_scale if which == "k" else kv.v_scale)
+    return blocks if kv is None else kv.dequantize(blocks, dtype, scale)
 
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-            dg: DecodeGroup, scale: float, group: int, kv=None) -> torch.Tensor:
+            dg: DecodeGroup, scale: float, group: int, kv, kv_scales: tuple[float, float]
+            ) -> torch.Tensor:
     """One query token per request of a decode group: `q [B, H, D]` → `[B, H, D]`."""
     nd, num_heads, head_dim = q.shape
     num_kv_heads = num_heads // group
-    kd = _gather(k_cache, dg.block_ids, kv, q.dtype, "k").view(num_kv_heads, nd, -1, head_dim)
-    vd = _gather(v_cache, dg.block_ids, kv, q.dtype, "v").view(num_kv_heads, nd, -1, head_dim)
+    kd = _gather(k_cache, dg.block_ids, kv, q.dtype, kv_scales[0])
+    vd = _gather(v_cache, dg.block_ids, kv, q.dtype, kv_scales[1])
+    kd, vd = kd.view(num_kv_heads, nd, -1, head_dim), vd.view(num_kv_heads, nd, -1, head_dim)
     if nd < SMALL_DECODE_BATCH:        # tiny batched matmuls are slow; SDPA wins here
         o = F.scaled_dot_product_attention(
             q.view(nd, num_kv_heads, group, head_dim), kd.transpose(0, 1), vd.transpose(0, 1),

@@ -78,7 +78,7 @@ class KVQuant:
             return torch.cat([q.to(torch.int8).view(torch.uint8), s16.view(torch.uint8)], -1)
         fp8 = FP8[self.name]
         top = torch.finfo(fp8).max
-        return (x.float() / scale).clamp(-top, top).to(fp8).view(torch.uint8)
+        return (x.float() * (1 / scale)).clamp(-top, top).to(fp8).view(torch.uint8)   # as C
 
     def dequantize(self, rows: torch.Tensor, dtype: torch.dtype, scale: float = 1.0
                    ) -> torch.Tensor:

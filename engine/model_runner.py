@@ -48,6 +48,7 @@ from engine.spec_decode.rejection_sampler import accepted_prefix
 from engine.structured.mask import fill_bitmask
 from scheduler.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
+
 # A decode group's longest context is at most this many times its shortest (in blocks): decodes
 # are padded to their group's longest context, not the step's.
 DECODE_GROUP_RATIO = 1.5

@@ -198,7 +198,7 @@ class CpuKernels:
         Raises ValueError for a head_dim over 256 or more than 32 query heads per KV head."""
         b, h, d = q.shape
         kvh, nb, bs, _ = k_cache.shape
-        if kv is not None and kv.kind:
+        if kv is not None:
             rc = self._fn["paged_decode8", q.dtype](
                 q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                 block_tables.data_ptr(), block_tables.shape[1], ctx_lens.data_ptr(),

@@ -60,8 +60,9 @@ INLINE const uint8_t *key_row(const uint8_t *base, const int32_t *table, int t, 
 }
 
 /* The cache's element type: 0 bfloat16, else an 8-bit cache (common.h's KV_*) whose rows
- * are dequantized to bfloat16 here, times `factor` (and an int8 row's own scale). */
-typedef struct { int kind; float k_factor, v_factor; } cache_kind;
+ * are dequantized to bfloat16 here (times an int8 row's own scale; V's also times v_factor,
+ * its per-tensor read scale — K's is in the softmax scale). */
+typedef struct { int kind; float v_factor; } cache_kind;
 
 /* Rows [t0, t0 + n) of one KV head's cache as n x D bfloat16: in place for a bfloat16 cache
  * (a block's rows are consecutive), else dequantized into buf. */
@@ -95,7 +96,7 @@ static void prep_kv(const uint8_t *kbase, const uint8_t *vbase, const int32_t *t
                                              * (size_t)D);
     for (int t0 = 0; t0 < ctx; t0 += 16) {               /* 16 keys: one block's (bs % 16 == 0) */
         const int n = ctx - t0 < 16 ? ctx - t0 : 16;
-        const uint16_t *k = rows16(kbase, table, t0, n, bs, D, ck.kind, ck.k_factor, kbuf);
+        const uint16_t *k = rows16(kbase, table, t0, n, bs, D, ck.kind, 1.f, kbuf);
         if (t0 + 16 <= ctx)
             for (int d0 = 0; d0 < D / 2; d0 += 16)
                 transpose_tile((const float *)k + d0, D / 2, (float *)(kt + d0 * cp + t0), cp);
@@ -269,7 +270,7 @@ uint8_t *attention_amx_prefill(const uint16_t *q, int64_t q_stride, const void *
                                int num_heads, int num_kv_heads, int D, int bs,
                                int64_t num_blocks, float scale, int kind, float v_factor,
                                int num_threads) {
-    const cache_kind ck = {kind, 1.f, v_factor};
+    const cache_kind ck = {kind, v_factor};
     if (!quant_amx_min_rows() || D % 32 || D > 256 || bs % 16 || num_seqs < MIN_RUN)
         return NULL;
     run_t *runs = malloc(sizeof(run_t) * (size_t)num_seqs);

@@ -297,7 +297,9 @@ uint8_t *attention_amx_prefill(const uint16_t *q, int64_t q_stride, const void *
         }
 
 /* Returns 0, or -1 when head_dim or the GQA group is larger than the kernel's buffers. */
-#define DEFINE_KERNELS(SUFFIX, T, AMX_PREFILL, AMX_PREFILL8)                                 \
+/* AMX_PREFILL: the prefill runs taken on AMX tiles (attention_amx_prefill, over `kind`'s cache
+ * with `out_scale`), or NULL. */
+#define DEFINE_KERNELS(SUFFIX, T, AMX_PREFILL)                                               \
 void cache_write_##SUFFIX(const T *k, const T *v, T *k_cache, T *v_cache,                   \
                           const int64_t *slots, int num_tokens, int num_kv_heads,            \
                           int head_dim, int64_t k_stride, int64_t v_stride,                  \
@@ -319,6 +321,7 @@ int paged_decode_##SUFFIX(const T *q, int64_t q_stride, const T *k_cache, const 
                           int num_kv_heads, int head_dim, int block_size, int64_t num_blocks,\
                           float scale, int num_threads) {                                    \
     typedef T CT;                                                                            \
+    const int kind = 0;                             /* a cache of T */                       \
     const float out_scale = 1.f;                                                             \
     const int group = num_heads / num_kv_heads;                                              \
     if (head_dim > 256 || group > MAX_GROUP) return -1;                                      \
@@ -330,9 +333,8 @@ int paged_decode_##SUFFIX(const T *q, int64_t q_stride, const T *k_cache, const 
 }                                                                                            \
                                                                                              \
 /* paged_decode over an 8-bit cache (common.h: kind KV_INT8, KV_E4M3 or KV_E5M2; rows as      \
- * kv_cache.c writes them); `scale`                                                           \
- * and `out_scale` carry a per-tensor fp8 scale (engine/kv_quant.py). Returns as paged_decode; \
- * -2 for an unknown kind. */                                                                \
+ * kv_cache.c writes them); `scale` and `out_scale` carry a per-tensor fp8 scale              \
+ * (engine/kv_quant.py). Returns as paged_decode; -2 for an unknown kind. */                  \
 int paged_decode8_##SUFFIX(const T *q, int64_t q_stride, const uint8_t *k_cache,            \
                            const uint8_t *v_cache, const int32_t *block_tables,              \
                            int max_blocks, const int32_t *ctx_lens, T *out, int num_seqs,    \
@@ -344,7 +346,7 @@ int paged_decode8_##SUFFIX(const T *q, int64_t q_stride, const uint8_t *k_cache,
     if (head_dim > 256 || group > MAX_GROUP) return -1;                                      \
     if (kind < KV_INT8 || kind > KV_E5M2) return -2;                                         \
     const int64_t head_elems = num_blocks * block_size * kv_row_bytes(kind, head_dim);       \
-    uint8_t *done = AMX_PREFILL8;                                                            \
+    uint8_t *done = AMX_PREFILL;                                                             \
     if (kind == KV_INT8) {                                                                   \
         FOR_HEADS(DECODE_HEAD(i8_##SUFFIX, T, SUFFIX));                                      \
     } else if (kind == KV_E4M3) {                                                            \
@@ -356,12 +358,8 @@ int paged_decode8_##SUFFIX(const T *q, int64_t q_stride, const uint8_t *k_cache,
     return 0;                                                                                \
 }
 
-DEFINE_KERNELS(f32, float, NULL, NULL)
+DEFINE_KERNELS(f32, float, NULL)
 DEFINE_KERNELS(bf16, uint16_t,
-               attention_amx_prefill(q, q_stride, k_cache, v_cache, block_tables, max_blocks,
-                                     ctx_lens, out, num_seqs, num_heads, num_kv_heads,
-                                     head_dim, block_size, num_blocks, scale, 0, 1.f,
-                                     num_threads),
                attention_amx_prefill(q, q_stride, k_cache, v_cache, block_tables, max_blocks,
                                      ctx_lens, out, num_seqs, num_heads, num_kv_heads,
                                      head_dim, block_size, num_blocks, scale, kind, out_scale,

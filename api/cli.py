@@ -3,7 +3,8 @@ are api/serve_flags.py's, their checks api/serve_config.py's) and `bench serve|c
 (benchmarks/servebench/).
 
 A bad flag value fails at start with one clear line (exit 2); `serve` then runs
-`api/launch.py:serve`, alone or as N Ray Serve replicas (`--data-parallel-backend ray`).
+`api/launch.py:serve`, alone, as N API processes over one engine core (`--api-server-count`,
+api/api_servers.py) or as N Ray Serve replicas (`--data-parallel-backend ray`).
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ def main(argv: list[str] | None = None) -> None:
     if data_parallel is not None:        # N replicas of this server behind Ray Serve
         from api.ray_serve.app import serve_ray
         serve_ray(argv[1:], config, data_parallel)
+    if config.api_server_count > 1:      # N API processes over one engine core
+        from api.api_servers import serve_api_servers
+        sys.exit(serve_api_servers(config))
     from api.launch import serve
     serve(config)
 

@@ -11,11 +11,13 @@ import os
 import sys
 
 
-def build_server(config):
+def build_server(config, engine_conn=None, index: int = 0):
     """(uvicorn-based `Server`, `ServerState`) of `continuum serve` from its `ServeConfig`
     (api/serve_config.py), for config.host:config.port (the server binds there unless given
     sockets), with KServe v2 gRPC on config.grpc_host:grpc_port (port 0: none). The v2 layer
-    always serves the LLM as a model, and the model repository when there is one."""
+    always serves the LLM as a model, and the model repository when there is one. With
+    `engine_conn`, API process `index` of --api-server-count over an engine core already
+    started (api/api_servers.py)."""
     import uvicorn
 
     from api.http_protocol import HttpToolsProtocol
@@ -25,7 +27,8 @@ def build_server(config):
     from api.network import uvicorn_kwargs, with_cors
 
     lifecycle = Lifecycle(config.shutdown_timeout)
-    state = ServerState(config, lifecycle=lifecycle)
+    state = ServerState(config, lifecycle=lifecycle, engine_conn=engine_conn,
+                        api_server_index=index)
     net = config.network
     uv_config = uvicorn.Config(with_cors(build_app(state), net), host=config.host,
                                port=config.port, log_level=config.uvicorn_log_level,
@@ -38,7 +41,7 @@ def build_server(config):
     return Server(uv_config, lifecycle), state
 
 
-def _check_port(host: str, port: int) -> None:
+def check_port(host: str, port: int) -> None:
     """Exit 1 with one line when `host:port` cannot be bound (taken by another server): found
     before the engine's process is spawned, which a later bind failure would leave to die with
     a traceback."""
@@ -56,10 +59,25 @@ def _check_port(host: str, port: int) -> None:
 
 def serve(config) -> None:
     """Run the server of `config` (a `ServeConfig`) until it stops; exits with the lifecycle's
-    status (0 after a drain, 1 if the engine died or failed to start, or the port is taken)."""
-    _check_port(config.host, config.port)
+    status (0 after a drain, 1 if the engine died or failed to start, or the port is taken).
+    One API process; api/api_servers.py runs --api-server-count N > 1 of them."""
+    check_port(config.host, config.port)
     server, state = build_server(config)
     server.run()
+    _exit(server, state)
+
+
+def serve_api_process(config, engine_conn, index: int, sockets: list) -> None:
+    """One of --api-server-count's API processes: the server of `config` on the launcher's
+    listening `sockets`, over the engine core's pipe `engine_conn`; exits as `serve`."""
+    server, state = build_server(config, engine_conn, index)
+    server.run(sockets=sockets)
+    _exit(server, state)
+
+
+def _exit(server, state) -> None:
+    """After the server stopped: the engine front shut down, then exit with the lifecycle's
+    status (at once, past threads, if a model's code still runs)."""
     if state.llm is not None:            # after a forced stop the lifespan did not run
         state.llm.shutdown()
     if state.stuck:                      # a model's thread never returns: exit without it

@@ -52,6 +52,7 @@ class ServeConfig:
     network: NetworkConfig = field(default_factory=NetworkConfig)   # TLS, CORS, request logs
     log: LogSettings = field(default_factory=LogSettings)          # --log-* (Triton's)
     trace: dict = field(default_factory=dict)   # --trace-config, TraceManager's arguments
+    api_server_count: int = 1                 # API processes over one engine core
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:
@@ -79,6 +80,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
                          "serve)")
     if args.model_repository is not None and not Path(args.model_repository).is_dir():
         raise ValueError(f"--model-repository {args.model_repository}: not a directory")
+    _check_api_servers(args)
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     name = args.served_model_name or (Path(args.model).stem if args.model
@@ -101,7 +103,24 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         grpc_host=args.grpc_address or args.host, grpc_port=grpc_port,
         allow_client_shm=bool_flag("--allow-client-shm", args.allow_client_shm),
         metrics_port=args.metrics_port, log=log_settings(args),
-        trace=parse_trace_config(args.trace_config))
+        trace=parse_trace_config(args.trace_config), api_server_count=getattr(args, "api_server_count", 1))
+
+
+def _check_api_servers(args: argparse.Namespace) -> None:
+    """--api-server-count N: N >= 1; above 1, the LLM alone (a model repository's models and
+    Triton's instance and sequence state live in one process) and /metrics on --port only."""
+    n = getattr(args, "api_server_count", 1)
+    if n < 1:
+        raise ValueError(f"--api-server-count must be >= 1, got {n}")
+    if n == 1:
+        return
+    for flag, value in (("--model-repository", args.model_repository),
+                        ("--metrics-port", args.metrics_port),
+                        ("--data-parallel-backend ray",
+                         getattr(args, "data_parallel_backend", "none") == "ray")):
+        if value:
+            raise ValueError(f"--api-server-count {n} cannot be used with {flag} (one API "
+                             "process serves those)")
 
 
 def log_settings(args: argparse.Namespace) -> LogSettings:

@@ -130,6 +130,10 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                    metavar="SECONDS", dest="shutdown_timeout",
                    help="on SIGTERM / SIGINT, let in-flight requests run this long, then abort "
                         "the rest; a second signal stops at once (default: 0, abort at once)")
+    p.add_argument("--api-server-count", "-asc", type=int, default=1, metavar="N",
+                   help="API processes (HTTP parsing, tokenization, detokenization, response "
+                        "bodies) over one engine core, sharing --port; not with "
+                        "--model-repository or --metrics-port (default: 1)")
     p.add_argument("--strict-openai", action="store_true",
                    help="refuse request fields the server does not know with HTTP 400, as "
                         "OpenAI does (default: accept and ignore them with a warning, as vLLM "

@@ -69,6 +69,8 @@ class ServerState:
     lifecycle: Lifecycle = field(default_factory=Lifecycle)
     lora_paths: dict[str, str] = field(default_factory=dict)    # served LoRA adapters (api.lora)
     tracer: object = None                     # api.tracing.RequestTracer (--otlp-traces-endpoint)
+    engine_conn: object = None                # --api-server-count: this process's engine pipe
+    api_server_index: int = 0                 # which of --api-server-count's processes
 
     @property
     def engine_config(self) -> EngineConfig | None:
@@ -111,6 +113,10 @@ class ServerState:
         if self.repository is not None:
             self.repository.abort_all("the server is shutting down")
 
+    def on_lora(self, paths: dict[str, str]) -> None:
+        """The engine's adapters after a LoRA call (from any API process): listed here too."""
+        self.lora_paths = dict(paths)
+
     def engine_died(self, message: str) -> None:
         """The engine process is gone (reader thread): stop the server, exit status 1."""
         self.lifecycle.begin_drain(message, 0.0, exit_code=1)
@@ -149,7 +155,8 @@ class ServerState:
         try:
             t0 = time.perf_counter()
             llm = ProcessAsyncLLM(self.engine_config, on_stats=self.metrics.on_engine_stats,
-                                  on_dead=self.engine_died)
+                                  on_dead=self.engine_died, on_lora=self.on_lora,
+                                  conn=self.engine_conn)
             self.tokenizer = llm.tokenizer          # the one its output processor uses
             from engine.structured.grammar import GrammarCompiler
             self.grammars = GrammarCompiler(self.tokenizer, llm.info.get("vocab_size"))
@@ -157,18 +164,23 @@ class ServerState:
             self.metrics.set_cache_config(llm.info)
 
             async def warm_up():
-                async for _ in llm.generate("warmup", [1, 2, 3], SamplingParams(max_tokens=2)):
+                rid = f"warmup-{uuid.uuid4().hex}"     # unique over --api-server-count's
+                async for _ in llm.generate(rid, [1, 2, 3], SamplingParams(max_tokens=2)):
                     pass
 
             asyncio.run(warm_up())
             freeze_heap()
             self.ready = True
-            logger.info("ready in %.1f s (%s, %s on %s). Point the OpenAI SDK at "
+            n = self.config.api_server_count
+            logger.info("ready in %.1f s (%s, %s on %s%s). Point the OpenAI SDK at "
                         "base_url=%r, model=%r", time.perf_counter() - t0,
                         self.info["architecture"], self.info["dtype"], self.info["device"],
+                        f"; API process {self.api_server_index + 1} of {n}" if n > 1 else "",
                         self.base_url, self.served_model_name)
         except Exception as e:
             self.load_error = f"{type(e).__name__}: {e}"
+            if self.lifecycle.draining:          # stopped while loading: nothing failed
+                return
             logger.error("engine failed to start: %s", self.load_error)
             self.lifecycle.begin_drain("engine failed to start", 0.0, exit_code=1)
 
@@ -404,7 +416,7 @@ def _install_v2(app: FastAPI, state: ServerState) -> None:
                          c.grpc_restrictions, busy=lambda: requests_in_progress() > 1,
                          tracer=trace_manager(c.trace))
     routes.install(app, state.v2, state.http_max_input_size)
-    state.metrics.registry.register(TritonCollector(lambda: state.repository))
+    state.metrics.register(TritonCollector(lambda: state.repository))
 
 
 def trace_manager(trace: dict):

@@ -36,7 +36,7 @@ from engine.config import EngineConfig
 from engine.core_proc import EngineCoreProc, QueueCommands, engine_core_main
 from engine.llm_engine import LLMEngine
 from engine.messages import (AbortAll, AbortRequests, Acknowledged, AddRequest, Dead,
-                             FinishSequences, LoraCall, Ready, Stop)
+                             FinishSequences, LoraAdapters, LoraCall, Ready, Stop)
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineCoreOutputs, RequestOutput
 from scheduler.futures import settle
@@ -58,7 +58,9 @@ class _StreamRouter:
     output processor, under a lock (the event loop adds and aborts, the background thread
     processes)."""
 
-    def __init__(self, config: EngineConfig, processor: OutputProcessor, on_stats=None) -> None:
+    def __init__(self, config: EngineConfig, processor: OutputProcessor, on_stats=None,
+                 on_lora=None) -> None:
+        self.on_lora = on_lora
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._pending: dict[str, Future] = {}      # calls the core has not acknowledged yet
         self.processor = processor
@@ -109,7 +111,7 @@ class _StreamRouter:
     def _on_message(self, message) -> None:
         """A message of the core: outputs to their streams (stop strings found here finish
         their sequences in the core), stats to `on_stats(step_stats, snapshot)`, an
-        acknowledgement to its waiter."""
+        acknowledgement to its waiter, the adapters after a LoRA call to `on_lora(paths)`."""
         if isinstance(message, EngineCoreOutputs):
             if message.outputs or message.scheduled or message.prompt_logprobs:
                 with self._lock:
@@ -120,13 +122,16 @@ class _StreamRouter:
                     except OSError:
                         pass
                 self._dispatch(outputs)
-            if self.on_stats is not None and message.snapshot is not None:
+            if self.on_stats is not None and (message.snapshot is not None
+                                              or message.stats is not None):
                 self.on_stats([message.stats] if message.stats is not None else [],
                               message.snapshot)
         elif isinstance(message, Acknowledged):
             fut = self._pending.pop(message.call_id, None)
             if fut is not None:
                 settle(fut, message.error)
+        elif isinstance(message, LoraAdapters) and self.on_lora is not None:
+            self.on_lora(message.paths)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         """Hand a step's outputs to their streams (called from a background thread)."""
@@ -251,32 +256,38 @@ class ProcessAsyncLLM(_StreamRouter):
     processor, over the model's tokenizer (`tokenizer`), here."""
 
     def __init__(self, config: EngineConfig, start_timeout: float = 600.0,
-                 on_stats=None, on_dead=None) -> None:
-        """Starts the child, waits until its engine is loaded, then loads the tokenizer.
+                 on_stats=None, on_dead=None, on_lora=None, conn=None) -> None:
+        """Starts the child, waits until its engine is loaded, then loads the tokenizer. With
+        `conn`, this front end's pipe to an engine core another process started (one of
+        `--api-server-count`'s API processes, `engine.core_clients`), no child is started.
 
         `on_stats(step_stats, snapshot)` is called from the reader thread after every step and
-        after aborts; `on_dead(message)` once from the reader thread if the engine process
-        exits without `shutdown()` (killed, out of memory), after every stream has failed.
+        after aborts (snapshot None: only this front end's requests' stats); `on_dead(message)`
+        once from the reader thread if the engine process exits without `shutdown()` (killed,
+        out of memory), after every stream has failed; `on_lora(paths)` after every LoRA call.
         Raises EngineDeadError if the engine cannot start (message says why).
         """
         self.on_dead = on_dead
-        ctx = multiprocessing.get_context("spawn")
-        self._conn, child = ctx.Pipe()
         self._send_lock = threading.Lock()
         self._stopping = False           # set by shutdown(): the pipe closing is then expected
-        self._proc = ctx.Process(target=engine_core_main, args=(config, child),
-                                 name="continuum-engine-core", daemon=True)
-        self._proc.start()
+        self._proc = None
+        if conn is None:
+            ctx = multiprocessing.get_context("spawn")
+            self._conn, child = ctx.Pipe()
+            self._proc = ctx.Process(target=engine_core_main, args=(config, child),
+                                     name="continuum-engine-core", daemon=True)
+            self._proc.start()
+        else:
+            self._conn = conn
         if not self._conn.poll(start_timeout):
             raise EngineDeadError("engine process did not start in time")
         try:
             first = self._conn.recv()
         except EOFError:                   # it exited without a word (killed, os._exit)
-            self._proc.join(5)
             raise EngineDeadError("engine process exited during start (exit code "
-                                  f"{self._proc.exitcode})") from None
+                                  f"{self._exit_code()})") from None
         if not isinstance(first, Ready):
-            self._proc.join(5)
+            self._exit_code()
             raise EngineDeadError(f"engine process failed to start: {first.reason}")
         self.info: dict = first.info
         from transformers import AutoTokenizer
@@ -285,10 +296,18 @@ class ProcessAsyncLLM(_StreamRouter):
         except Exception as e:
             self.shutdown()
             raise EngineDeadError(f"the model's tokenizer did not load: {e}") from None
-        super().__init__(config, OutputProcessor(self.tokenizer), on_stats)
+        super().__init__(config, OutputProcessor(self.tokenizer), on_stats, on_lora)
         self._reader = threading.Thread(target=self._read, name="continuum-engine-reader",
                                         daemon=True)
         self._reader.start()
+
+    def _exit_code(self) -> int | None:
+        """The engine process's exit code once it has exited (None: still running, or not
+        this process's child)."""
+        if self._proc is None:
+            return None
+        self._proc.join(5)
+        return self._proc.exitcode
 
     def _command(self, command) -> None:
         with self._send_lock:
@@ -307,9 +326,8 @@ class ProcessAsyncLLM(_StreamRouter):
             if self._stopping:
                 self._fail_all(EngineDeadError("the engine was shut down"))
                 return
-            self._proc.join(1)
             message = (f"engine stopped: {reason}" if reason else
-                       f"engine process exited unexpectedly (exit code {self._proc.exitcode})")
+                       f"engine process exited unexpectedly (exit code {self._exit_code()})")
             logger.error("%s", message)
             self._fail_all(EngineDeadError(message))
             if self.on_dead is not None:
@@ -321,15 +339,20 @@ class ProcessAsyncLLM(_StreamRouter):
     @property
     def is_alive(self) -> bool:
         """Whether the engine loop is running and has not died."""
-        return self._proc.is_alive() and self.dead_error is None
+        alive = self._proc is None or self._proc.is_alive()
+        return alive and self.dead_error is None
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        """Stop the engine process (terminated if it does not exit within `timeout` seconds)."""
+        """Stop the engine process (terminated if it does not exit within `timeout` seconds);
+        over another process's engine core, leave it (`Stop` there aborts this front end's
+        requests and closes its pipe; the core stops once every front end has left)."""
         self._stopping = True
         try:
             self._command(Stop())
         except OSError:
             pass
+        if self._proc is None:
+            return
         self._proc.join(timeout)
         if self._proc.is_alive():
             self._proc.terminate()

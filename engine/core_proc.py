@@ -23,7 +23,7 @@ from engine.device import freeze_heap, trim_heap
 from engine.distributed.parallel import TensorParallelError
 from engine.log_config import configure
 from engine.messages import (AbortAll, AbortRequests, Acknowledged, AddRequest, Dead,
-                             FinishSequences, LoraCall, Ready, Stop)
+                             FinishSequences, LoraAdapters, LoraCall, Ready, Stop)
 from engine.outputs import EngineCoreOutputs
 
 logger = logging.getLogger("continuum.async")
@@ -82,6 +82,8 @@ class EngineCoreProc:
             self.emit(Acknowledged(cmd.call_id))
         except Exception as e:
             self.emit(Acknowledged(cmd.call_id, e))
+            return False
+        self.emit(LoraAdapters(dict(self.core.lora.paths)))   # every front end lists them
         return False
 
     def _abort(self, cmd: AbortRequests) -> bool:
@@ -181,9 +183,10 @@ class PipeCommands:
 
 
 def engine_core_main(config: EngineConfig, conn) -> None:
-    """Child process of `ProcessAsyncLLM`: build the core, then run its `EngineCoreProc` over
-    the pipe. Sends `Ready` once, then the loop's messages; `Dead` if the core cannot start
-    or must stop."""
+    """Child process of `ProcessAsyncLLM` (`conn`: one pipe), or of `--api-server-count N`'s
+    launcher (`conn`: a list of N pipes, `engine.core_clients`): build the core, then run its
+    `EngineCoreProc` over the pipe(s). Sends `Ready` once, then the loop's messages; `Dead` if
+    the core cannot start or must stop."""
     configure()          # a spawned child starts without logging: the server's start settings
     # A terminal's Ctrl-C reaches the whole process group: the parent owns shutdown (it sends
     # Stop, or terminates this process), so the child does not die mid-step on SIGINT.
@@ -202,17 +205,25 @@ def _rank_died(message: str) -> None:
 
 def _core_loop(config: EngineConfig, conn) -> None:
     """Build the core, then run its loop until `Stop` (see `engine_core_main`)."""
+    if isinstance(conn, list):               # several API processes
+        from engine.core_clients import ClientOutbox, ClientPipes
+        commands = ClientPipes(conn)
+        emit = ClientOutbox(conn, commands)
+    else:
+        commands, emit = PipeCommands(conn), conn.send
     try:
         core = EngineCore(config, on_fatal=_rank_died)
     except BaseException as e:
-        conn.send(Dead(f"{type(e).__name__}: {e}"))
+        emit(Dead(f"{type(e).__name__}: {e}"))
         return
     freeze_heap()                   # a full collection over the built engine: a 226 ms stall
+    if isinstance(conn, list):
+        commands.live_requests = lambda: core.scheduler.requests.keys()
     try:
-        conn.send(Ready(engine_info(core)))
-        EngineCoreProc(core, conn.send).run(PipeCommands(conn))
+        emit(Ready(engine_info(core)))
+        EngineCoreProc(core, emit).run(commands)
     except TensorParallelError as e:
         logger.error("engine stopped: %s", e)
-        conn.send(Dead(str(e)))
+        emit(Dead(str(e)))
     finally:
         core.shutdown()

@@ -8,7 +8,8 @@ end found), `AbortAll`, `LoraCall`, `Stop`.
 Core -> front end: `Ready` (once, the process back end), `Acknowledged` (per `AddRequest` and
 `LoraCall`: `error` None or the exception to raise to the caller), `engine.outputs.
 EngineCoreOutputs` (per step, and after aborts that changed the scheduler without a step),
-`Dead` (the core stopped itself and says why).
+`Dead` (the core stopped itself and says why), `LoraAdapters` (after every LoRA call, to every
+front end: the adapters the core serves now).
 """
 
 from __future__ import annotations
@@ -87,3 +88,11 @@ class Dead:
     """The core stopped itself: `reason`, one line."""
 
     reason: str
+
+
+@dataclass(slots=True)
+class LoraAdapters:
+    """The adapters the core serves after a LoRA call, name -> path; sent to every front end so
+    that several API processes (`--api-server-count`) list the same adapters."""
+
+    paths: dict[str, str] = field(default_factory=dict)

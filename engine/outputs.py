@@ -78,7 +78,9 @@ class RequestOutput:
 class StepStats:
     """One engine step, for the metrics layer. Times in seconds. Scheduler gauges (running,
     waiting, swapped, KV usage) and cumulative counters are read from the scheduler itself
-    (`engine.core_proc.engine_snapshot`), also between steps."""
+    (`engine.core_proc.engine_snapshot`), also between steps. With several front-end
+    processes (`--api-server-count`) one of them gets the engine-wide fields; the others get
+    `engine_wide` False (zeros there) and fill only their own requests' fields."""
 
     batch_size: int                    # requests scheduled
     num_tokens: int                    # tokens computed (prefill + decode)
@@ -89,6 +91,7 @@ class StepStats:
     num_generation_tokens: int = 0
     finished: list[tuple[str, RequestMetrics, int, int]] = field(default_factory=list)
     # (finish_reason, metrics, prompt tokens, generation tokens) of requests finished this step
+    engine_wide: bool = True           # batch, token and time fields are this step's own
 
 
 @dataclass(slots=True)

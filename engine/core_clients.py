@@ -62,10 +62,10 @@ class ClientPipes:
         if isinstance(command, AbortAll):      # one API process draining: its requests only
             return AbortRequests([rid for rid, i in self.owners.items() if i == index])
         if isinstance(command, AddRequest):
-            self.owners[command.request_id] = index
             self._adds += 1
             if self._adds % _PRUNE_EVERY == 0 and self.live_requests is not None:
-                self._prune()
+                self._prune()               # before this one's owner: it is not added yet
+            self.owners[command.request_id] = index
         return command
 
     def _drop(self, conn: Connection, index: int):

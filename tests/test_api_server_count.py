@@ -155,3 +155,60 @@ def test_bad_combinations_are_one_line_start_errors(extra, words):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert words in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_the_core_routes_each_message_to_its_api_process():
+    """engine/core_clients.py over real pipes: 600 requests from two front ends (past two
+    prunings of finished owners), one step's outputs (a forked choice among them) each to its
+    owner, the engine-wide stats and snapshot to front end 0 alone, an acknowledgement to the
+    sender, AbortAll aborting the sender's requests only, leaving front ends."""
+    from multiprocessing import Pipe
+
+    from engine.core_clients import ClientOutbox, ClientPipes
+    from engine.messages import AbortAll, AbortRequests, Acknowledged, AddRequest, Stop
+    from engine.outputs import EngineCoreOutputs, StepStats
+    from scheduler.output import RequestStepOutput
+    from scheduler.request import RequestStatus, SamplingParams
+
+    pairs = [Pipe() for _ in range(2)]
+    pipes = ClientPipes([core for _, core in pairs])
+    outbox = ClientOutbox([core for _, core in pairs], pipes)
+    live: set[str] = set()
+    pipes.live_requests = lambda: live
+
+    def take(client, message):
+        pairs[client][0].send(message)
+        pipes.wait()
+        assert pipes.poll()
+        return pipes.recv()
+
+    for i in range(600):
+        command = take(i % 2, AddRequest(f"r{i}", [1, 2], SamplingParams(), 0.0))
+        live.add(command.request_id)
+        if i == 7:
+            outbox(Acknowledged("r7"))
+            assert pairs[1][0].recv().call_id == "r7" and not pairs[0][0].poll(0)
+    outputs = [RequestStepOutput(f"r{i}", [5], RequestStatus.RUNNING) for i in range(600)]
+    outputs.append(RequestStepOutput("r9#1", [6], RequestStatus.RUNNING, parent_id="r9", index=1))
+    outbox(EngineCoreOutputs(outputs=outputs, scheduled=[("r3", 1.0), ("r4", 1.0)],
+                             stats=StepStats(600, 600, 0, 0.1, 0.01), snapshot={"x": 1}))
+    first, second = pairs[0][0].recv(), pairs[1][0].recv()
+    assert [o.request_id for o in first.outputs] == [f"r{i}" for i in range(0, 600, 2)]
+    assert [o.request_id for o in second.outputs] == [f"r{i}" for i in range(1, 600, 2)] + ["r9#1"]
+    assert first.scheduled == [("r4", 1.0)] and second.scheduled == [("r3", 1.0)]
+    assert first.stats.batch_size == 600 and first.snapshot == {"x": 1}
+    assert second.stats.engine_wide is False and second.snapshot is None
+    abort = take(1, AbortAll())
+    assert isinstance(abort, AbortRequests)
+    assert sorted(abort.request_ids) == sorted(f"r{i}" for i in range(1, 600, 2))
+    gone = take(1, Stop())                         # front end 1 leaves: its requests aborted
+    assert isinstance(gone, AbortRequests) and len(gone.request_ids) == 300
+    pairs[0][0].close()                            # front end 0's process exits: the core stops
+    assert isinstance(take_closed(pipes), Stop)
+
+
+def take_closed(pipes):
+    """The command a closed pipe becomes."""
+    pipes.wait()
+    assert pipes.poll()
+    return pipes.recv()

@@ -228,7 +228,7 @@ class Scheduler:
             if is_new:
                 self._unsent.discard(req.request_id)
                 start = 0
-            self._emit(out, req, num_new, start, is_new, drafts)
+            self._schedule_tokens(out, req, num_new, start, is_new, drafts)
             budget -= num_new + drafts
             i += 1
         return budget
@@ -295,12 +295,12 @@ class Scheduler:
         req.status = RUNNING
         bisect.insort(self.running, req, key=self._key)
         if num_new:
-            self._emit(out, req, num_new, 0, True)
+            self._schedule_tokens(out, req, num_new, 0, True)
         else:                       # at its fork point: forked and scheduled next step
             self._unsent.add(req.request_id)
 
-    def _emit(self, out: SchedulerOutput, req: Request, num_new: int, table_start: int,
-              is_new: bool, drafts: int = 0) -> None:
+    def _schedule_tokens(self, out: SchedulerOutput, req: Request, num_new: int,
+                         table_start: int, is_new: bool, drafts: int = 0) -> None:
         """Schedule `num_new` tokens of `req` (+ `drafts` speculative drafts after them; their
         slots are lookahead: `num_computed_tokens` counts only verified tokens)."""
         start = req.num_computed_tokens

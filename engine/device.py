@@ -171,11 +171,11 @@ def check_device_dtype(device_name: str, dtype_name: str, kv_cache_dtype: str = 
 
 def check_kv_cache_dtype(name: str, device: Device) -> None:
     """Raises ValueError (one line) for an 8-bit KV cache on a device without it: the CPU
-    kernels and the torch path read 8-bit caches; the CUDA (Triton) and NPU attention
-    backends do not yet."""
-    if name != "auto" and device.kind != "cpu":
-        raise ValueError(f"--kv-cache-dtype {name}: 8-bit KV caches run on the CPU; the "
-                         f"{device.kind} attention backend reads only the model dtype (use "
+    kernels, the torch path and the CUDA (Triton) kernels read 8-bit caches; the NPU's fused
+    operators here take only the model dtype."""
+    if name != "auto" and device.kind == "npu":
+        raise ValueError(f"--kv-cache-dtype {name}: 8-bit KV caches run on the CPU and CUDA; "
+                         "the npu attention backend reads only the model dtype (use "
                          "--kv-cache-dtype auto)")
 
 

@@ -125,7 +125,7 @@ class ModelRunner:
         self.model, self.device, self.block_size = model, device, block_size
         self.kv_quant = kv_quant      # engine.kv_quant.KVQuant: an 8-bit cache; None: model dtype
         # An accelerator's attention backend (engine.accel) and the step buffers it reads.
-        self.backend = attention_backend(device.kind)
+        self.backend = attention_backend(device.kind, kv_quant)
         if self.backend is not None:
             self.backend.check_dtype(model.dtype)
         self.block_dim = self.backend.block_dim if self.backend is not None else 3

@@ -86,6 +86,21 @@ def test_triton_backend_matches_transformers(tiny, prompts, reference):
     assert eng.scheduler.counters.prefix_cache_hits > hits
 
 
+@pytest.mark.extended          # ~70 s in the interpreter; make test keeps the kernels' own test
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_triton_backend_over_an_8bit_cache_gives_the_cpu_kernels_tokens(tiny, prompts, kv):
+    """`--kv-cache-dtype` through the accelerator runner: the cache is uint8 rows, the Triton
+    kernels write and read them; greedy tokens equal the CPU kernels' over the same 8-bit
+    cache (the same bytes, attended in float32), also on the prefix-cache round."""
+    eng = engine(tiny, kv_cache_dtype=kv)
+    assert eng.runner.backend.kv is not None and eng.runner.kv_cache.dtype == torch.uint8
+    cpu = engine(tiny, backend="auto", kv_cache_dtype=kv)
+    assert cpu.runner.backend is None
+    expected = run(cpu, prompts)
+    assert run(eng, prompts) == expected
+    assert run(eng, prompts) == expected and eng.scheduler.counters.prefix_cache_hits > 0
+
+
 @pytest.mark.extended
 def test_chunked_prefill_and_swap_preemption(tiny, prompts, reference):
     """A 7-token step budget (every prompt chunked, chunks after their own prefix), then a pool

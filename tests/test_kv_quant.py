@@ -205,3 +205,82 @@ def test_served_int8_cache_says_so_and_answers(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
     assert "--kv-cache-dtype: invalid choice: 'fp4'" in bad.stderr
+
+
+# ----------------------------------------------------------------------------- the rest of the engine
+GREEDY8 = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def alone8(tokenizer):
+    """(prompts, the int8 engine's greedy tokens of each, alone)."""
+    prompts = [tokenizer.encode(p) for p in PROMPTS[:3]]
+    return prompts, [engine(kv_cache_dtype="int8").generate([p], GREEDY8)[0][0] for p in prompts]
+
+
+@pytest.mark.extended          # ~12 s: three rank processes
+def test_tensor_parallel_ranks_share_an_int8_cache(alone8):
+    """Three ranks (one KV head each, their own int8 cache) give the one-rank int8 tokens."""
+    prompts, alone = alone8
+    eng = engine(kv_cache_dtype="int8", tensor_parallel_size=3)
+    try:
+        assert [c[0] for c in eng.generate(prompts, GREEDY8)] == alone
+    finally:
+        eng.shutdown()
+
+
+def test_a_draft_model_speculates_over_int8_caches(alone8):
+    """The model as its own draft (its cache int8 as the target's): every draft accepted, the
+    tokens those of the int8 engine alone."""
+    from engine.loader import embedded_gguf_path
+    prompts, alone = alone8
+    eng = engine(kv_cache_dtype="int8", speculative_config={
+        "method": "draft_model", "model": str(embedded_gguf_path()),
+        "num_speculative_tokens": 3, "adaptive": False})
+    assert [c[0] for c in eng.generate(prompts, GREEDY8)] == alone
+    counters = eng.scheduler.spec_counters
+    assert counters.num_draft_tokens > 0
+    assert counters.num_accepted_tokens == counters.num_draft_tokens
+
+
+def test_beam_search_runs_over_an_int8_cache(alone8, tokenizer):
+    """vLLM's beam search (api/beam_search.py: one request per beam and step, prefix-cache
+    hits on the int8 blocks): width 1 is the int8 engine's greedy path; width 3 gives three
+    different beams, best first."""
+    import asyncio
+
+    from api.beam_search import BeamParams, beam_search
+    from engine.async_llm import AsyncLLM
+    prompts, alone = alone8
+    llm = AsyncLLM(engine(kv_cache_dtype="int8"))
+
+    async def search(width):
+        params = BeamParams(width=width, max_tokens=8, temperature=0.0, ignore_eos=True)
+        async for out in beam_search(llm, params, tokenizer, tokenizer.eos_token_id, "b",
+                                     prompts[0]):
+            return out
+
+    try:
+        one = asyncio.run(search(1))
+        assert one.outputs[0].token_ids == alone[0][:8]
+        three = asyncio.run(search(3))
+        beams = [o.token_ids for o in three.outputs]
+        assert len(beams) == 3 and len({tuple(b) for b in beams}) == 3
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.extended          # ~8 s: a peft adapter built first
+def test_lora_adapters_run_over_an_int8_cache(model_dir, tmp_path, alone8):
+    """A peft adapter on an int8 cache: alone and in a batch with the base model the same
+    tokens, which differ from the base's."""
+    pytest.importorskip("peft", reason="peft is not installed (pip install -e '.[test]')")
+    from tests.test_lora import SPECS, make_adapter
+    make_adapter(model_dir, tmp_path / "attn8", *SPECS["attn8"])
+    prompts, alone = alone8
+    eng = engine(kv_cache_dtype="int8", quantization="none", enable_lora=True,
+                 lora_modules=(("attn8", str(tmp_path / "attn8")),), max_lora_rank=8)
+    lora = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, lora_name="attn8")
+    by_itself = eng.generate([prompts[0]], lora)[0][0]
+    mixed = eng.generate([prompts[0], prompts[0]], [lora, GREEDY8])
+    assert mixed[0][0] == by_itself != mixed[1][0]

@@ -44,16 +44,32 @@ def reference(q, k_full, v_full, ctx_start, scale, window):
 
 
 def run_step(seqs, num_heads, num_kv_heads, head_dim, dtype, block_size=16, window=None,
-             seed=0):
+             seed=0, kv=None):
     """seqs: (cached tokens, new tokens) per sequence, decodes (new == 1) first. Builds a cache
     holding each sequence's cached prefix at shuffled blocks, runs the backend's write and
-    attention for the new tokens, and compares with the reference. Returns the max error."""
+    attention for the new tokens, and compares with the reference. Returns the max error.
+    `kv` (engine.kv_quant.KVQuant): an 8-bit cache, its rows written by the torch path's
+    quantize; the reference then attends the dequantized rows, and the kernel's writes must be
+    the torch path's bytes."""
     g = torch.Generator().manual_seed(seed)
-    backend = TritonAttention(tile_n=16)
+    backend = TritonAttention(tile_n=16, kv=kv)
     blocks_needed = [math.ceil((c + n) / block_size) for c, n in seqs]
     num_blocks = sum(blocks_needed) + 3
     perm = torch.randperm(num_blocks, generator=g).tolist()
-    cache = torch.zeros(2, num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype)
+    row = head_dim if kv is None else kv.row_bytes(head_dim)
+    cache = torch.zeros(2, num_kv_heads, num_blocks, block_size, row,
+                        dtype=dtype if kv is None else torch.uint8)
+
+    def stored(x, which):              # x [..., D] as the cache holds it
+        if kv is None:
+            return x
+        return kv.quantize(x, kv.k_scale if which == 0 else kv.v_scale)
+
+    def read(x, which):                # what attention sees of x
+        if kv is None:
+            return x
+        scale = kv.k_scale if which == 0 else kv.v_scale
+        return kv.dequantize(stored(x, which), torch.float32, scale).to(dtype)
     tables, ks, vs, qs, slots, positions = [], [], [], [], [], []
     for c, n in seqs:
         table = [perm.pop() for _ in range(math.ceil((c + n) / block_size))]
@@ -61,8 +77,8 @@ def run_step(seqs, num_heads, num_kv_heads, head_dim, dtype, block_size=16, wind
         k_full = torch.randn(c + n, num_kv_heads, head_dim, generator=g).to(dtype)
         v_full = torch.randn(c + n, num_kv_heads, head_dim, generator=g).to(dtype)
         for p in range(c):                         # the cached prefix, in place
-            cache[0, :, table[p // block_size], p % block_size] = k_full[p]
-            cache[1, :, table[p // block_size], p % block_size] = v_full[p]
+            cache[0, :, table[p // block_size], p % block_size] = stored(k_full[p], 0)
+            cache[1, :, table[p // block_size], p % block_size] = stored(v_full[p], 1)
         ks.append(k_full)
         vs.append(v_full)
         qs.append(torch.randn(n, num_heads, head_dim, generator=g).to(dtype))
@@ -83,14 +99,15 @@ def run_step(seqs, num_heads, num_kv_heads, head_dim, dtype, block_size=16, wind
     out = out.view(-1, num_heads, head_dim)
     err, t = 0.0, 0
     for (c, n), k_full, v_full, qq in zip(seqs, ks, vs, qs):
-        ref = reference(qq, k_full, v_full, c, scale, window)
+        ref = reference(qq, read(k_full, 0), read(v_full, 1), c, scale, window)
         err = max(err, (out[t:t + n].double() - ref).abs().max().item())
         t += n
     # the step's K/V landed at their slots
     for (c, n), table, k_full, v_full in zip(seqs, tables, ks, vs):
         for p in range(c, c + n):
             got = cache[:, :, table[p // block_size], p % block_size].cpu()
-            assert torch.equal(got[0], k_full[p]) and torch.equal(got[1], v_full[p])
+            assert torch.equal(got[0], stored(k_full[p], 0))
+            assert torch.equal(got[1], stored(v_full[p], 1))
     return err
 
 
@@ -156,3 +173,16 @@ def test_padded_rows_write_nothing_and_attend_to_nothing():
                     torch.cat([before[1, :, 1, :3], kv[:1].cpu().transpose(0, 1)],
                               1).transpose(0, 1), 3, 0.125, None)
     assert (out[:1].cpu().double() - ref).abs().max() < 2e-5
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_8bit_caches_write_the_cpu_bytes_and_attend_their_values(kv, dtype):
+    """`--kv-cache-dtype` on the Triton kernels: the write kernel stores the bytes of
+    engine/kv_quant.py's torch path (which engine/kernels/kv_cache.c matches byte for byte),
+    and attention over the 8-bit rows, decodes and a prefill chunk with a cached prefix,
+    equals the reference over the dequantized K/V; fp8 with per-tensor scales other than 1."""
+    from engine.kv_quant import KVQuant
+    quant = KVQuant(kv) if kv == "int8" else KVQuant(kv, k_scale=0.5, v_scale=2.0)
+    err = run_step([(20, 1), (3, 1), (17, 9)], 6, 2, 64, dtype, kv=quant)
+    assert err < TOL[dtype] * 4, err

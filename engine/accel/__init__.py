@@ -37,14 +37,18 @@ def has_sliding_window(device_kind: str) -> bool:
     return backend_name(device_kind) == "triton"
 
 
-def attention_backend(device_kind: str):
-    """The attention backend for `device_kind` (`backend_name`): `TritonAttention`,
-    `NpuAttention` or None. Raises ValueError for an unknown forced name, ImportError when the
+def attention_backend(device_kind: str, kv=None):
+    """The attention backend for `device_kind` (`backend_name`): `TritonAttention` (over an
+    8-bit cache with `kv`, an `engine.kv_quant.KVQuant`), `NpuAttention` or None. Raises
+    ValueError for an unknown forced name or an 8-bit cache on the NPU, ImportError when the
     backend's package (triton, torch_npu) is missing."""
     name = backend_name(device_kind)
     if name == "triton":
         from engine.accel.triton_attention import TritonAttention
-        return TritonAttention()
+        return TritonAttention(kv=kv)
+    if kv is not None and name is not None:
+        raise ValueError(f"--kv-cache-dtype {kv.name}: the {name} attention backend reads "
+                         "only the model dtype (use --kv-cache-dtype auto)")
     if name == "npu":
         from engine.accel.npu_attention import NpuAttention
         return NpuAttention()

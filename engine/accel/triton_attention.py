@@ -10,7 +10,10 @@ nothing, as a padded CUDA-graph row has). Out: `[T, num_heads * head_dim]` in q'
 
 Cache layout: Continuum's head-major K and V per layer, `[num_kv_heads, num_blocks, block_size,
 head_dim]` (the CPU kernels' layout too, `engine.attention`); the kernels take strides, so any
-layout with contiguous head_dim would do.
+layout with contiguous head_dim would do. An 8-bit cache (`--kv-cache-dtype`, engine/kv_quant.py)
+is uint8 rows of `KVQuant.row_bytes(head_dim)`: the write kernel quantizes each row as the CPU
+kernels do (the same bytes), the attention kernel dequantizes K/V tiles as it loads them, to
+q's dtype, never a full-precision copy of a block.
 
 The attention kernel, after vLLM's unified attention (`triton_unified_attention.py`, whose
 design it follows and whose code it does not copy) and FlashAttention-2 (Dao 2023, Algorithm 1:
@@ -45,11 +48,82 @@ from engine.attention import head_major_cache_shape
 
 
 @triton.jit
+def _store_row(cache_ptr, row, x, d, dmask, head_dim, inv_scale, KV_KIND: tl.constexpr):
+    """Store one row `x [HEAD_D]` (float32; masked by `dmask`) at element `row` of a cache:
+    as is (KV_KIND 0), or as engine/kv_quant.py's 8-bit rows, the bytes its torch path and
+    engine/kernels/kv_cache.c write: int8 values round(x / s) with s = float16(max |x| / 127)
+    after them (1), or float8 e4m3fn (2) / e5m2 (3) of x * inv_scale, saturated
+    (`_f32_to_fp8`)."""
+    if KV_KIND == 0:
+        tl.store(cache_ptr + row + d, x.to(cache_ptr.dtype.element_ty), mask=dmask)
+    elif KV_KIND == 1:
+        s16 = (tl.max(tl.abs(x), axis=0) / 127.0).to(tl.float16)
+        s = s16.to(tl.float32)
+        inv = tl.where(s > 0.0, 1.0 / tl.where(s > 0.0, s, 1.0), 0.0)
+        # round half to even, as torch.round and rintf: |x * inv| <= 127.5 < 2**22
+        r = (x * inv + 12582912.0) - 12582912.0
+        r = tl.minimum(tl.maximum(r, -127.0), 127.0)
+        tl.store(cache_ptr + row + d, r.to(tl.int8).to(tl.uint8, bitcast=True), mask=dmask)
+        bits = s16.to(tl.uint16, bitcast=True)           # the scale, little-endian
+        tl.store(cache_ptr + row + head_dim, (bits & 0xFF).to(tl.uint8))
+        tl.store(cache_ptr + row + head_dim + 1, (bits >> 8).to(tl.uint8))
+    else:
+        code = _f32_to_fp8(x * inv_scale, 3, 7, 0x7E) if KV_KIND == 2 else \
+            _f32_to_fp8(x * inv_scale, 2, 15, 0x7B)
+        tl.store(cache_ptr + row + d, code, mask=dmask)
+
+
+@triton.jit
+def _f32_to_fp8(x, M: tl.constexpr, B: tl.constexpr, MAXCODE: tl.constexpr):
+    """float32 to the bytes of an fp8 format with M mantissa bits and exponent bias B (e4m3fn:
+    3, 7, saturating at 0x7E = 448; e5m2: 2, 15, at 0x7B = 57344), rounded to nearest even from
+    float32's bits, subnormals included: engine/kernels/common.h's f32_to_fp8 in integer ops,
+    so the GPU, the interpreter and the CPU kernels write the same bytes."""
+    u = x.to(tl.int32, bitcast=True)
+    sign = (u >> 24) & 0x80
+    a = u & 0x7FFFFFFF
+    e = (a >> 23) - 127 + B                          # the fp8 exponent field
+    mant = (a & 0x7FFFFF) | 0x800000                  # the significand, hidden bit on
+    shift = 23 - M + tl.where(e < 1, 1 - e, 0)        # an fp8 subnormal: fewer bits
+    e = tl.maximum(e, 0)
+    sh = tl.minimum(shift, 30)
+    r = (mant + (1 << (sh - 1)) - 1 + ((mant >> sh) & 1)) >> sh
+    code = tl.where(e == 0, r, (e << M) + r - (1 << M))       # a carry bumps the exponent
+    code = tl.minimum(code, MAXCODE)
+    code = tl.where((shift > 24) | ((a >> 23) == 0), 0, code)  # to zero (and f32 subnormals)
+    code = tl.where(a > 0x7F800000, 0x7F, code)               # NaN stays NaN
+    return (sign | code).to(tl.uint8)
+
+
+@triton.jit
+def _load_rows(cache_ptr, off, d, mask, rows_ok, head_dim, scale, KV_KIND: tl.constexpr):
+    """Rows at element offsets `off [N]` of a cache as float32 `[N, HEAD_D]` (8-bit kinds
+    dequantized: int8 times its row's float16 scale, float8 times the tensor's `scale`), or in
+    the cache's own dtype (KV_KIND 0)."""
+    x = tl.load(cache_ptr + off[:, None] + d[None, :], mask=mask, other=0)
+    if KV_KIND == 1:
+        lo = tl.load(cache_ptr + off + head_dim, mask=rows_ok, other=0).to(tl.uint16)
+        hi = tl.load(cache_ptr + off + head_dim + 1, mask=rows_ok, other=0).to(tl.uint16)
+        s = (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+        return x.to(tl.int8, bitcast=True).to(tl.float32) * s[:, None]
+    elif KV_KIND == 2:     # e4m3's bits shifted into float16's: the value / 256 (common.h)
+        b = x.to(tl.uint16)
+        h = ((b & 0x7F) << 7) | ((b & 0x80) << 8)
+        return h.to(tl.float16, bitcast=True).to(tl.float32) * (scale * 256.0)
+    elif KV_KIND == 3:     # e5m2 is float16's upper byte
+        return (x.to(tl.uint16) << 8).to(tl.float16, bitcast=True).to(tl.float32) * scale
+    else:
+        return x
+
+
+@triton.jit
 def _cache_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                         stride_kt, stride_kh, stride_vt, stride_vh,
                         stride_ch, stride_cb, stride_cs,
-                        block_size, head_dim, HEAD_D: tl.constexpr):
-    """One program per (token, KV head): copy its K and V row to the token's slot."""
+                        block_size, head_dim, k_inv_scale, v_inv_scale,
+                        HEAD_D: tl.constexpr, KV_KIND: tl.constexpr):
+    """One program per (token, KV head): its K and V row into the token's slot (quantized
+    for an 8-bit cache, `_store_row`)."""
     t = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)              # int64 offsets: a cache may pass 2**31
     slot = tl.load(slot_ptr + t)
@@ -59,23 +133,29 @@ def _cache_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     off = slot % block_size
     d = tl.arange(0, HEAD_D)
     dmask = d < head_dim
-    dst = h * stride_ch + blk * stride_cb + off * stride_cs + d
-    tl.store(k_cache_ptr + dst, tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=dmask),
-             mask=dmask)
-    tl.store(v_cache_ptr + dst, tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=dmask),
-             mask=dmask)
+    row = h * stride_ch + blk * stride_cb + off * stride_cs
+    k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=dmask, other=0.0)
+    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=dmask, other=0.0)
+    if KV_KIND == 0:
+        _store_row(k_cache_ptr, row, k, d, dmask, head_dim, k_inv_scale, KV_KIND)
+        _store_row(v_cache_ptr, row, v, d, dmask, head_dim, v_inv_scale, KV_KIND)
+    else:
+        _store_row(k_cache_ptr, row, k.to(tl.float32), d, dmask, head_dim, k_inv_scale, KV_KIND)
+        _store_row(v_cache_ptr, row, v.to(tl.float32), d, dmask, head_dim, v_inv_scale, KV_KIND)
 
 
 @triton.jit
 def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
         block_tables_ptr, seq_lens_ptr, query_start_ptr,
-        scale, block_size, head_dim, window,
+        scale, block_size, head_dim, window, k_scale, v_scale,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_ch, stride_cb, stride_cs, stride_bt,
         GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-        TILE_N: tl.constexpr, HEAD_D: tl.constexpr, USE_WINDOW: tl.constexpr):
-    """See the module docstring. `window` is used only with USE_WINDOW."""
+        TILE_N: tl.constexpr, HEAD_D: tl.constexpr, USE_WINDOW: tl.constexpr,
+        KV_KIND: tl.constexpr):
+    """See the module docstring. `window` is used only with USE_WINDOW; `k_scale`, `v_scale`
+    (fp8's per-tensor scales) only with KV_KIND 2 and 3."""
     seq = tl.program_id(0)
     qb = tl.program_id(1)
     kvh = tl.program_id(2).to(tl.int64)          # int64 offsets: a cache may pass 2**31
@@ -114,8 +194,10 @@ def _paged_attention_kernel(
                       other=0)
         kv_off = kv_base + blk.to(tl.int64) * stride_cb + (k_pos % block_size) * stride_cs
         kv_mask = k_ok[:, None] & dmask[None, :]
-        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k = _load_rows(k_cache_ptr, kv_off, d, kv_mask, k_ok, head_dim, k_scale,
+                       KV_KIND).to(q.dtype)
+        v = _load_rows(v_cache_ptr, kv_off, d, kv_mask, k_ok, head_dim, v_scale,
+                       KV_KIND).to(q.dtype)
 
         # "ieee": float32 products in full float32 (tensor cores would round them to TF32,
         # 10-bit mantissas); ignored for float16 / bfloat16
@@ -151,16 +233,22 @@ def _tile_shapes(group: int, max_query_len: int) -> tuple[int, int]:
 
 
 class TritonAttention:
-    """The CUDA attention backend (see the module docstring). Stateless; one per runner.
-    `tile_n`: keys per tile (a power of two >= 16). Sliding windows are per call (a model's
-    layers may differ)."""
+    """The CUDA attention backend (see the module docstring); one per runner. `tile_n`: keys
+    per tile (a power of two >= 16); `kv`: the runner's 8-bit cache (`engine.kv_quant.KVQuant`)
+    or None. Sliding windows are per call (a model's layers may differ)."""
 
     name = "triton"
     block_dim = 3            # the block axis of the runner's [layer, k/v, head, block, slot, d]
     sliding_window = True    # forward takes a window
 
-    def __init__(self, tile_n: int = 32) -> None:
+    def __init__(self, tile_n: int = 32, kv=None) -> None:
         self.tile_n = tile_n
+        self.kv = kv             # engine.kv_quant.KVQuant: an 8-bit cache; None: the model dtype
+
+    def _kv_args(self) -> tuple[int, float, float]:
+        """(KV_KIND, K's fp8 scale, V's) of the kernels (0, 1, 1: the model dtype)."""
+        kv = self.kv
+        return (0, 1.0, 1.0) if kv is None else (kv.kind, kv.k_scale, kv.v_scale)
 
     @staticmethod
     def check_dtype(dtype: torch.dtype) -> None:
@@ -177,15 +265,18 @@ class TritonAttention:
                     v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Write `k, v [T, num_kv_heads, head_dim]` (last dim contiguous) at `slot_mapping [T]`
         (int64; slot s = block s // block_size, offset s % block_size; -1 = skip) into
-        `k_cache, v_cache [num_kv_heads, num_blocks, block_size, head_dim]`."""
+        `k_cache, v_cache [num_kv_heads, num_blocks, block_size, head_dim]` (8-bit: uint8
+        rows of `kv.row_bytes(head_dim)`, quantized here)."""
         num_tokens, num_kv_heads, head_dim = k.shape
         if num_tokens == 0:
             return
+        kind, k_scale, v_scale = self._kv_args()
         _cache_write_kernel[(num_tokens, num_kv_heads)](
             k, v, k_cache, v_cache, slot_mapping,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            k_cache.shape[2], head_dim, HEAD_D=triton.next_power_of_2(head_dim))
+            k_cache.shape[2], head_dim, 1.0 / k_scale, 1.0 / v_scale,
+            HEAD_D=triton.next_power_of_2(head_dim), KV_KIND=kind)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta,
                scale: float, out: torch.Tensor, window: int = 0) -> torch.Tensor:
@@ -198,13 +289,14 @@ class TritonAttention:
         block_m, block_q = _tile_shapes(group, meta.max_query_len)
         num_seqs = meta.seq_lens.shape[0]
         grid = (num_seqs, triton.cdiv(meta.max_query_len, block_q), num_kv_heads)
+        kind, k_scale, v_scale = self._kv_args()
         _paged_attention_kernel[grid](
             q, k_cache, v_cache, out, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            scale, k_cache.shape[2], head_dim, window,
+            scale, k_cache.shape[2], head_dim, window, k_scale, v_scale,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
             GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=self.tile_n,
-            HEAD_D=triton.next_power_of_2(head_dim), USE_WINDOW=window > 0)
+            HEAD_D=triton.next_power_of_2(head_dim), USE_WINDOW=window > 0, KV_KIND=kind)
         return out
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

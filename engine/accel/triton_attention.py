@@ -136,12 +136,9 @@ def _cache_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     row = h * stride_ch + blk * stride_cb + off * stride_cs
     k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=dmask, other=0.0)
     v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=dmask, other=0.0)
-    if KV_KIND == 0:
-        _store_row(k_cache_ptr, row, k, d, dmask, head_dim, k_inv_scale, KV_KIND)
-        _store_row(v_cache_ptr, row, v, d, dmask, head_dim, v_inv_scale, KV_KIND)
-    else:
-        _store_row(k_cache_ptr, row, k.to(tl.float32), d, dmask, head_dim, k_inv_scale, KV_KIND)
-        _store_row(v_cache_ptr, row, v.to(tl.float32), d, dmask, head_dim, v_inv_scale, KV_KIND)
+    # float32 is exact for every model dtype: KV_KIND 0 stores the same values back
+    _store_row(k_cache_ptr, row, k.to(tl.float32), d, dmask, head_dim, k_inv_scale, KV_KIND)
+    _store_row(v_cache_ptr, row, v.to(tl.float32), d, dmask, head_dim, v_inv_scale, KV_KIND)
 
 
 @triton.jit

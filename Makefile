@@ -55,7 +55,7 @@ TRITON_STAMP := $(TRITON_VENV)/.installed
 V2_TESTS     := tests/test_triton_e2e.py tests/test_triton_grpc.py tests/test_shared_memory.py \
                 tests/test_triton_sequence.py tests/test_triton_decoupled.py \
                 tests/test_python_backend_api.py tests/test_triton_extensions.py \
-                tests/test_triton_trace.py
+                tests/test_triton_trace.py tests/test_v2_http_wire.py
 $(TRITON_STAMP):
 	test -x $(TRITON_VENV)/bin/python || $(PYTHON) -m venv $(TRITON_VENV)
 	$(TRITON_VENV)/bin/python -m pip install -q torch==2.13.0     # the DLPack test model's

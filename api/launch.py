@@ -22,7 +22,7 @@ def build_server(config, engine_conn=None, index: int = 0):
 
     from api.http_protocol import HttpToolsProtocol
     from api.lifecycle import Lifecycle, Server
-    from api.server import ServerState, build_app
+    from api.server import ServerState, build_app, protocol_route
 
     from api.network import uvicorn_kwargs, with_cors
 
@@ -30,10 +30,14 @@ def build_server(config, engine_conn=None, index: int = 0):
     state = ServerState(config, lifecycle=lifecycle, engine_conn=engine_conn,
                         api_server_index=index)
     net = config.network
-    uv_config = uvicorn.Config(with_cors(build_app(state), net), host=config.host,
+    app = with_cors(build_app(state), net)
+    route = protocol_route(state)
+    uv_config = uvicorn.Config(app, host=config.host,
                                port=config.port, log_level=config.uvicorn_log_level,
                                timeout_graceful_shutdown=5,
-                               http=HttpToolsProtocol,    # a response's writes as one send
+                               # a response's writes as one send; v2 infers without ASGI
+                               http=HttpToolsProtocol.answering(route) if route else
+                               HttpToolsProtocol,
                                # the access log logs at info: below that level it would only
                                # cost its formatting on every request
                                access_log=config.uvicorn_log_level in ("trace", "debug", "info")

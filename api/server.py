@@ -262,6 +262,16 @@ def _front(app: FastAPI, state: ServerState):
     return InFlightGate(outer, lifecycle=state.lifecycle)
 
 
+def protocol_route(state: ServerState):
+    """The v2 infer route the HTTP protocol answers below ASGI (http_infer.InferRoute; see
+    api/http_protocol.py), or None: no v2 layer, or `--http-restricted-api` rules, which the
+    ASGI layers check."""
+    if state.v2 is None or state.config.http_restrictions:
+        return None
+    from triton_compat.frontend.http_infer import InferRoute
+    return InferRoute(state.v2, state.http_max_input_size, state.lifecycle)
+
+
 def build_app(state: ServerState, load_in_background: bool = True):
     """The ASGI app: the FastAPI app behind `_front`'s layers. With `load_in_background`, the
     engine starts in a thread at start-up."""

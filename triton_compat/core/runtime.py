@@ -148,6 +148,11 @@ class ModelRuntime:
                 inst.close()
             raise
         self.idle = list(self.instances)
+        # `decide` sends a request that finds the queue empty alone and at once: no dynamic
+        # batcher (Triton's default scheduler), or no queue delay to wait, and no custom
+        # batching rule to ask (submit then skips the queue)
+        self._lone_at_once = self.strategy is None and (
+            not self.batcher.dynamic or self.batcher.max_queue_delay_us == 0)
         self.executing = 0
         self.pool = ThreadPoolExecutor(len(self.instances),
                                        thread_name_prefix=f"triton-{config.name}")
@@ -247,17 +252,20 @@ class ModelRuntime:
         with self.cond:
             if self.stopping:
                 raise InferError(f"model '{self.config.name}' is being unloaded", 503)
-            try:
-                self.queue.push(item)
-            except QueueFullError as e:       # not a failure in Triton's statistics
-                raise InferError(f"[request id: {request.id or '<id_unknown>'}] {e}",
-                                 503) from None
-            if defer is not None:         # at the end of this loop pass, in one batch
-                if not self._drain_pending:
-                    self._drain_pending = True
-                    defer.call_soon(self._drain)
-                return future
-            job = self._claim_ready(now)
+            if inline and self._lone_at_once and self.idle and not self.queue.items:
+                job = self._claim([item])    # what `decide` answers for a lone request
+            else:
+                try:
+                    self.queue.push(item)
+                except QueueFullError as e:   # not a failure in Triton's statistics
+                    raise InferError(f"[request id: {request.id or '<id_unknown>'}] {e}",
+                                     503) from None
+                if defer is not None:     # at the end of this loop pass, in one batch
+                    if not self._drain_pending:
+                        self._drain_pending = True
+                        defer.call_soon(self._drain)
+                    return future
+                job = self._claim_ready(now)
             if job and not inline:
                 self.pool.submit(self._work, *job)
             if not job or self.queue.items:

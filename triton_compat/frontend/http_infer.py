@@ -1,12 +1,18 @@
-"""`POST /v2/models/{m}[/versions/{v}]/infer` over HTTP: the hot path, as pure ASGI.
+"""`POST /v2/models/{m}[/versions/{v}]/infer` over HTTP: the hot path, below the FastAPI app.
 
 Owns: reading the body (bounded by `--http-max-input-size`, gzip / deflate undone),
-`tensors.parse_request` → `infer.run` → `tensors.encode_response`, and the response with
-`Inference-Header-Content-Length` when it carries binary tensors. `InferFastPath` answers these
-requests in front of the FastAPI app, its middleware stack and request objects (measured:
-they cost more than a small model's inference); it sits inside the drain gate and the
-restricted-API check (api/server.py `_front`), so both still apply. The FastAPI route in
-routes.py calls the same `infer_http`, for the OpenAPI document and any caller that reaches it.
+`begin_infer` (`tensors.parse_request` → `infer.Inference`, the request submitted) →
+`encode_http` (`tensors.encode_response`, with `Inference-Header-Content-Length` when the
+response carries binary tensors), and the two ways a request reaches them:
+- `InferRoute`: the HTTP protocol itself (api/http_protocol.py) hands it the requests it
+  claims by their head (most: a plain keep-alive request with a Content-Length, no CORS
+  `Origin`, the server not draining) and writes its answer, with no ASGI scope, task or
+  middleware; a model that runs inline answers within the call. Measured with perf_analyzer on
+  `simple`: the ASGI layers cost more than the model's whole inference.
+- `InferFastPath`: a pure ASGI layer for the rest (pipelined behind another request, chunked,
+  `Origin`), inside the drain gate and the restricted-API check (api/server.py `_front`).
+The FastAPI route in routes.py calls the same `infer_http`, for the OpenAPI document and any
+caller that reaches it. All three give the same answers.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from starlette.requests import ClientDisconnect, Request
 from engine.log_config import verbose
 from triton_compat.frontend.context import V2Context
 from triton_compat.errors import InferError
-from triton_compat.frontend.infer import run
+from triton_compat.frontend.infer import Inference
 from triton_compat.frontend.tensors import TensorError, encode_response, parse_request
 
 INFER_PATH = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")
@@ -84,10 +90,11 @@ def decode_body(body: bytes, encoding: str | None, limit: int) -> bytes:
     return out
 
 
-async def infer_http(ctx: V2Context, model: str, version: str, headers, body: bytes,
-                     limit: int, trace=None) -> tuple[bytes, list]:
-    """One infer: the response body and its headers. `headers`: the request's (a mapping with
-    lower-case keys); `trace`: its `Trace`, when sampled. Raises InferError (v2 status)."""
+def begin_infer(ctx: V2Context, model: str, version: str, headers, body: bytes, limit: int,
+                trace=None) -> tuple[Inference, str]:
+    """The request decoded and submitted: (its `Inference`, its id). `headers`: the request's
+    (a mapping with lower-case keys); `trace`: its `Trace`, when sampled. Raises InferError (v2
+    status)."""
     repo = ctx.repository()
     repo.runtime(model, version)           # unknown model: 404 before the body is parsed
     body = decode_body(body, headers.get("content-encoding"), limit)
@@ -101,17 +108,42 @@ async def infer_http(ctx: V2Context, model: str, version: str, headers, body: by
     if verbose():                          # --log-verbose 1: each request, as Triton logs it
         logger.debug("HTTP infer request: model '%s' version '%s' id '%s'", model, version,
                      parsed.id)
-    version_ran, outputs = await run(repo, ctx.shm, parsed, ctx.busy, trace)
+    inference = Inference(repo, ctx.shm, parsed, busy=ctx.busy, trace=trace)
+    return inference, parsed.id
+
+
+def encode_http(model: str, request_id: str, binary_default: bool, version_ran: str,
+                outputs: list) -> tuple[bytes, list]:
+    """The response body and its headers (binary tensors: `Inference-Header-Content-Length`).
+    Raises InferError(500) for an output the model filled with the wrong kind of data."""
     try:
-        payload, json_length = encode_response(model, version_ran, parsed.id, outputs,
-                                               parsed.binary_default)
-    except Exception as e:            # an output the model filled with the wrong kind of data
+        payload, json_length = encode_response(model, version_ran, request_id, outputs,
+                                               binary_default)
+    except Exception as e:
         raise InferError(f"model '{model}' returned an output that cannot be sent: "
                          f"{type(e).__name__}: {e}", 500) from None
     if json_length is None:
         return payload, JSON
     return payload, [(b"content-type", b"application/octet-stream"),
                      (b"inference-header-content-length", str(json_length).encode())]
+
+
+async def infer_http(ctx: V2Context, model: str, version: str, headers, body: bytes,
+                     limit: int, trace=None) -> tuple[bytes, list]:
+    """One infer: the response body and its headers. `headers`: the request's (a mapping with
+    lower-case keys); `trace`: its `Trace`, when sampled. Raises InferError (v2 status)."""
+    inference, request_id = begin_infer(ctx, model, version, headers, body, limit, trace)
+    return encode_http(model, request_id, inference.request.binary_default,
+                       *await inference.wait())
+
+
+def error_answer(e: Exception, path) -> tuple[int, bytes, list]:
+    """(status, body, headers) of a failed infer: an InferError's own status and text, anything
+    else a bug of ours, logged, still in the v2 error shape."""
+    if isinstance(e, InferError):
+        return e.status, json.dumps({"error": e.message}).encode(), JSON
+    logger.error("infer %s failed", path, exc_info=e)
+    return 500, json.dumps({"error": f"{type(e).__name__}: {e}"}).encode(), JSON
 
 
 class InferFastPath:
@@ -143,12 +175,8 @@ class InferFastPath:
                 trace.mark("HTTP_RECV_END")
             payload, extra = await infer_http(self.ctx, match[1], match[2] or "", headers,
                                               body, self.limit, trace)
-        except InferError as e:
-            status, payload, extra = e.status, json.dumps({"error": e.message}).encode(), JSON
-        except Exception as e:             # a bug of ours: still the v2 error shape
-            logger.exception("infer %s failed", scope["path"])
-            status, payload, extra = 500, json.dumps(
-                {"error": f"{type(e).__name__}: {e}"}).encode(), JSON
+        except Exception as e:
+            status, payload, extra = error_answer(e, scope["path"])
         if trace is not None:
             trace.mark("HTTP_SEND_START")
         await send({"type": "http.response.start", "status": status,
@@ -158,3 +186,74 @@ class InferFastPath:
             trace.mark("HTTP_SEND_END")
             trace.finish()
 
+
+class InferRoute:
+    """The v2 infer requests `api.http_protocol.HttpToolsProtocol` answers itself, below ASGI
+    (see the module docstring): `claim` picks them by their head, `answer` runs them. What it
+    does not claim goes through the ASGI layers to `InferFastPath`, with the same result.
+
+    `lifecycle` (api.lifecycle.Lifecycle) counts the requests in flight, as the drain gate
+    does for the others."""
+
+    def __init__(self, ctx: V2Context, max_input_size: int, lifecycle) -> None:
+        self.ctx, self.limit, self.lifecycle = ctx, max_input_size, lifecycle
+
+    def claim(self, url: bytes, headers: list[tuple[bytes, bytes]]) -> tuple | None:
+        """(model, version, headers) of a v2 infer this path answers: a plain path (no query,
+        no escapes), a Content-Length within `--http-max-input-size`, no `Origin` (CORS
+        answers those), the server not draining (the drain gate refuses those). Else None."""
+        if not (url.startswith(b"/v2/models/") and url.endswith(b"/infer")) or b"%" in url:
+            return None
+        match = INFER_PATH.fullmatch(url.decode("latin-1"))
+        if match is None or self.lifecycle.draining:
+            return None
+        wanted = {}
+        for name, value in headers:
+            if name in HEADERS:
+                wanted[name.decode("latin-1")] = value.decode("latin-1")
+            elif name == b"origin":
+                return None
+        declared = wanted.get("content-length")
+        if declared is None or not declared.isdigit() or int(declared) > self.limit:
+            return None
+        return match[1], match[2] or "", wanted
+
+    def answer(self, claim: tuple, body: bytes):
+        """(status, body, headers) of a claimed request, or a coroutine that gives them when
+        its model does not answer at once (it runs on a worker thread, or at the end of this
+        event-loop pass with the requests that came with it). Never raises."""
+        model, version, headers = claim
+        trace = self.ctx.trace(model, headers)
+        if trace is not None:
+            trace.mark("HTTP_RECV_START")
+            trace.mark("HTTP_RECV_END")
+        self.lifecycle.enter()
+        try:
+            inference, request_id = begin_infer(self.ctx, model, version, headers, body,
+                                                self.limit, trace)
+            if not inference.future.done():
+                return self._later(model, request_id, inference, trace)
+            answer = (200, *encode_http(model, request_id, inference.request.binary_default,
+                                        *inference.outcome()))
+        except Exception as e:
+            answer = error_answer(e, model)
+        return self._done(answer, trace)
+
+    async def _later(self, model: str, request_id: str, inference: Inference, trace):
+        try:
+            answer = (200, *encode_http(model, request_id, inference.request.binary_default,
+                                        *await inference.wait()))
+        except Exception as e:
+            answer = error_answer(e, model)
+        except BaseException:          # cancelled: still out of the drain's count
+            self.lifecycle.leave()
+            raise
+        return self._done(answer, trace)
+
+    def _done(self, answer: tuple, trace) -> tuple:
+        self.lifecycle.leave()
+        if trace is not None:          # the protocol writes it next, in this call
+            trace.mark("HTTP_SEND_START")
+            trace.mark("HTTP_SEND_END")
+            trace.finish()
+        return answer

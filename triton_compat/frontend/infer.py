@@ -167,7 +167,7 @@ class Inference:
             # Without one (Triton's default scheduler) each runs alone anyway: run it now.
             if inline and self.rt.batcher.dynamic and busy is not None and busy():
                 inline, defer = False, later or asyncio.get_running_loop()
-        self.shm, self.request, self.held = shm, request, []
+        self.shm, self.request, self.held, self.trace = shm, request, [], trace
         try:
             inputs = {}
             for name, value in request.inputs.items():
@@ -215,6 +215,40 @@ class Inference:
                 self.shm.write(t.request.shm, tensor_bytes(t.datatype, t.array), t.name)
         return str(rt.version), result
 
+    def outcome(self) -> tuple[str, list[OutputTensor]]:
+        """Once `future` is done: `finish` of its outputs, the regions given back and the
+        trace answered. Raises InferError (500 for a model failure)."""
+        try:
+            try:
+                outputs = self.future.result()
+            except Exception as e:
+                raise model_failure(e) from None
+            return self.finish(outputs)
+        finally:
+            self.abandon()
+
+    async def wait(self) -> tuple[str, list[OutputTensor]]:
+        """`outcome`, awaiting the future on the event loop if it is not done (a model that
+        ran inline is: no hop through the loop). Cancelled meanwhile: the regions are given
+        back and the cancellation goes on."""
+        if not self.future.done():
+            try:
+                await asyncio.wrap_future(self.future)
+            except Exception:
+                pass                         # outcome() says what went wrong
+            except BaseException:
+                self.abandon()
+                raise
+        return self.outcome()
+
+    def abandon(self) -> None:
+        """The trace answered (for a runtime that did not mark it: an ensemble) and the regions
+        given back; idempotent."""
+        trace, self.trace = self.trace, None
+        if trace is not None:
+            trace.answered()
+        self.release()
+
     def release(self) -> None:
         """Give back the regions this inference holds (idempotent)."""
         held, self.held = self.held, []
@@ -238,15 +272,4 @@ async def run(repository, shm, request: InferRequest,
     request is alone, at the end of the loop's pass with the requests that arrived with it
     when `busy()` (other requests in progress); `trace`: its `Trace`, if sampled. Raises
     InferError (500 for a model failure)."""
-    inference = Inference(repository, shm, request, busy=busy, trace=trace)
-    future = inference.future
-    try:
-        try:        # done already when it ran inline: no hop through the loop
-            outputs = future.result() if future.done() else await asyncio.wrap_future(future)
-        except Exception as e:
-            raise model_failure(e) from None
-        return inference.finish(outputs)
-    finally:
-        if trace is not None:           # a runtime that did not mark it (an ensemble)
-            trace.answered()
-        inference.release()
+    return await Inference(repository, shm, request, busy=busy, trace=trace).wait()

@@ -3,12 +3,13 @@
 Owns: the `/v2` endpoints (server and model metadata, health, config, infer, statistics,
 repository index / load / unload) and the mapping of every failure to `{"error": "..."}` with
 Triton's status codes. Data flow of an infer: body (JSON header + binary tensors, possibly
-gzip / deflate encoded) → `tensors.parse_request` → `infer.run` (shared-memory inputs,
+gzip / deflate encoded) → `tensors.parse_request` → `infer.Inference` (shared-memory inputs,
 `runtime.submit`, awaited future, shared-memory outputs) → `tensors.encode_response`. Parsing
 and encoding run on the event loop; the model runs on its runtime's worker threads, so a slow
 model never blocks other routes (only a model measured cheaper than the thread hand-off runs
-on the loop, `ModelRuntime.runs_inline`). `http_infer.InferFastPath`, in front of the FastAPI
-app (api/server.py), answers infer requests before they reach these routes.
+on the loop, `ModelRuntime.runs_inline`). The HTTP protocol (`http_infer.InferRoute`) or
+`http_infer.InferFastPath`, in front of the FastAPI app (api/server.py), answers infer requests
+before they reach these routes.
 Reference: KServe v2 protocol (required_api.md) and Triton's HTTP extensions
 (server/docs/protocol/extension_*.md).
 """
@@ -106,7 +107,7 @@ def _router(ctx: V2Context, max_input_size: int) -> APIRouter:
     @router.post("/v2/models/{model}/infer")
     @router.post("/v2/models/{model}/versions/{version}/infer")
     async def infer(model: str, request: Request, version: str = ""):
-        # Normally answered by http_infer.InferFastPath before routing; same code either way.
+        # Normally answered by http_infer.InferRoute / InferFastPath before routing; same code.
         repo().runtime(model, version)       # unknown model: 404 before the body is read
         body = await read_body(request, max_input_size)
         payload, headers = await infer_http(ctx, model, version, request.headers, body,

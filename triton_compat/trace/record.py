@@ -110,7 +110,7 @@ class Trace:
 
     def answered(self) -> None:
         """INFER_RESPONSE_COMPLETE and REQUEST_END, once: the request's answer is handed
-        back (by the model runtime, or by `infer.run` for a runtime that does not)."""
+        back (by the model runtime, or by `infer.Inference.outcome` for a runtime that does not)."""
         with self._lock:
             if self._answered:
                 return

@@ -31,7 +31,7 @@ from triton_compat.errors import InferError
 from triton_compat.frontend import log_settings
 from triton_compat.frontend.grpc.codec import decode_request, encode_response
 from triton_compat.frontend.grpc.stream import Stream
-from triton_compat.frontend.infer import Inference, model_failure
+from triton_compat.frontend.infer import Inference
 from triton_compat.trace.api import trace_settings
 from triton_compat.trace.settings import grpc_body
 
@@ -214,18 +214,11 @@ class TritonService(service_pb2_grpc.GRPCInferenceServiceServicer):
 
         def done(future) -> None:
             try:
-                try:
-                    outputs = future.result()
-                except Exception as e:
-                    raise model_failure(e) from None
-                response = self._response(request, *inference.finish(outputs))
+                response = self._response(request, *inference.outcome())
             except InferError as e:
                 reply(None, status_code(e), e.message)
                 return
             finally:
-                if trace is not None:
-                    trace.answered()
-                inference.release()
                 if lifecycle is not None:
                     lifecycle.leave()
             reply(response)

@@ -9,8 +9,8 @@ run at once and each point is measured on one, then the other, `--repeats` round
 in alternating order: the host's speed drifts by tens of percent within minutes, and a point
 measured on one server minutes after the other compares the drift as much as the servers.
 Output: a JSON file of every round (`--save-result`, default
-benchmarks/results/triton_protocol_bench.json) and a table of the median infer/s and p99 latency
-(µs) with Continuum / Triton ratios.
+benchmarks/results/triton_protocol_bench.json) with the host's ISA, and a table of the median
+infer/s and the p50 / p99 latency (µs: their spread) with Continuum / Triton ratios.
 
 Needs (not project dependencies; see the README's benchmark section):
 - perf_analyzer 2.51: `pip install tritonclient==2.51.0 nvidia-cuda-runtime-cu12` in a venv,
@@ -100,7 +100,9 @@ def start_triton(repo: Path, venv: Path, log) -> tuple:
 
 def perf_analyzer(binary: Path, model: str, mode: str, concurrency: int, http: int, grpc: int,
                   interval_ms: int) -> dict:
-    """One perf_analyzer point: {"throughput": infer/s, "p99_us": ..., "avg_us": ...}."""
+    """One perf_analyzer point: {"throughput": infer/s, "p50_us", "p90_us", "p99_us": client
+    latency percentiles, µs (their spread is the latency's), or {"error": its output's tail}
+    when it could not stabilise the measurement."""
     port = grpc if MODES[mode][1] == "grpc" else http
     env = dict(os.environ)
     lib = next(Path(binary).parent.parent.glob("lib/python3*/site-packages/nvidia/"
@@ -116,8 +118,8 @@ def perf_analyzer(binary: Path, model: str, mode: str, concurrency: int, http: i
         if r.returncode != 0:
             return {"error": (r.stdout + r.stderr)[-600:]}
         row = next(csv.DictReader(open(out.name)))
-    return {"throughput": float(row["Inferences/Second"]), "p99_us": int(row["p99 latency"]),
-            "avg_us": int(row["Avg latency"]) if "Avg latency" in row else None}
+    return {"throughput": float(row["Inferences/Second"]), "p50_us": int(row["p50 latency"]),
+            "p90_us": int(row["p90 latency"]), "p99_us": int(row["p99 latency"])}
 
 
 def measure(starts: dict, args, repo: Path, log) -> dict:
@@ -153,20 +155,21 @@ def measure(starts: dict, args, repo: Path, log) -> dict:
 
 
 def median_point(points: list[dict]) -> dict:
-    """The median throughput and the median p99 of a point's rounds (rounds that failed to
+    """The median throughput, p50 and p99 of a point's rounds (rounds that failed to
     stabilise are left out; all failed: the first error), with the rounds themselves."""
     good = [p for p in points if "throughput" in p]
     if not good:
         return dict(points[0], rounds=points)
     return {"throughput": statistics.median(p["throughput"] for p in good),
+            "p50_us": statistics.median(p["p50_us"] for p in good),
             "p99_us": statistics.median(p["p99_us"] for p in good), "rounds": points}
 
 
 def table(ours: dict, theirs: dict) -> str:
     """A Markdown table of both servers' points: median infer/s, their ratio, each round's
-    ratio, median p99 (µs)."""
+    ratio, median p50 and p99 latency (µs)."""
     lines = ["| model / mode / concurrency | Continuum infer/s | Triton infer/s | ratio | "
-             "ratio by round | Continuum p99 µs | Triton p99 µs |",
+             "ratio by round | Continuum p50 / p99 µs | Triton p50 / p99 µs |",
              "|---|---|---|---|---|---|---|"]
     for key, a in ours.items():
         b = theirs.get(key, {})
@@ -179,8 +182,16 @@ def table(ours: dict, theirs: dict) -> str:
             else "-" for x, y in zip(a["rounds"], b["rounds"]))
         lines.append(f"| {key} | {a['throughput']:.0f} | {b['throughput']:.0f} | "
                      f"{a['throughput'] / b['throughput']:.2f} | {by_round} | "
-                     f"{a['p99_us']:.0f} | {b['p99_us']:.0f} |")
+                     f"{a['p50_us']:.0f} / {a['p99_us']:.0f} | "
+                     f"{b['p50_us']:.0f} / {b['p99_us']:.0f} |")
     return "\n".join(lines)
+
+
+def host() -> dict:
+    """The host the figures belong to: its ISA as Continuum's kernels see it (`cpu isa: ...`)
+    and its CPU count."""
+    from engine.kernels.isa import isa_label
+    return {"isa": isa_label(), "cpus": os.cpu_count()}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -198,6 +209,9 @@ def main(argv: list[str] | None = None) -> dict:
                    help="rounds per point; the report gives each point's median")
     add_save_result(p, "triton_protocol_bench")
     args = p.parse_args(argv)
+    unknown = [m for m in args.modes.split(",") if m not in MODES]
+    if unknown:
+        p.error(f"--modes: unknown {', '.join(unknown)} (known: {', '.join(MODES)})")
     starts = {"continuum": start_continuum}
     if args.triton_venv is not None:
         starts["triton"] = lambda r, lg: start_triton(r, args.triton_venv, lg)
@@ -206,8 +220,9 @@ def main(argv: list[str] | None = None) -> dict:
         repo = Path(tmp) / "repo"
         build_repository(repo)
         with open(Path(tmp) / "servers.log", "wb") as log:
-            result = measure(starts, args, repo, log)
+            result = {"host": host(), **measure(starts, args, repo, log)}
     save_result(args.save_result, result)
+    print(f"host: {result['host']['isa']}, {result['host']['cpus']} CPUs")
     if "continuum" in result and "triton" in result:
         print(table(result["continuum"], result["triton"]))
     return result

@@ -48,6 +48,14 @@ class WriteCoalescer:
             self._loop.call_soon(self.flush)
         self._held.append(data)
 
+    def write_now(self, data: bytes) -> None:
+        """`data` sent at once when nothing is held (it is a whole response already: nothing
+        in this pass would join it), else after what is held, in order."""
+        if self._held:
+            self.write(data)
+        elif not self._transport.is_closing():
+            self._transport.write(data)
+
     def writelines(self, chunks) -> None:
         """`write` of each chunk."""
         for chunk in chunks:
@@ -183,7 +191,7 @@ class HttpToolsProtocol(_HttpToolsProtocol):
                             (b"content-length", str(len(body)).encode()), *headers):
             head += (name, b": ", value, b"\r\n")
         head += (b"\r\n", body)
-        self.transport.write(b"".join(head))
+        self.transport.write_now(b"".join(head))
         cycle.response_complete = True
         if not cycle.keep_alive:             # the server is shutting down
             self.transport.close()

@@ -71,3 +71,20 @@ def test_close_sends_what_is_held_first_and_abort_drops_it():
         await asyncio.sleep(0)
         assert t2.calls == [("abort",)]
     asyncio.run(main())
+
+
+def test_a_whole_response_goes_at_once_unless_writes_are_held():
+    async def main():
+        t = Transport()
+        w = WriteCoalescer(t, asyncio.get_running_loop())
+        w.write_now(b"response 1")             # nothing held: sent in this call
+        assert t.calls == [("write", b"response 1")]
+        w.write(b"head ")
+        w.write_now(b"response 2")             # behind what is held, in order, one write
+        assert len(t.calls) == 1
+        await asyncio.sleep(0)
+        assert t.calls[-1] == ("write", b"head response 2")
+        t.closing = True
+        w.write_now(b"never sent")             # a closing transport gets nothing
+        assert len(t.calls) == 2
+    asyncio.run(main())

@@ -106,10 +106,11 @@ class _FastCycle:
     request itself (`HttpToolsProtocol.route`): not complete, so a pipelined request queues
     behind it as behind any other; `disconnected` and `keep_alive` as uvicorn sets them."""
 
-    __slots__ = ("response_complete", "disconnected", "keep_alive", "message_event")
+    __slots__ = ("response_complete", "disconnected", "keep_alive", "message_event", "path")
 
-    def __init__(self) -> None:
+    def __init__(self, path: str) -> None:
         self.response_complete, self.disconnected, self.keep_alive = False, False, True
+        self.path = path                     # for the access log
         self.message_event = self           # connection_lost calls message_event.set()
 
     def set(self) -> None:
@@ -122,23 +123,25 @@ class HttpToolsProtocol(_HttpToolsProtocol):
     its `route` claims itself, without ASGI (`answering`)."""
 
     _counted = False
-    route = None             # claim(url, headers) -> claim | None; answer(claim, body)
+    route = None             # claim(url, headers) -> claim | None; answers_now(claim) -> bool;
+    #                          answer(claim, body) -> (status, body, headers) | coroutine
     _claim = None            # the claimed request whose body is arriving
     _body: list
 
     @classmethod
     def answering(cls, route) -> type:
         """This protocol with `route`: a request whose head `route.claim(url, headers)`
-        claims (a plain keep-alive HTTP/1.1 request, no other in progress on the connection,
-        no access log) is answered by `route.answer(claim, body)` — (status, body, headers)
-        or a coroutine giving them — written here: no ASGI scope, task or middleware. The v2
-        infer path measured 410 µs a request through ASGI against ... without."""
+        claims (a plain keep-alive HTTP/1.1 request, no other in progress on the connection)
+        is answered by `route.answer(claim, body)` — (status, body, headers)
+        or a coroutine giving them — written here: no ASGI scope, task or middleware; at once
+        when `route.answers_now(claim)`, else at the end of the event-loop pass. The access
+        log (`--uvicorn-log-level info`, the default) gets uvicorn's line for it."""
         return type(cls.__name__, (cls,), {"route": route})
 
     def on_headers_complete(self) -> None:
         """Claimed by `route`: its body is collected here; else uvicorn's ASGI cycle."""
         route = self.route
-        if (route is not None and not self.pipeline and not self.access_log
+        if (route is not None and not self.pipeline
                 and (self.cycle is None or self.cycle.response_complete)
                 and not self.expect_100_continue and self.parser.get_method() == b"POST"
                 and self.parser.get_http_version() == "1.1"
@@ -146,7 +149,7 @@ class HttpToolsProtocol(_HttpToolsProtocol):
             claim = route.claim(self.url, self.headers)
             if claim is not None:
                 self._claim, self._body = claim, []
-                self.cycle = _FastCycle()        # type: ignore[assignment]
+                self.cycle = _FastCycle(self.url.decode("latin-1"))   # type: ignore
                 return
         super().on_headers_complete()
 
@@ -162,11 +165,14 @@ class HttpToolsProtocol(_HttpToolsProtocol):
             super().on_message_complete()
             return
         self._claim, body = None, self._body
+        body = body[0] if len(body) == 1 else b"".join(body)
+        if self.route.answers_now(claim):
+            self._answer(self.cycle, claim, body)
+            return
         # answered once this event-loop pass has read what else arrived: the requests of a
         # burst are all counted in progress first (`requests_in_progress`), so a cheap model
         # runs them as one batch instead of each alone
-        self.loop.call_soon(self._answer, self.cycle, claim,
-                            body[0] if len(body) == 1 else b"".join(body))
+        self.loop.call_soon(self._answer, self.cycle, claim, body)
 
     def _answer(self, cycle: _FastCycle, claim, body: bytes) -> None:
         if cycle.disconnected:               # the client left: nobody to answer
@@ -192,6 +198,9 @@ class HttpToolsProtocol(_HttpToolsProtocol):
             head += (name, b": ", value, b"\r\n")
         head += (b"\r\n", body)
         self.transport.write_now(b"".join(head))
+        if self.access_log:                  # uvicorn's access line, as its cycle logs it
+            self.access_logger.info('%s - "%s %s HTTP/%s" %d', "%s:%d" % self.client
+                                    if self.client else "", "POST", cycle.path, "1.1", status)
         cycle.response_complete = True
         if not cycle.keep_alive:             # the server is shutting down
             self.transport.close()
@@ -201,7 +210,10 @@ class HttpToolsProtocol(_HttpToolsProtocol):
         super().connection_made(WriteCoalescer(transport, self.loop))
 
     def on_message_begin(self) -> None:
-        """A request starts: count it until its response ends (or its connection)."""
+        """A request starts: count it until its response ends (or its connection), and the
+        keep-alive timer stops (a request answered within the same `data_received` as this
+        one, `answers_now`, armed it: uvicorn stops it only when data arrives)."""
+        self._unset_keepalive_if_required()
         super().on_message_begin()
         if not self._counted:
             self._counted = True

@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -183,3 +184,35 @@ def test_a_response_on_a_connection_that_asked_to_close(v2_servers, model):
         sock.settimeout(10)
         assert sock.recv(1) == b""        # the server closed it after the response
     _alive(base)
+
+
+@pytest.mark.extended         # a model slower than uvicorn's 5 s keep-alive timeout
+@continuum_only("a request past uvicorn's keep-alive timeout behind an answered one")
+def test_a_slow_request_pipelined_behind_an_answered_one_is_not_cut(tmp_path):
+    root = tmp_path / "repo"
+    seq_model(root, "slow", "", 5600)
+    (root / "simple").symlink_to(Path(__file__).resolve().parent.parent
+                                 / "examples/model_repository/simple")
+    proc, base = start_server(["--no-llm", "--model-repository", str(root)],
+                              "/v2/health/ready", tmp_path / "server.log")
+    try:
+        for _ in range(20):              # simple measured cheap: it then runs inline
+            _alive(base)
+        with _connect(base) as sock:    # simple answered at once, then 5.6 s of `slow`
+            sock.sendall(_post("simple", _infer_body("simple", 1))
+                         + _post("slow", _infer_body("slow", 6)))
+            answers = _responses(sock, 2)
+        assert [a[0] for a in answers] == [200, 200]
+        assert _out(answers[1][2]) == [6]
+        # the access log (uvicorn's default level) has the same line for an infer the
+        # protocol answered and for one through the ASGI layers (an Origin header)
+        httpx.post(f"{base}/v2/models/simple/infer", content=_infer_body("simple", 1),
+                   headers={"Origin": "http://example.com"}, timeout=30)
+        _alive(base)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    lines = [line.split(" - ", 1)[1] for line in (tmp_path / "server.log").read_text()
+             .splitlines() if "/v2/models/" in line and " - " in line]
+    assert lines.count('"POST /v2/models/simple/infer HTTP/1.1" 200 OK') == 23, lines
+    assert '"POST /v2/models/slow/infer HTTP/1.1" 200 OK' in lines

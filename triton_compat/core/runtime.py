@@ -179,6 +179,12 @@ class ModelRuntime:
         return self.exec_us is not None and self.exec_us <= INLINE_MAX_US and \
             not self.decoupled and not self.inline_banned
 
+    @property
+    def runs_alone(self) -> bool:
+        """Every request runs in an execution of its own (no dynamic batcher: Triton's default
+        scheduler), so a request that arrives with others gains nothing by waiting for them."""
+        return not self.batcher.dynamic
+
     async def generate(self, inputs: dict, request_id: str = "", datatypes: dict | None = None,
                        parameters: dict | None = None):
         """A decoupled model's responses to one request, as they are sent: (outputs or None,

@@ -6,11 +6,11 @@ Owns: reading the body (bounded by `--http-max-input-size`, gzip / deflate undon
 response carries binary tensors), and the two ways a request reaches them:
 - `InferRoute`: the HTTP protocol itself (api/http_protocol.py) hands it the requests it
   claims by their head (most: a plain keep-alive request with a Content-Length, no CORS
-  `Origin`, the server not draining) and writes its answer, with no ASGI scope, task or
+  `Origin` or proxy headers, the server not draining) and writes its answer, with no ASGI scope, task or
   middleware; a model that runs inline answers within the call. Measured with perf_analyzer on
   `simple`: the ASGI layers cost more than the model's whole inference.
 - `InferFastPath`: a pure ASGI layer for the rest (pipelined behind another request, chunked,
-  `Origin`), inside the drain gate and the restricted-API check (api/server.py `_front`).
+  `Origin`, `X-Forwarded-For`), inside the drain gate and the restricted-API check (api/server.py `_front`).
 The FastAPI route in routes.py calls the same `infer_http`, for the OpenAPI document and any
 caller that reaches it. All three give the same answers.
 """
@@ -35,6 +35,8 @@ JSON = [(b"content-type", b"application/json")]
 # the request headers an infer reads
 HEADERS = {b"content-length", b"content-encoding", b"inference-header-content-length",
            b"traceparent", b"tracestate"}      # the last two: OpenTelemetry trace context
+# headers whose requests go through the ASGI layers: CORS (`Origin`), uvicorn's proxy headers
+LAYERED = {b"origin", b"x-forwarded-for", b"x-forwarded-proto"}
 logger = logging.getLogger("continuum.triton")
 
 
@@ -200,8 +202,9 @@ class InferRoute:
 
     def claim(self, url: bytes, headers: list[tuple[bytes, bytes]]) -> tuple | None:
         """(model, version, headers) of a v2 infer this path answers: a plain path (no query,
-        no escapes), a Content-Length within `--http-max-input-size`, no `Origin` (CORS
-        answers those), the server not draining (the drain gate refuses those). Else None."""
+        no escapes), a Content-Length within `--http-max-input-size`, none of the `LAYERED`
+        headers (CORS and the proxy headers apply to those), the server not draining (the
+        drain gate refuses those). Else None."""
         if not (url.startswith(b"/v2/models/") and url.endswith(b"/infer")) or b"%" in url:
             return None
         match = INFER_PATH.fullmatch(url.decode("latin-1"))
@@ -211,12 +214,23 @@ class InferRoute:
         for name, value in headers:
             if name in HEADERS:
                 wanted[name.decode("latin-1")] = value.decode("latin-1")
-            elif name == b"origin":
+            elif name in LAYERED:
                 return None
         declared = wanted.get("content-length")
         if declared is None or not declared.isdigit() or int(declared) > self.limit:
             return None
         return match[1], match[2] or "", wanted
+
+    def answers_now(self, claim: tuple) -> bool:
+        """Whether a claimed request is answered as soon as its body is read: its model runs
+        every request alone (`runs_alone`). Else at the end of the event-loop pass, once the
+        requests that arrived with it are counted, so a burst runs as batches."""
+        repo = self.ctx.get_repository()
+        try:
+            return repo is not None and getattr(repo.runtime(claim[0], claim[1]),
+                                                "runs_alone", False)
+        except InferError:
+            return True                # answered with the error at once
 
     def answer(self, claim: tuple, body: bytes):
         """(status, body, headers) of a claimed request, or a coroutine that gives them when

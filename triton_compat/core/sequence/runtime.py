@@ -67,6 +67,11 @@ class SequenceRuntime(ModelRuntime):
         self.preserve = config.sequence_batching.oldest.preserve_ordering
 
     @property
+    def runs_alone(self) -> bool:
+        """Never: the sequence batcher batches the sequences' requests."""
+        return False
+
+    @property
     def pending_count(self) -> int:
         """Requests queued (in slots or the backlog) or executing."""
         return len(self.seq) + self.executing

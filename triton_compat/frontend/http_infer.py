@@ -6,11 +6,12 @@ Owns: reading the body (bounded by `--http-max-input-size`, gzip / deflate undon
 response carries binary tensors), and the two ways a request reaches them:
 - `InferRoute`: the HTTP protocol itself (api/http_protocol.py) hands it the requests it
   claims by their head (most: a plain keep-alive request with a Content-Length, no CORS
-  `Origin` or proxy headers, the server not draining) and writes its answer, with no ASGI scope, task or
-  middleware; a model that runs inline answers within the call. Measured with perf_analyzer on
-  `simple`: the ASGI layers cost more than the model's whole inference.
+  `Origin` or proxy headers, the server not draining) and writes its answer, with no ASGI
+  scope, task or middleware; a model that runs inline answers within the call. Measured with
+  perf_analyzer on `simple`: the ASGI layers cost more than the model's whole inference.
 - `InferFastPath`: a pure ASGI layer for the rest (pipelined behind another request, chunked,
-  `Origin`, `X-Forwarded-For`), inside the drain gate and the restricted-API check (api/server.py `_front`).
+  `Origin`, `X-Forwarded-For`), inside the drain gate and the restricted-API check
+  (api/server.py `_front`).
 The FastAPI route in routes.py calls the same `infer_http`, for the OpenAPI document and any
 caller that reaches it. All three give the same answers.
 """

@@ -225,7 +225,7 @@ class Inference:
                 raise model_failure(e) from None
             return self.finish(outputs)
         finally:
-            self.abandon()
+            self.close()
 
     async def wait(self) -> tuple[str, list[OutputTensor]]:
         """`outcome`, awaiting the future on the event loop if it is not done (a model that
@@ -237,13 +237,13 @@ class Inference:
             except Exception:
                 pass                         # outcome() says what went wrong
             except BaseException:
-                self.abandon()
+                self.close()
                 raise
         return self.outcome()
 
-    def abandon(self) -> None:
-        """The trace answered (for a runtime that did not mark it: an ensemble) and the regions
-        given back; idempotent."""
+    def close(self) -> None:
+        """The end of the inference, answered or abandoned: its trace answered (for a runtime
+        that did not mark it: an ensemble) and its regions given back; idempotent."""
         trace, self.trace = self.trace, None
         if trace is not None:
             trace.answered()

@@ -138,8 +138,13 @@ def split_outputs(out: EngineCoreOutputs, owners: dict[str, int],
             part.prompt_logprobs = {}
         part.prompt_logprobs[rid] = value
     for part in parts[1:]:
-        if out.stats is not None and (part.outputs or part.scheduled or part.prompt_logprobs):
+        if out.stats is not None and _has_requests(part):
             part.stats = StepStats(0, 0, 0, 0.0, 0.0, engine_wide=False)
     parts[0].stats, parts[0].snapshot = out.stats, out.snapshot
-    return [p if p.outputs or p.scheduled or p.prompt_logprobs or p.stats is not None
-            or p.snapshot is not None else None for p in parts]
+    return [p if _has_requests(p) or p.stats is not None or p.snapshot is not None else None
+            for p in parts]
+
+
+def _has_requests(part: EngineCoreOutputs) -> bool:
+    """Whether a front end's part carries anything of its requests."""
+    return bool(part.outputs or part.scheduled or part.prompt_logprobs)

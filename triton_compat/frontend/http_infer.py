@@ -94,10 +94,9 @@ def decode_body(body: bytes, encoding: str | None, limit: int) -> bytes:
 
 
 def begin_infer(ctx: V2Context, model: str, version: str, headers, body: bytes, limit: int,
-                trace=None) -> tuple[Inference, str]:
-    """The request decoded and submitted: (its `Inference`, its id). `headers`: the request's
-    (a mapping with lower-case keys); `trace`: its `Trace`, when sampled. Raises InferError (v2
-    status)."""
+                trace=None) -> Inference:
+    """The request decoded and submitted: its `Inference`. `headers`: the request's (a mapping
+    with lower-case keys); `trace`: its `Trace`, when sampled. Raises InferError (v2 status)."""
     repo = ctx.repository()
     repo.runtime(model, version)           # unknown model: 404 before the body is parsed
     body = decode_body(body, headers.get("content-encoding"), limit)
@@ -111,19 +110,20 @@ def begin_infer(ctx: V2Context, model: str, version: str, headers, body: bytes, 
     if verbose():                          # --log-verbose 1: each request, as Triton logs it
         logger.debug("HTTP infer request: model '%s' version '%s' id '%s'", model, version,
                      parsed.id)
-    inference = Inference(repo, ctx.shm, parsed, busy=ctx.busy, trace=trace)
-    return inference, parsed.id
+    return Inference(repo, ctx.shm, parsed, busy=ctx.busy, trace=trace)
 
 
-def encode_http(model: str, request_id: str, binary_default: bool, version_ran: str,
-                outputs: list) -> tuple[bytes, list]:
-    """The response body and its headers (binary tensors: `Inference-Header-Content-Length`).
-    Raises InferError(500) for an output the model filled with the wrong kind of data."""
+def encode_http(inference: Inference) -> tuple[bytes, list]:
+    """The response body and its headers (binary tensors: `Inference-Header-Content-Length`)
+    of an inference whose future is done (`Inference.outcome`). Raises InferError: the
+    model's failure, or 500 for an output the model filled with the wrong kind of data."""
+    request = inference.request
+    version_ran, outputs = inference.outcome()
     try:
-        payload, json_length = encode_response(model, version_ran, request_id, outputs,
-                                               binary_default)
+        payload, json_length = encode_response(request.model, version_ran, request.id, outputs,
+                                               request.binary_default)
     except Exception as e:
-        raise InferError(f"model '{model}' returned an output that cannot be sent: "
+        raise InferError(f"model '{request.model}' returned an output that cannot be sent: "
                          f"{type(e).__name__}: {e}", 500) from None
     if json_length is None:
         return payload, JSON
@@ -135,9 +135,9 @@ async def infer_http(ctx: V2Context, model: str, version: str, headers, body: by
                      limit: int, trace=None) -> tuple[bytes, list]:
     """One infer: the response body and its headers. `headers`: the request's (a mapping with
     lower-case keys); `trace`: its `Trace`, when sampled. Raises InferError (v2 status)."""
-    inference, request_id = begin_infer(ctx, model, version, headers, body, limit, trace)
-    return encode_http(model, request_id, inference.request.binary_default,
-                       *await inference.wait())
+    inference = begin_infer(ctx, model, version, headers, body, limit, trace)
+    await inference.settled()
+    return encode_http(inference)
 
 
 def error_answer(e: Exception, path) -> tuple[int, bytes, list]:
@@ -244,25 +244,26 @@ class InferRoute:
             trace.mark("HTTP_RECV_END")
         self.lifecycle.enter()
         try:
-            inference, request_id = begin_infer(self.ctx, model, version, headers, body,
-                                                self.limit, trace)
-            if not inference.future.done():
-                return self._later(model, request_id, inference, trace)
-            answer = (200, *encode_http(model, request_id, inference.request.binary_default,
-                                        *inference.outcome()))
+            inference = begin_infer(self.ctx, model, version, headers, body, self.limit, trace)
         except Exception as e:
-            answer = error_answer(e, model)
-        return self._done(answer, trace)
+            return self._done(error_answer(e, model), trace)
+        if not inference.future.done():
+            return self._later(inference, trace)
+        return self._finish(inference, trace)
 
-    async def _later(self, model: str, request_id: str, inference: Inference, trace):
+    async def _later(self, inference: Inference, trace) -> tuple:
         try:
-            answer = (200, *encode_http(model, request_id, inference.request.binary_default,
-                                        *await inference.wait()))
-        except Exception as e:
-            answer = error_answer(e, model)
+            await inference.settled()
         except BaseException:          # cancelled: still out of the drain's count
             self.lifecycle.leave()
             raise
+        return self._finish(inference, trace)
+
+    def _finish(self, inference: Inference, trace) -> tuple:
+        try:
+            answer = (200, *encode_http(inference))
+        except Exception as e:
+            answer = error_answer(e, inference.request.model)
         return self._done(answer, trace)
 
     def _done(self, answer: tuple, trace) -> tuple:

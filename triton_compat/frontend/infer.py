@@ -227,19 +227,19 @@ class Inference:
         finally:
             self.close()
 
-    async def wait(self) -> tuple[str, list[OutputTensor]]:
-        """`outcome`, awaiting the future on the event loop if it is not done (a model that
-        ran inline is: no hop through the loop). Cancelled meanwhile: the regions are given
-        back and the cancellation goes on."""
-        if not self.future.done():
-            try:
-                await asyncio.wrap_future(self.future)
-            except Exception:
-                pass                         # outcome() says what went wrong
-            except BaseException:
-                self.close()
-                raise
-        return self.outcome()
+    async def settled(self) -> None:
+        """Until `future` is done, awaited on the event loop (a model that ran inline is done
+        already: no hop through the loop). Cancelled meanwhile: the inference is closed and
+        the cancellation goes on. Its result or error is `outcome`'s."""
+        if self.future.done():
+            return
+        try:
+            await asyncio.wrap_future(self.future)
+        except Exception:
+            pass                             # outcome() says what went wrong
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
         """The end of the inference, answered or abandoned: its trace answered (for a runtime
@@ -272,4 +272,6 @@ async def run(repository, shm, request: InferRequest,
     request is alone, at the end of the loop's pass with the requests that arrived with it
     when `busy()` (other requests in progress); `trace`: its `Trace`, if sampled. Raises
     InferError (500 for a model failure)."""
-    return await Inference(repository, shm, request, busy=busy, trace=trace).wait()
+    inference = Inference(repository, shm, request, busy=busy, trace=trace)
+    await inference.settled()
+    return inference.outcome()

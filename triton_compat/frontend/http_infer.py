@@ -29,7 +29,8 @@ from engine.log_config import verbose
 from triton_compat.frontend.context import V2Context
 from triton_compat.errors import InferError
 from triton_compat.frontend.infer import Inference
-from triton_compat.frontend.tensors import TensorError, encode_response, parse_request
+from triton_compat.frontend.tensors import (TensorError, encode_response, parse_raw_request,
+                                            parse_request)
 
 INFER_PATH = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")
 JSON = [(b"content-type", b"application/json")]
@@ -99,11 +100,13 @@ def begin_infer(ctx: V2Context, model: str, version: str, headers, body: bytes, 
     with lower-case keys); `trace`: its `Trace`, when sampled. Raises InferError (v2 status)."""
     repo = ctx.repository()
     repo.runtime(model, version)           # unknown model: 404 before the body is parsed
+    # Inference-Header-Content-Length 0: Triton's raw binary request (tensors.parse_raw_request)
     body = decode_body(body, headers.get("content-encoding"), limit)
     header_length = headers.get("inference-header-content-length")
     try:
-        parsed = parse_request(body, int(header_length) if header_length else None,
-                               model, version)
+        length = int(header_length) if header_length else None
+        parsed = (parse_raw_request(body, repo.runtime(model, version).signature, model, version)
+                  if length == 0 else parse_request(body, length, model, version))
     except ValueError as e:                # TensorError, or a bad header value
         raise InferError(str(e) if isinstance(e, TensorError) else
                          f"invalid Inference-Header-Content-Length: {header_length}") from None

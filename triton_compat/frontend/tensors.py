@@ -86,6 +86,41 @@ def parse_request(body: bytes, header_length: int | None, model: str = "",
                         params, bool(params.get("binary_data_output", False)))
 
 
+def parse_raw_request(body: bytes, sig, model: str = "", version: str = "") -> InferRequest:
+    """Decode Triton's raw binary request (`Inference-Header-Content-Length: 0`: no JSON, the
+    body is the data of the model's only input; server/docs/protocol/extension_binary_data.md
+    "Raw Binary Request"). The input's name, datatype and shape come from the config `sig`
+    (a `validate.Signature`), as Triton core's InferenceRequest::Normalize deduces them: a
+    batching model gets batch 1, the one variable-sized dimension takes what the body holds,
+    a BYTES input must have shape [1] and its body is that one element. Every output is sent
+    as binary data. Raises TensorError with tritonserver 2.51's texts."""
+    prefix = "[request id: <id_unknown>] "
+    if len(sig.inputs) != 1:
+        raise TensorError(f"{prefix}Raw request must only have 1 input (found 1) to be deduced "
+                          f"but got {len(sig.inputs)} inputs in '{model}' model configuration")
+    name, spec = next(iter(sig.inputs.items()))
+    dims = list(spec.dims[1:] if sig.max_batch_size > 0 else spec.dims)
+    shape = ([1] if sig.max_batch_size > 0 else []) + dims
+    variable = [i for i, d in enumerate(shape) if d == -1]
+    if len(variable) > 1:
+        raise TensorError(f"{prefix}The shape of the raw input '{name}' can not be deduced "
+                          "because there are more than one variable-sized dimension")
+    fixed = math.prod(d for d in dims if d != -1)
+    if spec.wire == "BYTES":
+        if variable or fixed != 1:
+            raise TensorError(f"{prefix}For BYTE datatype raw input '{name}', the model must "
+                              "have input shape [1]")
+        array = np.empty(1, dtype=np.object_)
+        array[0] = bytes(body)
+        array = array.reshape(shape)
+    else:
+        dtype = np.dtype(triton_to_np_dtype(spec.wire))
+        if variable:
+            shape[variable[0]] = len(body) // dtype.itemsize // max(fixed, 1)
+        array = _from_binary(name, spec.wire, dtype, shape, bytes(body))
+    return InferRequest(model, version, "", {name: array}, {name: spec.wire}, None, {}, True)
+
+
 def _loads(header) -> object:
     """The JSON header as `json.loads` reads it: orjson, else `json` (see the module
     docstring). Raises json.JSONDecodeError, UnicodeDecodeError or RecursionError."""

@@ -46,13 +46,14 @@ def parse_restrictions(specs: list[str], flag: str = "--http-restricted-api"
         if not sep or not eq or not apis or not key:
             raise ValueError(f"{flag} {spec!r}: expected "
                              "<API>[,<API>...]:<key>=<value>")
+        noun = "protocol" if "grpc" in flag else "api"     # tritonserver 2.51's texts
         for api in apis.split(","):
             if api not in CATEGORIES:
-                raise ValueError(f"{flag}: unknown API {api!r} (one of "
+                raise ValueError(f"{flag}: unknown restricted {noun} {api!r} (one of "
                                  f"{', '.join(CATEGORIES)})")
             if api in out:
-                raise ValueError(f"{flag}: {api!r} is given in more than one "
-                                 "group")
+                raise ValueError(f"{flag}: {noun} {api!r} can not be specified in multiple "
+                                 "config groups")
             out[api] = (key.lower(), value)
     return out
 

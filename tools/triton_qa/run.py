@@ -33,6 +33,7 @@ import subprocess
 import sys
 import time
 
+import prepare
 import suites as suite_defs
 
 HERE = os.path.dirname(os.path.realpath(__file__))
@@ -56,6 +57,9 @@ def parse_args():
     p.add_argument("--python-backend-git",
                    default="/work/.mirror/triton-inference-server+python_backend/repo")
     p.add_argument("--python-backend-tag", default="r24.10")
+    p.add_argument("--client-git", default="/work/.mirror/triton-inference-server+client/repo",
+                   help="Triton's client repo (bare git), for qa/clients' python examples")
+    p.add_argument("--client-tag", default="r24.10")
     p.add_argument("--timeout", type=int, help="suite timeout in s (default: the suite's)")
     p.add_argument("--test-timeout", type=int, default=180,
                    help="one test longer than this is ended and counted as hung")
@@ -136,80 +140,6 @@ def write_shims(shims):
         os.chmod(path, 0o755)
 
 
-# ---- prepare steps (what Triton's CI image holds) --------------------------
-
-PLACEHOLDERS = {  # DATADIR models that test.sh copies but no server here can run
-    "qa_model_repository/libtorch_nobatch_float32_float32_float32": "pytorch_libtorch",
-    "qa_model_repository/libtorch_nobatch_int32_int32_int32": "pytorch_libtorch",
-    "qa_model_repository/onnx_int32_int32_int32": "onnxruntime_onnx",
-    "qa_sequence_implicit_model_repository/onnx_nobatch_sequence_int32": "onnxruntime_onnx",
-}
-
-
-def prepare_datadir(work, args):
-    for rel, platform in PLACEHOLDERS.items():
-        path = os.path.join(work, "data", rel)
-        os.makedirs(os.path.join(path, "1"), exist_ok=True)
-        with open(os.path.join(path, "config.pbtxt"), "w") as f:
-            f.write(f'name: "{os.path.basename(rel)}"\nplatform: "{platform}"\n'
-                    "# triton_qa placeholder: no such backend here, not served\n")
-
-
-def prepare_sequence_datadir(work, args):
-    """ONNX sequence models from the checkout's generator; test.sh derives the python ones."""
-    gen = os.path.join(work, "qa", "common", "gen_qa_sequence_models.py")
-    py = os.path.join(args.client_venv, "bin", "python")
-    for repo, extra in (("qa_sequence_model_repository", []),
-                        ("qa_variable_sequence_model_repository", ["--variable"])):
-        dest = os.path.join(work, "data", repo)
-        subprocess.check_call([py, gen, "--onnx", f"--models_dir={dest}"] + extra,
-                              cwd=os.path.dirname(gen), stdout=subprocess.DEVNULL)
-        gpu_to_cpu(dest)
-
-
-def gpu_to_cpu(root):
-    """No GPU here: instance groups of the generated configs become KIND_CPU."""
-    for folder, _, files in os.walk(root):
-        if "config.pbtxt" in files:
-            path = os.path.join(folder, "config.pbtxt")
-            with open(path) as f:
-                text = f.read()
-            with open(path, "w") as f:
-                f.write(text.replace("KIND_GPU", "KIND_CPU"))
-
-
-def prepare_decoupled_python_models(work, args):
-    """As Dockerfile.QA: python_models = models + src/test/models/{repeat,square}_int32
-    + python_backend's examples/decoupled (model file named model.py here)."""
-    qa_dec = os.path.join(work, "qa", "L0_decoupled")
-    src_models = os.path.join(args.triton_checkout, "src", "test", "models")
-    if not os.path.isdir(src_models):
-        sys.exit(f"{src_models} missing: L0_decoupled needs src/test/models of the checkout")
-    for name in ("repeat_int32", "square_int32"):
-        shutil.copytree(os.path.join(src_models, name), os.path.join(qa_dec, "models", name),
-                        dirs_exist_ok=True)
-    for name in os.listdir(os.path.join(qa_dec, "models")):
-        os.makedirs(os.path.join(qa_dec, "models", name, "1"), exist_ok=True)
-    py_models = os.path.join(qa_dec, "python_models")
-    shutil.copytree(os.path.join(qa_dec, "models"), py_models)
-    examples = git_files(args, "examples/decoupled")
-    for name in ("repeat", "square"):
-        model = os.path.join(py_models, f"{name}_int32")
-        with open(os.path.join(model, "1", "model.py"), "wb") as f:
-            f.write(examples[f"{name}_model.py"])
-        with open(os.path.join(model, "config.pbtxt"), "wb") as f:
-            f.write(examples[f"{name}_config.pbtxt"])
-
-
-def git_files(args, folder):
-    """{basename: bytes} of python_backend's folder at --python-backend-tag."""
-    git = ["git", f"--git-dir={args.python_backend_git}"]
-    names = subprocess.check_output(git + ["ls-tree", "--name-only", args.python_backend_tag,
-                                           folder + "/"]).decode().split()
-    return {os.path.basename(n): subprocess.check_output(
-        git + ["show", f"{args.python_backend_tag}:{n}"]) for n in names}
-
-
 # ---- the script ------------------------------------------------------------
 
 def script_to_run(work, suite):
@@ -246,7 +176,8 @@ def write_slice(folder, suite, text):
 
 def script_env(work, args, suite):
     env = {
-        "PATH": f"{work}/shims:{args.client_venv}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "PATH": f"{work}/shims:{args.client_venv}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:"
+                "/usr/bin:/sbin:/bin:/opt/tritonserver/bin",  # log_format_test.py runs `tritonserver`
         "HOME": os.environ.get("HOME", "/root"), "LANG": "C.UTF-8",
         "SERVER": "/opt/tritonserver/bin/tritonserver", "TRITON_DIR": "/opt/tritonserver",
         "BACKEND_DIR": "/opt/tritonserver/backends", "DATADIR": f"{work}/data",
@@ -272,8 +203,11 @@ def script_env(work, args, suite):
 def namespace_driver(work, suite, script, timeout):
     """bash run inside the namespaces: private /dev/shm and /opt, then the script."""
     path = os.path.join(work, "ns_driver.sh")
+    with open(os.path.join(work, "ps4.sh"), "w") as f:  # bash -x lines carry the line number
+        f.write("PS4='+ ${LINENO}: '\n")             # (root's bash ignores PS4 from env)
     with open(path, "w") as f:
         f.write(f"""set -u
+export BASH_ENV={work}/ps4.sh
 mount -t tmpfs -o size=1g triton_qa_shm /dev/shm
 mount --bind {work}/opt /opt
 ip link set lo up
@@ -374,6 +308,12 @@ def script_messages(work):
     return out
 
 
+def script_check_failures(work):
+    """Line numbers of the script where `RET=1` ran (its own checks failing), in order."""
+    with open(os.path.join(work, "script.log"), errors="replace") as f:
+        return [int(n) for n in re.findall(r"^\++ (\d+): RET=1$", f.read(), flags=re.M)]
+
+
 def server_log_markers(work, suite):
     out = []
     for folder, _, files in os.walk(os.path.join(work, "qa", suite.qa_dir)):
@@ -415,6 +355,7 @@ def write_result(args, suite, work, run_info):
         "continuum": continuum_info(args),
         **run_info, "files": files, "totals": totals, "problems": problems(results),
         "script_messages": script_messages(work),
+        "script_check_failures": script_check_failures(work),
         "server_log_markers": server_log_markers(work, suite), "notes": suite.notes,
         "work_dir": work,
     }
@@ -451,7 +392,7 @@ def main():
     setup_client_venv(args.client_venv, args.setup_client_venv, args)
     work = fresh_work(args, suite)
     for step in suite.prepare:
-        globals()[f"prepare_{step}"](work, args)
+        getattr(prepare, f"prepare_{step}")(work, args, suite)
     script, edits = script_to_run(work, suite)
     timeout = args.timeout or suite.timeout
     driver = namespace_driver(work, suite, script, timeout)

@@ -124,3 +124,77 @@ SUITES = {
 }
 for _sub, _notes in BACKEND_PYTHON_SUBS.items():
     SUITES[f"L0_backend_python/{_sub}"] = backend_python_sub(_sub, _notes)
+
+
+# ---- L0_http / L0_grpc / L0_logging / L0_trace: test.sh with edits --------
+
+SLICE_PRELUDE = ("rm -f *.log\nrm -f *.log.*\nsource ../common/util.sh\nset -e\n"
+                 "# triton_qa slice: the parts before this need TF / C++ models, C++ clients, nginx\n")
+
+
+def skip_to(first, marker, text=SLICE_PRELUDE):
+    """An edit dropping the lines from `first` up to (not including) `marker`."""
+    return (rf"(?s)^{first}.*?(?=^{marker})", text)
+
+
+PY_CLIENTS = [  # no C++ clients here: the python examples of the same name (qa/clients)
+    (r"^SIMPLE_HTTP_CLIENT=\.\./clients/simple_http_infer_client$",
+     'SIMPLE_HTTP_CLIENT="python ../clients/simple_http_infer_client.py"  # triton_qa: python client'),
+    (r"^SIMPLE_GRPC_CLIENT=\.\./clients/simple_grpc_infer_client$",
+     'SIMPLE_GRPC_CLIENT="python ../clients/simple_grpc_infer_client.py"  # triton_qa: python client'),
+    (r"^DATADIR=/data/inferenceserver/\$\{REPO_VERSION\}/qa_model_repository$",
+     "DATADIR=$DATADIR/qa_model_repository  # triton_qa: the run's DATADIR"),
+]
+TEST_SH_SUITES = {
+    "L0_http": Suite(
+        name="L0_http", qa_dir="L0_http", args=["24.10"], timeout=1500,
+        prepare=["simple_model", "identity_datadir"],
+        edits=[skip_to(r"# Add string_dyna_sequence model to repo", r"# Run python http aio unit test")],
+        notes="test.sh from the python aio test on: python_http_aio_test.py (models/simple: "
+              "python twin of the TF `simple`), http_test.py (qa_identity_model_repository's "
+              "onnx_zero_* as python identity models), generate_endpoint_test.py (also its own "
+              "suite), the restricted-API start checks and http_restricted_api_test.py. Left "
+              "out (the part before): C++ clients, cc_client_test, TF image / string / sequence "
+              "models, the custom dyna_sequence backend, nginx basic auth."),
+    "L0_grpc": Suite(
+        name="L0_grpc", qa_dir="L0_grpc", args=["24.10"], timeout=1500,
+        prepare=["simple_model"],
+        edits=[skip_to(r"# Add string_dyna_sequence model to repo", r"# Run python grpc aio unit test"),
+               skip_to(r"# Test GRPC health check implemented", r"# Repeated protocol, not allowed",
+                       "# triton_qa slice: grpc-health-probe needs `go install` (no internet)\n")],
+        notes="test.sh from the python aio test on: python_grpc_aio_test.py (models/simple: "
+              "python twin of the TF `simple`), the restricted-protocol start checks and "
+              "python_unit_test.py RestrictedProtocolTest. Left out: grpc-health-probe (go "
+              "install from the internet) and the part before (C++ clients, cc_client_test, "
+              "TF models, custom backends, client plugin, nginx basic auth)."),
+    "L0_logging": Suite(
+        name="L0_logging", qa_dir="L0_logging", args=["24.10"], timeout=1500,
+        prepare=["qa_clients", "python_int32_datadir"], edits=PY_CLIENTS,
+        notes="test.sh whole: `simple` is the python twin of onnx_int32_int32_int32; the C++ "
+              "simple_http/grpc_infer_client are replaced by the python examples of the same "
+              "name; DATADIR (hard-coded /data/inferenceserver/...) points at the run's."),
+    "L0_trace": Suite(
+        name="L0_trace", qa_dir="L0_trace", args=["24.10"], timeout=1800,
+        prepare=["qa_clients", "python_int32_datadir"], edits=PY_CLIENTS,
+        cut_at=r"^# Custom backend tracing",
+        notes="test.sh up to the custom-backend tracing part: trace API checks, trace files "
+              "checked with trace_summary.py, trace_endpoint_test.py, --trace-config, the BLS "
+              "/ ensemble trace, explicit-mode load/unload. `simple` / `global_simple` are the "
+              "python twin of onnx_int32_int32_int32, the ensemble is the checkout's generated "
+              "one over it; C++ clients -> python examples. Left out: custom backend tracing "
+              "(C++ identity backend), opentelemetry_unittest.py and the OTel parts (they "
+              "download otelcol from GitHub; no internet here), SageMaker."),
+    "L0_batch_input": Suite(
+        name="L0_batch_input", qa_dir="L0_batch_input", args=["24.10"], timeout=1200,
+        env={"BACKENDS": "onnx", "QA_PYTHON_ONLY": "0"}, prepare=["onnx_ragged_datadir"],
+        edits=[(r"^DATADIR=/data/inferenceserver/\$\{REPO_VERSION\}/qa_ragged_model_repository$",
+                "DATADIR=$DATADIR/qa_ragged_model_repository  # triton_qa: the run's DATADIR"),
+               (r"^IDENTITY_DATADIR=/data/inferenceserver/\$\{REPO_VERSION\}/qa_identity_model_repository$",
+                "IDENTITY_DATADIR=$DATADIR/qa_identity_model_repository  # triton_qa")],
+        notes="BACKENDS=onnx (the script honours it); the ONNX models are the checkout's "
+              "generators' (KIND_GPU -> KIND_CPU); the repository is served unfiltered "
+              "(QA_PYTHON_ONLY=0). Continuum only: tritonserver from nvidia-pytriton has no "
+              "onnxruntime backend (and savedmodel / plan / libtorch need TF, TensorRT, "
+              "libtorch backends neither server has here)."),
+}
+SUITES.update(TEST_SH_SUITES)

@@ -142,8 +142,8 @@ class ModelRunner:
                 draft_model, num_gpu_blocks, num_cpu_blocks)
         self.proposer = proposer
         self.eos_token_ids = eos_token_ids
-        self.sampler = Sampler(device.torch_device, seed)
         self.kernels = device.kernels(model.dtype) if self.backend is None else None
+        self.sampler = Sampler(device.torch_device, seed, self.kernels)
         model.set_kernels(self.kernels)
         self.states: dict[str, _RequestState] = {}
         self.grammars = grammars      # engine.structured.grammar.GrammarCompiler, or None

@@ -239,6 +239,23 @@ def test_fused_elementwise_ops_match_torch(lib, dtype, tol):
     assert torch.equal(base[:, heads:], tail)             # the other heads are left alone
 
 
+def test_argmax_is_torchs_argmax_ties_nans_and_infinities_included(lib):
+    torch.manual_seed(3)
+    x = torch.randn(70, 1000)                             # 1000: a tail after 64-value chunks
+    x[1, 10] = x[1, 900] = 50.0                           # a tie: the first index
+    x[2, 700] = x[2, 5] = float("nan")                    # NaN is the largest: the first NaN
+    x[3] = float("-inf")                                  # all -inf: index 0
+    x[4, 999] = float("inf")                              # +inf in the tail
+    x[5] = 1.5                                            # a constant row
+    x[6, 0] = float("nan")
+    assert torch.equal(lib.argmax(x), x.argmax(dim=-1))
+    strided = torch.randn(9, 130)[:, :127]                # rows apart by more than their length
+    assert torch.equal(lib.argmax(strided), strided.argmax(dim=-1))
+    assert torch.equal(lib.argmax(x[:1, :3]), x[:1, :3].argmax(dim=-1))
+    with pytest.raises(ValueError):
+        lib.argmax(x.to(torch.bfloat16))
+
+
 def test_bfloat16_forward_with_fused_ops_matches_torch_ops(model_dir):
     """The model's fused bfloat16 path (kernels for residual add + RMSNorm, SiLU-and-mul, RoPE)
     against its torch-op path on a real prompt, both measured against float32: the fused path

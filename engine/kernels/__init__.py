@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = [HERE / name for name in (
     "cpu_kernels.c", "gemm.c", "quant.c", "quant_panel.c", "quant_q8.c", "quant_amx.c",
-    "attention_amx.c", "lora.c", "lora_amx.c", "layer_stack.c", "kv_cache.c")]
+    "attention_amx.c", "lora.c", "lora_amx.c", "layer_stack.c", "kv_cache.c", "sample.c")]
 HEADERS = [HERE / "common.h", HERE / "vec.h", HERE / "quant_blocks.h", HERE / "amx.h"]
 BASE_CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
 
@@ -69,6 +69,7 @@ _PLAIN = {
     "gemm_pack_bf16": ([_P, _I64, _I64, _P, _I], None),
     "gemm_bf16w": ([_P, _I64, _I, _P, _P, _P, _I64, _I, _I64, _I64, _I64, _I], _I),
     "kernels_isa": ([], ctypes.c_char_p),
+    "argmax_rows_f32": ([_P, _I64, _I64, _I64, _P, _I], None),
     "quant_linear": ([_I, _P, _I64, _P, _P, _P, _I64, _I, _P, _I64, _I, _I64, _I64, _I64, _I], _I),
     "quant_linear_q8": ([_I, _P, _I64, _P, _P, _P, _I64, _I, _P, _I64, _I, _I64, _I64, _I64,
                          _I], _I),
@@ -307,6 +308,17 @@ class CpuKernels:
             x.data_ptr(), residual.data_ptr(), weight.data_ptr(), None, x.shape[0], x.shape[1],
             eps, torch.get_num_threads())
         return x
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits [n, vocab]` float32 (rows contiguous) → int64 `[n]`, the first index of each
+        row's maximum (a NaN counts as the largest), exactly `logits.argmax(dim=-1)`.
+        Raises ValueError for another dtype or layout."""
+        if logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1:
+            raise ValueError("argmax: float32 [n, vocab] rows with unit stride only")
+        out = torch.empty(logits.shape[0], dtype=torch.int64)
+        self._fn["argmax_rows_f32"](logits.data_ptr(), logits.shape[0], logits.shape[1],
+                                    logits.stride(0), out.data_ptr(), torch.get_num_threads())
+        return out
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """`x [n, 2 * inter]` (contiguous, gate then up) → new `silu(gate) * up [n, inter]`."""

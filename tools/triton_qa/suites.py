@@ -190,7 +190,8 @@ TEST_SH_SUITES = {
         edits=[(r"^DATADIR=/data/inferenceserver/\$\{REPO_VERSION\}/qa_ragged_model_repository$",
                 "DATADIR=$DATADIR/qa_ragged_model_repository  # triton_qa: the run's DATADIR"),
                (r"^IDENTITY_DATADIR=/data/inferenceserver/\$\{REPO_VERSION\}/qa_identity_model_repository$",
-                "IDENTITY_DATADIR=$DATADIR/qa_identity_model_repository  # triton_qa")],
+                "IDENTITY_DATADIR=${DATADIR%/qa_ragged_model_repository}/qa_identity_model_repository"
+                "  # triton_qa: the run's DATADIR")],
         notes="BACKENDS=onnx (the script honours it); the ONNX models are the checkout's "
               "generators' (KIND_GPU -> KIND_CPU); the repository is served unfiltered "
               "(QA_PYTHON_ONLY=0). Continuum only: tritonserver from nvidia-pytriton has no "

@@ -13,7 +13,9 @@ MAIN=${TRITON_CHECKOUT_MAIN:-/tmp/tsrv_main}
 SUITES=${SUITES:-"L0_http/generate_endpoint L0_backend_python/response_sender
   L0_backend_python/async_execute L0_backend_python/decoupled L0_backend_python/io
   L0_backend_python/request_rescheduling L0_backend_python/bls L0_backend_python
-  L0_decoupled L0_sequence_batcher"}
+  L0_decoupled L0_sequence_batcher L0_http L0_grpc L0_logging L0_trace"}
+# L0_batch_input needs the onnxruntime backend: Continuum only
+[ "$SERVER" == "continuum" ] && SUITES="$SUITES L0_batch_input"
 for suite in $SUITES; do
     python3 "$HERE/run.py" --triton-checkout "$V251" --server "$SERVER" --suite "$suite" "$@"
 done

@@ -9,8 +9,8 @@
  * every block column); only the small x is transposed, once per call, into AMX's B layout:
  * k pairs, stored tile by tile — xt [kp / 32][mp / 16][16 k pairs][16 rows of x][2] bfloat16 —
  * so that each B tile is 1 KiB in one piece (a tile load of 16 rows 64 bytes apart; with the
- * rows of a tile mp * 4 bytes apart the loads missed L1 and the tile nest ran at half speed:
- * 1.1-1.3x the nest's speed at 64 rows, 1.8x the LM head's, on a 2-core Emerald Rapids)
+ * rows of a tile mp * 4 bytes apart the loads missed L1: the layer linears took 1.2x as long
+ * at 64 and 256 rows of x on a 2-core Emerald Rapids)
  * (Intel SDM vol. 1 ch. 18 "Intel AMX", TDPBF16PS; the weights-as-A roles of llama.cpp's
  * ggml-cpu/amx/mmq.cpp).
  *

@@ -30,6 +30,7 @@ import uvicorn
 from fastapi.responses import JSONResponse
 
 from api.errors import APIError, error_response
+from engine.log_config import log_http_request, verbose
 
 logger = logging.getLogger("continuum.api")
 
@@ -80,8 +81,9 @@ class Lifecycle:
         if self._task is not None:
             return
         self.draining = True
-        logger.info("%s: draining %d request(s) in flight for up to %g s", reason,
-                    self.in_flight, timeout)
+        logger.info("%s: draining %d request(s) in flight for up to %g s (Waiting for in-flight "
+                    "requests to complete, in tritonserver's words)", reason, self.in_flight,
+                    timeout)
         self._task = self.loop.create_task(self._drain(timeout))
 
     async def _wait_idle(self, seconds: float) -> None:
@@ -133,6 +135,8 @@ class InFlightGate:
 
     async def __call__(self, scope, receive, send) -> None:
         path = scope.get("path", "")
+        if scope["type"] == "http" and verbose():
+            log_http_request(scope["method"], path)
         if (scope["type"] != "http" or not path.startswith(("/v1", "/v2"))
                 or path.startswith(NOT_COUNTED) or path == "/v2"):
             await self.app(scope, receive, send)

@@ -213,9 +213,10 @@ def add_logging_flags(p: argparse.ArgumentParser) -> None:
                    help="verbose (debug) logging; 1 or more also logs each v2 infer request "
                         "(default: 0, off)")
     g.add_argument("--log-format", default="default", choices=["default", "ISO8601"],
-                   help="default: 'time logger: message'; ISO8601: tritonserver's "
-                        "'<YYYY-MM-DDThh:mm:ssZ> <level> <pid> <file>:<line>] message' "
-                        "(default: %(default)s)")
+                   help="tritonserver's layouts: default '<level><MMDD> <hh:mm:ss.uuuuuu> "
+                        "<pid> <file>:<line>] message', ISO8601 '<YYYY-MM-DDThh:mm:ssZ> <level> "
+                        "<pid> <file>:<line>] message'; the message a JSON string unless "
+                        "TRITON_SERVER_ESCAPE_LOG_MESSAGES=0 (default: %(default)s)")
     g.add_argument("--log-file", default="", metavar="FILE",
                    help="append the log to FILE instead of the console (default: console)")
 

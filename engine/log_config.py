@@ -5,9 +5,11 @@ them at run time is `triton_compat/frontend/log_settings.py`.
 
 Owns: the one `LogSettings` of the process (`SETTINGS`), the handler on the root logger (the
 console, or `--log-file`), the filter that drops info / warning / error records when their
-switch is off and debug records unless the verbose level is 1 or more, and the two formats
-(`default`: this server's `time name: message`; `ISO8601`: tritonserver's
-`<YYYY-MM-DDThh:mm:ssZ> <level> <pid> <file>:<line>] <message>`).
+switch is off and debug records unless the verbose level is 1 or more, and tritonserver
+2.51's two layouts (`default`: `<level><MMDD> <hh:mm:ss.uuuuuu> <pid> <file>:<line>] <message>`;
+`ISO8601`: `<YYYY-MM-DDThh:mm:ssZ> <level> <pid> <file>:<line>] <message>`; level I, W or E,
+verbose records I), the message a JSON string unless `TRITON_SERVER_ESCAPE_LOG_MESSAGES=0`, as
+2.51 escapes it against log injection (qa/L0_logging/log_format_test.py checks both).
 In: the settings at start (`configure`), changes (`set_setting`). Out: the settings
 (`as_dict`, `verbose()`: verbose level 1 or more logs each v2 infer request). The engine core
 process logs with the settings it started with (`CONTINUUM_LOG_SETTINGS`); changes made over
@@ -24,7 +26,7 @@ from dataclasses import asdict, dataclass
 
 FORMATS = ("default", "ISO8601")     # --log-format values, tritonserver's names
 ENV = "CONTINUUM_LOG_SETTINGS"      # how the engine core process gets the start settings
-_DEFAULT_FORMAT = "%(asctime)s %(name)s: %(message)s"
+ESCAPE_ENV = "TRITON_SERVER_ESCAPE_LOG_MESSAGES"   # tritonserver's: "0" logs messages raw
 
 
 @dataclass
@@ -56,21 +58,36 @@ class _SwitchFilter(logging.Filter):
         return s.log_verbose_level > 0
 
 
-class _Iso8601Formatter(logging.Formatter):
-    """tritonserver's ISO8601 layout: `2026-11-28T03:18:46Z I 29630 file.py:12] message`
-    (levels I, W, E, and V for verbose)."""
+class _TritonFormatter(logging.Formatter):
+    """tritonserver's record layouts: `default` `I1128 03:18:46.123456 29630 file.py:12] msg`,
+    ISO8601 `2026-11-28T03:18:46Z I 29630 file.py:12] msg` (levels I, W, E; verbose records
+    are I, as tritonserver writes them). The message, traceback included, is one JSON string
+    where escaping is on (a newline or a forged record in a request's text stays inside it)."""
+
+    def __init__(self, iso8601: bool) -> None:
+        super().__init__()
+        self.iso8601 = iso8601
+        self.escape = os.environ.get(ESCAPE_ENV, "1") != "0"
 
     def format(self, record: logging.LogRecord) -> str:
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(record.created))
-        level = "V" if record.levelno < logging.INFO else record.levelname[0]   # verbose: V
-        text = f"{stamp} {level} {record.process} " \
-               f"{record.filename}:{record.lineno}] {record.getMessage()}"
+        level = "I" if record.levelno < logging.WARNING else record.levelname[0]
+        if self.iso8601:
+            stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(record.created))
+            head = f"{stamp} {level}"
+        else:
+            t = time.localtime(record.created)
+            micros = int(record.created % 1 * 1e6)
+            head = f"{level}{time.strftime('%m%d %H:%M:%S', t)}.{micros:06d}"
+        message = record.getMessage()
         if record.exc_info:
-            text += "\n" + self.formatException(record.exc_info)
-        return text
+            message += "\n" + self.formatException(record.exc_info)
+        if self.escape:
+            message = json.dumps(message, ensure_ascii=False)
+        return f"{head} {record.process} {record.filename}:{record.lineno}] {message}"
 
 
 _HANDLER: logging.Handler | None = None
+logger = logging.getLogger("continuum.http")     # the verbose request lines
 
 
 def configure(settings: LogSettings | None = None) -> None:
@@ -103,8 +120,7 @@ def configure(settings: LogSettings | None = None) -> None:
 def _apply() -> None:
     """The format and the verbose level of `SETTINGS` onto the installed handler."""
     if _HANDLER is not None:
-        _HANDLER.setFormatter(_Iso8601Formatter() if SETTINGS.log_format == "ISO8601"
-                              else logging.Formatter(_DEFAULT_FORMAT))
+        _HANDLER.setFormatter(_TritonFormatter(SETTINGS.log_format == "ISO8601"))
     logging.getLogger("continuum").setLevel(
         logging.DEBUG if SETTINGS.log_verbose_level > 0 else logging.NOTSET)
 
@@ -112,6 +128,17 @@ def _apply() -> None:
 def verbose(level: int = 1) -> bool:
     """Whether the verbose level is at least `level` (request logging is level 1)."""
     return SETTINGS.log_verbose_level >= level
+
+
+# libevhtp's method numbers, as tritonserver's verbose request lines print them
+_EVHTP_METHODS = {"GET": 0, "HEAD": 1, "POST": 2, "PUT": 3, "DELETE": 4, "OPTIONS": 8,
+                  "PATCH": 15}
+
+
+def log_http_request(method: str, path: str) -> None:
+    """tritonserver's `--log-verbose 1` line for each HTTP request: `HTTP request: 2 /v2/...`
+    (the method as libevhtp numbers it)."""
+    logger.debug("HTTP request: %d %s", _EVHTP_METHODS.get(method, -1), path, stacklevel=2)
 
 
 def as_dict() -> dict:

@@ -295,13 +295,58 @@ def test_log_flags_at_start(tmp_path):
     finally:
         stop_v2_server(s)
     lines = log_file.read_text().splitlines()
-    assert any(re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ V \d+ http_infer\.py:\d+\] "
-                            r"HTTP infer request: model 'classes' version '' id 'flagged-7'", x)
-               for x in lines), lines[-5:]
-    assert not [x for x in lines if re.match(r"\S+Z I ", x)]       # --log-info false
+    # a verbose record is level I, as tritonserver writes it; the message a JSON string
+    assert any(re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ I \d+ http_infer\.py:\d+\] "
+                            r"\"HTTP infer request: model 'classes' version '' id 'flagged-7'\"",
+                            x) for x in lines), lines[-5:]
+    assert not [x for x in lines if "KServe v2" in x]              # --log-info false
     bad = subprocess.run([sys.executable, "-m", "api", "serve", "--no-llm", "--model-repository",
                           str(root), "--log-info", "maybe"], capture_output=True, text=True,
                          cwd=ROOT, timeout=120)
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines()[-1] == \
         "continuum: error: --log-info: expected true or false, got 'maybe'"
+
+
+FORGED = "I0205 18:34:18.707423 1 file.cc:123] THIS ENTRY WAS INJECTED"   # L0_logging's
+RECORD = r"[IWE]\d{4} \d\d:\d\d:\d\d\.\d{6} \d+ [\w.]+:\d+\] (?P<message>.*)"
+
+
+@pytest.mark.parametrize("escaped", [True, False], ids=["escaped", "unescaped"])
+def test_log_records_have_tritons_layout_and_request_text_cannot_forge_one(
+        tmp_path, monkeypatch, escaped):
+    """tritonserver's `default` layout on every record; a request's input name carrying a
+    newline and a forged record stays inside a JSON-string message, unless
+    TRITON_SERVER_ESCAPE_LOG_MESSAGES=0 (qa/L0_logging/log_format_test.py's injection test)."""
+    import json
+    import re
+
+    if escaped:
+        monkeypatch.delenv("TRITON_SERVER_ESCAPE_LOG_MESSAGES", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_SERVER_ESCAPE_LOG_MESSAGES", "0")
+    root = tmp_path / "repo"
+    build_models(root)
+    log_file = tmp_path / "server.log"
+    flags = ["--log-file", str(log_file), "--log-verbose", "2147483647"]
+    s = start_v2_server(root, tmp_path / "out.log", continuum_args=flags, triton_args=flags)
+    try:
+        client = httpclient.InferenceServerClient(s.http.removeprefix("http://"))
+        bad = httpclient.InferInput(f"\n{FORGED}\n{FORGED}", [1, 6], "FP32")
+        bad.set_data_from_numpy(SCORES[:1].astype(np.float32))
+        with pytest.raises(InferenceServerException):
+            client.infer("classes", [bad])
+        assert client.is_server_live()
+        client.close()
+    finally:
+        stop_v2_server(s)
+    lines = log_file.read_text().splitlines()
+    assert (FORGED in lines) is not escaped
+    assert any("HTTP request: 2 /v2/models/classes/infer" in line for line in lines)  # verbose
+    assert re.fullmatch(RECORD, lines[0]), lines[0]
+    if escaped:      # a record's first line; tritonserver follows some with a table or config
+        for line in lines:
+            match = re.fullmatch(RECORD, line)
+            assert match or not line.startswith(("I", "W", "E")), line
+            assert not (match and match["message"]) or \
+                isinstance(json.loads(match["message"]), str), line     # empty: a table next

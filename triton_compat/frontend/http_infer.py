@@ -25,7 +25,7 @@ import zlib
 
 from starlette.requests import ClientDisconnect, Request
 
-from engine.log_config import verbose
+from engine.log_config import log_http_request, verbose
 from triton_compat.frontend.context import V2Context
 from triton_compat.errors import InferError
 from triton_compat.frontend.infer import Inference
@@ -113,6 +113,9 @@ def begin_infer(ctx: V2Context, model: str, version: str, headers, body: bytes, 
     if verbose():                          # --log-verbose 1: each request, as Triton logs it
         logger.debug("HTTP infer request: model '%s' version '%s' id '%s'", model, version,
                      parsed.id)
+    if verbose(2):                         # 2 and more: its inputs, as Triton's request dump
+        logger.debug("HTTP infer request inputs: %s", ", ".join(
+            f"{name} {parsed.datatypes.get(name, '')}" for name in parsed.inputs))
     return Inference(repo, ctx.shm, parsed, busy=ctx.busy, trace=trace)
 
 
@@ -223,6 +226,8 @@ class InferRoute:
         declared = wanted.get("content-length")
         if declared is None or not declared.isdigit() or int(declared) > self.limit:
             return None
+        if verbose():                  # the ASGI path's InFlightGate logs the others
+            log_http_request("POST", match[0])
         return match[1], match[2] or "", wanted
 
     def answers_now(self, claim: tuple) -> bool:

@@ -10,9 +10,8 @@
  * k pairs, stored tile by tile — xt [kp / 32][mp / 16][16 k pairs][16 rows of x][2] bfloat16 —
  * so that each B tile is 1 KiB in one piece (a tile load of 16 rows 64 bytes apart; with the
  * rows of a tile mp * 4 bytes apart the loads missed L1: the layer linears took 1.2x as long
- * at 64 and 256 rows of x on a 2-core Emerald Rapids)
- * (Intel SDM vol. 1 ch. 18 "Intel AMX", TDPBF16PS; the weights-as-A roles of llama.cpp's
- * ggml-cpu/amx/mmq.cpp).
+ * at 64 and 256 rows of x on a 2-core Emerald Rapids) (Intel SDM vol. 1 ch. 18 "Intel AMX",
+ * TDPBF16PS; the weights-as-A roles of llama.cpp's ggml-cpu/amx/mmq.cpp).
  *
  * Threads split W into units of NW = 32 rows, dequantized to bfloat16 (rounded to nearest
  * even, as the bfloat16 model rounds its weights) once per call:
@@ -99,8 +98,8 @@ INLINE uint32_t x_pair(const uint16_t *x, int64_t x_stride, int64_t r, int64_t i
 }
 
 /* The k pairs [i0, i0 + 16) of xt (the tiles xt + i0 * mp: [mp / 16][16 k pairs][16 rows];
- * zero past m and past k) from x [m, k] bfloat16 (row stride x_stride): whole 16 x 16 tiles by transpose_tile, edges pair
- * by pair. */
+ * zero past m and past k) from x [m, k] bfloat16 (row stride x_stride): whole 16 x 16 tiles
+ * by transpose_tile, edges pair by pair. */
 static void pack_x(const uint16_t *x, int64_t x_stride, int64_t m, int64_t k, int64_t i0,
                    int64_t mp, uint32_t *xt) {
     for (int64_t r0 = 0; r0 < mp; r0 += 16) {

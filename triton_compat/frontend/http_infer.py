@@ -99,14 +99,13 @@ def begin_infer(ctx: V2Context, model: str, version: str, headers, body: bytes, 
     """The request decoded and submitted: its `Inference`. `headers`: the request's (a mapping
     with lower-case keys); `trace`: its `Trace`, when sampled. Raises InferError (v2 status)."""
     repo = ctx.repository()
-    repo.runtime(model, version)           # unknown model: 404 before the body is parsed
-    # Inference-Header-Content-Length 0: Triton's raw binary request (tensors.parse_raw_request)
+    runtime = repo.runtime(model, version)   # unknown model: 404 before the body is parsed
     body = decode_body(body, headers.get("content-encoding"), limit)
     header_length = headers.get("inference-header-content-length")
     try:
         length = int(header_length) if header_length else None
-        parsed = (parse_raw_request(body, repo.runtime(model, version).signature, model, version)
-                  if length == 0 else parse_request(body, length, model, version))
+        parsed = (parse_raw_request(body, runtime.signature, model, version)  # Triton's raw
+                  if length == 0 else parse_request(body, length, model, version))  # binary
     except ValueError as e:                # TensorError, or a bad header value
         raise InferError(str(e) if isinstance(e, TensorError) else
                          f"invalid Inference-Header-Content-Length: {header_length}") from None

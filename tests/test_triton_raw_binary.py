@@ -105,3 +105,29 @@ def test_raw_request_refused_with_tritons_text(server, model, text):
     assert r.status_code == 400
     assert text in r.json()["error"]
     assert httpx.get(f"{server.http}/v2/health/live").status_code == 200
+
+
+def test_requests_repeating_one_binary_header_each_get_their_own_data(server):
+    """A client sends the same JSON header before every request's binary data (tritonclient
+    and perf_analyzer do): each answer carries its own request's data, and a body whose data
+    no longer matches the header's `binary_data_size` is refused, before and after the
+    same header was answered."""
+    header = json.dumps({"inputs": [{"name": "IN_0", "datatype": "FP32", "shape": [1, 4],
+                                     "parameters": {"binary_data_size": 16}}],
+                         "outputs": [{"name": "OUT_0",
+                                      "parameters": {"binary_data": False}}]}).encode()
+
+    def infer(data: bytes) -> httpx.Response:
+        return httpx.post(f"{server.http}/v2/models/raw_fp32/infer", content=header + data,
+                          headers={"Inference-Header-Content-Length": str(len(header))},
+                          timeout=60)
+
+    for step in range(3):
+        values = np.arange(4, dtype=np.float32) + 10 * step
+        r = infer(values.tobytes())
+        assert r.status_code == 200, r.text
+        assert r.json()["outputs"][0]["data"] == values.tolist()
+    for data in (bytes(12), bytes(20)):       # 4 bytes short, 4 bytes over
+        assert infer(data).status_code == 400
+    r = infer(np.full(4, 7, dtype=np.float32).tobytes())
+    assert r.status_code == 200 and r.json()["outputs"][0]["data"] == [7.0] * 4

@@ -115,7 +115,7 @@ def begin_infer(ctx: V2Context, model: str, version: str, headers, body: bytes, 
     if verbose(2):                         # 2 and more: its inputs, as Triton's request dump
         logger.debug("HTTP infer request inputs: %s", ", ".join(
             f"{name} {parsed.datatypes.get(name, '')}" for name in parsed.inputs))
-    return Inference(repo, ctx.shm, parsed, busy=ctx.busy, trace=trace)
+    return Inference(repo, ctx.shm, parsed, busy=ctx.busy, trace=trace, runtime=runtime)
 
 
 def encode_http(inference: Inference) -> tuple[bytes, list]:

@@ -24,6 +24,12 @@ from triton_compat.frontend.classification import classify
 from triton_compat.errors import InferError
 from triton_compat.core.validate import output_datatype
 
+# wire datatype -> numpy dtype (BYTES: object), as tritonclient's triton_to_np_dtype
+NP_DTYPES = {t: triton_to_np_dtype(t) for t in (
+    "BOOL", "INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64", "FP16",
+    "FP32", "FP64", "BYTES", "BF16")}
+
+
 @dataclass
 class ShmRef:
     """A tensor's place in a registered region: name, offset and size in bytes."""
@@ -140,7 +146,7 @@ def tensor_bytes(datatype: str, array: np.ndarray) -> bytes:
         if flat.size == 0:
             return b""
         return serialize_byte_tensor(flat).item()
-    return np.ascontiguousarray(array, dtype=triton_to_np_dtype(datatype)).tobytes()
+    return np.ascontiguousarray(array, dtype=NP_DTYPES.get(datatype)).tobytes()
 
 
 class Inference:
@@ -148,15 +154,18 @@ class Inference:
     model's runtime (`future`; `inline` as `ModelRuntime.submit`, None: a loop thread, which
     runs a cheap model (`runs_inline`) at once, or, when the model has a dynamic batcher and
     `busy()`, at the end of its pass: `later.call_soon`, by default the running asyncio
-    loop's). `finish(outputs)` builds the response outputs; `release()`
-    gives the regions back (always, in a `finally`).
+    loop's); `runtime`: the model's, when the caller has looked it up. `finish(outputs)`
+    builds the response outputs; `release()` gives the regions back (always, in a
+    `finally`).
 
     Raises InferError with the status Triton gives: 400 bad input or region use, 404 unknown
     model, 503 not ready / queue full / timeout."""
 
     def __init__(self, repository, shm, request: InferRequest,
-                 inline: bool | None = None, busy=None, later=None, trace=None) -> None:
-        self.rt = repository.runtime(request.model, request.version)
+                 inline: bool | None = None, busy=None, later=None, trace=None,
+                 runtime=None) -> None:
+        self.rt = runtime if runtime is not None else \
+            repository.runtime(request.model, request.version)
         if trace is not None:               # the trace extension: REQUEST_START
             trace.start(request.model, int(self.rt.version), request.id)
         self.labels = repository.labels(request.model)
@@ -181,7 +190,8 @@ class Inference:
                 if o.shm is not None:
                     self.held.append(shm.acquire(o.shm)[0])
             params = request.parameters
-            priority, timeout = int_param(params, "priority"), int_param(params, "timeout")
+            priority, timeout = (int_param(params, "priority"), int_param(params, "timeout")) \
+                if params else (None, None)
             names = [o.name for o in request.outputs] if request.outputs is not None else None
             self.future = self.rt.submit(BackendRequest(inputs, names, request.id, params,
                                                         trace=trace),
@@ -198,10 +208,12 @@ class Inference:
         config's); those asked into a region are written there."""
         rt, request = self.rt, self.request
         types = rt.signature.outputs
-        if request.outputs is None:
+        wanted = request.outputs
+        if wanted is None:
             wanted = [OutputRequest(name) for name in types]
-        else:                   # an output asked for twice is sent once, as Triton 2.51
-            wanted = list({o.name: o for o in reversed(request.outputs)}.values())[::-1]
+        elif len({o.name for o in wanted}) < len(wanted):
+            # an output asked for twice is sent once (its last ask), as Triton 2.51
+            wanted = list({o.name: o for o in reversed(wanted)}.values())[::-1]
         sig = rt.signature
         result = [OutputTensor(o.name, output_datatype(sig, o.name, outputs[o.name]),
                                outputs[o.name], o) for o in wanted]

@@ -27,8 +27,8 @@ import orjson
 from tritonclient.utils import deserialize_bytes_tensor, triton_to_np_dtype
 
 from triton_compat.frontend.classification import class_count
-from triton_compat.frontend.infer import (InferRequest, OutputRequest, OutputTensor, ShmInput, ShmRef,
-                                 tensor_bytes)
+from triton_compat.frontend.infer import (NP_DTYPES, InferRequest, OutputRequest, OutputTensor,
+                                          ShmInput, ShmRef, tensor_bytes)
 
 MAX_ELEMENTS = 1 << 31          # larger tensors are refused before any allocation
 
@@ -40,7 +40,25 @@ class TensorError(ValueError):
 def parse_request(body: bytes, header_length: int | None, model: str = "",
                   version: str = "") -> InferRequest:
     """Decode an infer request for `model` at `version` (the model named in error texts).
+    A binary request whose JSON header was seen before is decoded from its `_BinaryPlan`.
     Raises TensorError with a message fit for the client."""
+    if header_length and type(body) is bytes:
+        plan = _PLANS.get(body[:header_length])
+        if plan is not None and len(body) - header_length == plan.data_size:
+            return plan.request(body, header_length, model, version)
+    request, binary_only = _parse_request(body, header_length, model, version)
+    if binary_only and header_length and header_length <= PLAN_HEADER_LIMIT \
+            and type(body) is bytes:
+        if len(_PLANS) >= PLAN_CACHE_SIZE:
+            _PLANS.clear()
+        _PLANS[body[:header_length]] = _BinaryPlan(request)
+    return request
+
+
+def _parse_request(body: bytes, header_length: int | None, model: str,
+                   version: str) -> tuple[InferRequest, bool]:
+    """`parse_request` without the plans: the JSON header read and checked; and whether
+    every input came as fixed-size binary data (no JSON `data`, shared memory or BYTES)."""
     if header_length is not None:
         if not 0 <= header_length <= len(body):
             raise TensorError(f"Inference-Header-Content-Length {header_length} is outside the "
@@ -61,10 +79,10 @@ def parse_request(body: bytes, header_length: int | None, model: str = "",
     if not isinstance(req["inputs"], list):
         raise TensorError("Unable to parse 'inputs': attempt to access JSON non-array as array")
     params = _parameters(req, "the request")
-    if any(isinstance(k, str) and k.startswith("triton_") for k in params):
+    if params and any(isinstance(k, str) and k.startswith("triton_") for k in params):
         raise TensorError("parameter keys starting with 'triton_' are reserved for Triton usage "
                           "and should not be specified.")
-    inputs, datatypes, offset = {}, {}, 0
+    inputs, datatypes, offset, binary_only = {}, {}, 0, True
     for spec in req["inputs"]:
         name, array, used = _parse_input(spec, binary[offset:], header_length is not None,
                                          model)
@@ -72,6 +90,8 @@ def parse_request(body: bytes, header_length: int | None, model: str = "",
             raise TensorError(f"input '{name}' already exists in request")   # Triton's text
         inputs[name], datatypes[name] = array, spec["datatype"]
         offset += used
+        binary_only = (binary_only and spec["datatype"] != "BYTES"
+                       and "binary_data_size" in (spec.get("parameters") or {}))
     if offset != len(binary):
         raise TensorError(f"{len(binary) - offset} bytes of binary tensor data are not "
                           "claimed by any input's binary_data_size")
@@ -83,7 +103,41 @@ def parse_request(body: bytes, header_length: int | None, model: str = "",
         outputs = [_parse_output(o, bool(params.get("binary_data_output", False)))
                    for o in req["outputs"]]
     return InferRequest(model, version, str(req.get("id", "")), inputs, datatypes, outputs,
-                        params, bool(params.get("binary_data_output", False)))
+                        params, bool(params.get("binary_data_output", False))), binary_only
+
+
+PLAN_CACHE_SIZE = 256           # binary request headers remembered (all dropped when full)
+PLAN_HEADER_LIMIT = 4096        # bytes; longer headers are not remembered
+_PLANS: dict[bytes, "_BinaryPlan"] = {}
+
+
+class _BinaryPlan:
+    """What a binary request's JSON header says, kept to decode the next request with the
+    same header bytes (a client sends the same header for every request of one shape: the
+    JSON parse and its checks were most of a small request's decoding). Only for headers whose
+    inputs are all fixed-size binary data; `request` makes arrays over the new body's bytes.
+    Nothing a caller may change is shared: the request's dicts and lists are new each time."""
+
+    __slots__ = ("id", "inputs", "datatypes", "outputs", "parameters", "binary_default",
+                 "data_size")
+
+    def __init__(self, parsed: InferRequest) -> None:
+        self.id, self.parameters = parsed.id, parsed.parameters
+        self.datatypes, self.outputs = parsed.datatypes, parsed.outputs
+        self.binary_default = parsed.binary_default
+        self.inputs, offset = [], 0           # (name, dtype, element count, offset, shape)
+        for name, array in parsed.inputs.items():
+            self.inputs.append((name, array.dtype, array.size, offset, array.shape))
+            offset += array.nbytes
+        self.data_size = offset
+
+    def request(self, body: bytes, start: int, model: str, version: str) -> InferRequest:
+        """The request of `body`, whose JSON header (`start` bytes) is this plan's."""
+        inputs = {name: np.frombuffer(body, dtype, count, start + offset).reshape(shape)
+                  for name, dtype, count, offset, shape in self.inputs}
+        outputs = None if self.outputs is None else list(self.outputs)
+        return InferRequest(model, version, self.id, inputs, dict(self.datatypes), outputs,
+                            dict(self.parameters), self.binary_default)
 
 
 def parse_raw_request(body: bytes, sig, model: str = "", version: str = "") -> InferRequest:
@@ -130,11 +184,12 @@ def _loads(header) -> object:
         return json.loads(header)
 
 
-def _parameters(obj: dict, where: str) -> dict:
+def _parameters(obj: dict, kind: str, name: str = "") -> dict:
     # Not as Triton 2.51, on purpose: it answers 500 for a request `parameters` (or `outputs`)
     # of the wrong JSON type and ignores an output's; bad input is a 400 here, never a 5xx.
     params = obj.get("parameters") or {}
-    if not isinstance(params, dict):
+    if type(params) is not dict:
+        where = f"{kind} '{name}'" if name else kind
         raise TensorError(f"'parameters' of {where} must be a JSON object")
     return params
 
@@ -144,19 +199,18 @@ def _parse_input(spec, binary: memoryview, has_header: bool,
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
         raise TensorError("each input must be an object with a 'name'")
     name, datatype, shape = spec["name"], spec.get("datatype"), spec.get("shape")
-    dtype = triton_to_np_dtype(datatype) if isinstance(datatype, str) else None
+    dtype = NP_DTYPES.get(datatype) if isinstance(datatype, str) else None
     if dtype is None:
         raise TensorError(f"input '{name}' has an invalid datatype {datatype!r}")
-    if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
+    if type(shape) is not list or not all([type(d) is int and d >= 0 for d in shape]):
         raise TensorError(f"input '{name}' must have a 'shape' of non-negative integers")
     count = math.prod(shape)
     if count > MAX_ELEMENTS:
         raise TensorError(f"input '{name}' has {count} elements (shape {shape}), more than "
                           f"the {MAX_ELEMENTS} allowed")
-    params = spec.get("parameters")
-    params = _parameters(spec, f"input '{name}'") if params is not None else {}
+    params = _parameters(spec, "input", name)
     size = params.get("binary_data_size")
-    ref = _shm_ref(params)
+    ref = _shm_ref(params) if params else None
     if ("data" in spec) + (size is not None) + (ref is not None) > 1:
         given = [f for f, on in (("'data'", "data" in spec),
                                  ("'binary_data_size'", size is not None),
@@ -265,7 +319,9 @@ def _json_type_error(datatype: str) -> str:
 def _parse_output(spec, binary_default: bool) -> OutputRequest:
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
         raise TensorError("each requested output must be an object with a 'name'")
-    params = _parameters(spec, f"output '{spec['name']}'")
+    params = _parameters(spec, "output", spec["name"])
+    if not params:
+        return OutputRequest(spec["name"], binary_default)
     ref = _shm_ref(params)
     if ref is not None and params.get("binary_data") is True:      # Triton's text
         raise TensorError("Output can't set both 'shared_memory_region' and 'binary_data'")

@@ -205,7 +205,7 @@ class TritonService(service_pb2_grpc.GRPCInferenceServiceServicer):
                 logger.debug("gRPC infer request: model '%s' version '%s' id '%s'",
                              msg.model_name, msg.model_version, msg.id)
             inference = Inference(self.ctx.repository(), self.ctx.shm, request,
-                                  busy=self.busy, later=self.later, trace=trace)
+                                  busy=self.busy, later=self.later, trace=trace, runtime=rt)
         except InferError as e:
             if lifecycle is not None:
                 lifecycle.leave()

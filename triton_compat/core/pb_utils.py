@@ -217,7 +217,10 @@ class Logger:
 
 def get_input_tensor_by_name(request: InferenceRequest, name: str) -> Tensor | None:
     """The request's input called `name`, or None."""
-    return next((t for t in request.inputs() if t.name() == name), None)
+    for tensor in request.inputs():
+        if tensor.name() == name:
+            return tensor
+    return None
 
 
 def get_output_tensor_by_name(response: InferenceResponse, name: str) -> Tensor | None:

@@ -36,7 +36,7 @@ from triton_compat.core.validate import Signature, check_inputs, check_outputs, 
 
 
 logger = logging.getLogger("continuum.triton")
-# Triton's text for one-response inference of a decoupled model (http_server.cc)
+VALID_CACHE_SIZE = 256      # request shapes whose checks `_validate` remembers
 # Triton core's text (infer_request.cc) for a request a model asked to run again when the model
 # is not an iterative sequence model
 RESCHEDULE_REFUSED = ("Request is released with TRITONSERVER_REQUEST_RELEASE_RESCHEDULE, while "
@@ -165,6 +165,7 @@ class ModelRuntime:
         self._slow_at = -INLINE_BAN_WINDOW - 1   # stats.execution_count at the last slow one
         self._drain_pending = False           # a `_drain` is queued on the event loop
         self.inflight: set[Future] = set()    # futures of requests not answered yet
+        self._valid: dict[tuple, tuple] = {}  # `_validate`'s answers by request shape
         self.thread = threading.Thread(target=self._loop, name=f"batcher-{config.name}",
                                        daemon=True)
         self.thread.start()
@@ -241,11 +242,10 @@ class ModelRuntime:
         arrived together queue first and run as one batch, as Triton's batcher forms them.
         Raises InferError: 400 for a bad request or priority, 503 when the queue is full or
         the model is being unloaded."""
-        batch_size = self._validate(request, datatypes)
+        batch_size, shape_key = self._validate(request, datatypes)
         if "sequence_id" in request.parameters:     # Triton passes them to any model
             request.correlation_id, request.flags = sequence_params(request.parameters)
         level = self.batcher.level_of(priority)
-        shape_key = self._shape_key(request.inputs)
         now = _now_us()
         future: Future = Future()
         timeout = self.queue.timeout_us(level, timeout_us) if self.batcher.dynamic else 0
@@ -253,14 +253,15 @@ class ModelRuntime:
                        level, now + timeout if timeout else None)
         if request.trace is not None:       # the trace extension: QUEUE_START
             _trace_queued(request, datatypes or {})
-        self.inflight.add(future)
-        future.add_done_callback(_Settled(self.inflight, request))
         with self.cond:
             if self.stopping:
                 raise InferError(f"model '{self.config.name}' is being unloaded", 503)
             if inline and self._lone_at_once and self.idle and not self.queue.items:
+                # answered before this call returns: never cancelled, never in `inflight`
                 job = self._claim([item])    # what `decide` answers for a lone request
             else:
+                self.inflight.add(future)
+                future.add_done_callback(_Settled(self.inflight, request))
                 try:
                     self.queue.push(item)
                 except QueueFullError as e:   # not a failure in Triton's statistics
@@ -295,13 +296,30 @@ class ModelRuntime:
                     return
             self._execute(*job)
 
-    def _validate(self, request: BackendRequest, datatypes: dict[str, str] | None) -> int:
+    def _validate(self, request: BackendRequest,
+                  datatypes: dict[str, str] | None) -> tuple[int, tuple]:
         """Triton's request checks (decoupled over one-response inference, inputs, outputs);
-        fills in `request.outputs`. Returns the batch size. Raises InferError."""
+        fills in `request.outputs`. Returns the batch size and `_shape_key`. Raises
+        InferError.
+
+        The checks read only the inputs' names, shapes and datatypes and the outputs' names:
+        the answer for a request like one seen before (a client repeating one request shape)
+        is remembered (up to VALID_CACHE_SIZE shapes; failures are not)."""
         if self.decoupled and request.deliver is None:
             raise InferError(DECOUPLED_HTTP, 501)
-        request.outputs = check_outputs(self.signature, request.outputs or None)
-        return check_inputs(self.signature, request.inputs, datatypes or {}, request.id)
+        datatypes = datatypes or {}
+        names = request.outputs or None
+        key = (tuple([(n, a.shape, datatypes.get(n)) for n, a in request.inputs.items()]),
+               None if names is None else tuple(names))
+        known = self._valid.get(key)
+        if known is None:
+            outputs = check_outputs(self.signature, names)
+            batch_size = check_inputs(self.signature, request.inputs, datatypes, request.id)
+            if len(self._valid) >= VALID_CACHE_SIZE:
+                self._valid.clear()
+            known = self._valid[key] = (batch_size, self._shape_key(request.inputs), outputs)
+        request.outputs = list(known[2])
+        return known[0], known[1]
 
     def _shape_key(self, inputs: dict[str, np.ndarray]) -> tuple:
         """Requests with different keys never share a batch: the shapes past the batch
@@ -376,19 +394,23 @@ class ModelRuntime:
         """Run `batch` on `instance` and resolve its futures; with `chain`, claim and return
         the next batch for the same instance when one is ready at once (see `_complete`)."""
         jobs = [p.key for p in batch]
+        requests = [j.request for j in jobs]
         start = time.perf_counter_ns()
         try:
-            results, times = instance.execute([j.request for j in jobs])
+            results, times = instance.execute(requests)
         except Exception as e:       # a backend bug: fail this batch only
             results, times = [InferError(f"{type(e).__name__}: {e}", 500)] * len(batch), None
-        traced = [j.request for j in jobs if j.request.trace is not None]
+        traced = [r for r in requests if r.trace is not None]
         if traced:                          # the trace extension: the compute times
             _trace_compute(traced, start, times, time.perf_counter_ns())
-        results = [InferError(RESCHEDULE_REFUSED) if j.request.reschedule else r
-                   for j, r in zip(jobs, results)]
-        if not self.decoupled:             # decoupled responses went through their senders
-            results = [check_result(self.signature, j.request.outputs, r, p.batch_size)
-                       for p, j, r in zip(batch, jobs, results)]
+        results = list(results)
+        checked = not self.decoupled        # decoupled responses went through their senders
+        for i, (p, request) in enumerate(zip(batch, requests)):
+            if request.reschedule:
+                results[i] = InferError(RESCHEDULE_REFUSED)
+            elif checked:
+                results[i] = check_result(self.signature, request.outputs, results[i],
+                                          p.batch_size)
         end = time.perf_counter_ns()
         self.stats.record_execution([j.enqueued_ns for j in jobs],
                                     [p.batch_size for p in batch], results, start, end, times)

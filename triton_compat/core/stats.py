@@ -76,18 +76,22 @@ class ModelStats:
                     per_size = self.batch[size] = [Duration(), Duration(), Duration()]
                 for d, ns in zip(per_size, (times.input_ns, times.infer_ns, times.output_ns)):
                     d.add(ns)
+            ok, success, queue = 0, self.success, self.queue
             for t0, rows, result in zip(enqueued_ns, batch_sizes, results):
                 if isinstance(result, Exception):
                     self.fail.add(end_ns - t0)
                     self.fail_reasons["BACKEND"] += 1
                     continue
-                self.success.add(end_ns - t0)
+                ok += 1
+                success.ns += end_ns - t0
+                queue.ns += start_ns - t0
                 self.inference_count += rows
-                self.queue.add(start_ns - t0)
-                if times is not None:
-                    self.compute_input.add(times.input_ns)
-                    self.compute_infer.add(times.infer_ns)
-                    self.compute_output.add(times.output_ns)
+            success.count += ok
+            queue.count += ok
+            if times is not None and ok:       # each request counts its execution's times
+                self.compute_input.add(times.input_ns, ok)
+                self.compute_infer.add(times.infer_ns, ok)
+                self.compute_output.add(times.output_ns, ok)
 
     def record_request(self, ok: bool, duration_ns: int, batch_size: int,
                        queue_ns: int = 0) -> None:

@@ -93,7 +93,7 @@ class SequenceRuntime(ModelRuntime):
                              501)
         if self.iterative and corrid in (0, ""):     # Triton's IterativeSequencer
             corrid, flags = next(self._ids), SEQUENCE_START
-        batch_size = self._validate(request, datatypes)
+        batch_size, shape_key = self._validate(request, datatypes)
         if batch_size > 1:
             raise InferError(f"inference request to model '{name}' must specify batch-size 1 "
                              "due to requirements of sequence batcher")
@@ -107,7 +107,7 @@ class SequenceRuntime(ModelRuntime):
         future.add_done_callback(self.inflight.discard)
         item = SeqItem(Job(request, future, time.perf_counter_ns()), corrid,
                        bool(flags & SEQUENCE_START), bool(flags & SEQUENCE_END), now,
-                       self._shape_key(request.inputs))
+                       shape_key)
         with self.cond:
             if self.stopping:
                 raise InferError(f"model '{name}' is being unloaded", 503)

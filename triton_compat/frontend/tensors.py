@@ -5,7 +5,8 @@ split by the `Inference-Header-Content-Length` header) into numpy arrays, and nu
 back into a response body (JSON `data`, or binary when asked with `binary_data` /
 `binary_data_output`). BYTES tensors are numpy object arrays of `bytes`, serialized with
 tritonclient's own helpers (4-byte little-endian length before each element); BF16 tensors use
-`ml_dtypes.bfloat16`, as tritonclient does.
+`ml_dtypes.bfloat16`, as tritonclient does. A binary request's JSON header is decoded once per
+distinct header (`_BinaryPlan`): clients repeat it on every request of one shape.
 
 JSON goes through orjson, and through the standard `json` wherever orjson would differ: a body
 orjson refuses (NaN / Infinity literals, integers past 64 bits, lone surrogates, bad UTF-8)
@@ -122,8 +123,9 @@ class _BinaryPlan:
                  "data_size")
 
     def __init__(self, parsed: InferRequest) -> None:
-        self.id, self.parameters = parsed.id, parsed.parameters
-        self.datatypes, self.outputs = parsed.datatypes, parsed.outputs
+        self.id, self.parameters = parsed.id, dict(parsed.parameters)
+        self.datatypes = dict(parsed.datatypes)
+        self.outputs = None if parsed.outputs is None else list(parsed.outputs)
         self.binary_default = parsed.binary_default
         self.inputs, offset = [], 0           # (name, dtype, element count, offset, shape)
         for name, array in parsed.inputs.items():

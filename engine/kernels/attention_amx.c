@@ -1,5 +1,8 @@
 /*
- * Prefill attention on AMX tiles (bfloat16, hosts with AMX; cpu_kernels.c's paged_decode_bf16
+ * Prefill attention in bfloat16 pair products: on AMX tiles where the host has AMX (and the
+ * process its permission), else in AVX512-BF16's vdpbf16ps (an AMD EPYC, or an AMX host capped
+ * at avx512), the same layouts and steps with vector register tiles for the two products
+ * (cpu_kernels.c's paged_decode_bf16
  * and paged_decode8_bf16 hand it the rows it can take and run the rest on their vector loops;
  * an 8-bit cache's rows are dequantized to bfloat16 as they are gathered, 16 at a time).
  *
@@ -27,12 +30,12 @@
 float expf(float);
 #endif
 
-static int64_t amx_attention_rows;       /* rows attended on tiles so far (tests read it) */
+static int64_t amx_attention_rows;       /* rows attended here so far (tests read it) */
 
-/* Rows of prefill attention run on tiles since the library loaded. */
+/* Rows of prefill attention run here (tiles or vdpbf16ps) since the library loaded. */
 int64_t attention_amx_rows(void) { return amx_attention_rows; }
 
-#if HAVE_AMX
+#if HAVE_BF16_DOT
 typedef struct { int row, len; } run_t;
 
 /* The runs of MIN_RUN rows or more among num_seqs rows (see the file comment) into runs;
@@ -156,6 +159,72 @@ static float softmax_row(const float *s, int length, int keys, float scale, uint
     return sum;
 }
 
+/* Rows r0 .. r0 + 7 of c (rows ldc floats apart), columns c0 .. c0 + 16 * nv - 1 = a . b as
+ * in vec_times_pairs; nv a constant once inlined. */
+INLINE void pairs_8xn(const uint16_t *a, int lda, const uint32_t *b, int ldb, int k, int c0,
+                      const int nv, float *c, int ldc) {
+    __m512 acc[8][2];
+    for (int r = 0; r < 8; r++)
+        for (int v = 0; v < nv; v++) acc[r][v] = _mm512_setzero_ps();
+    for (int kp = 0; kp < k / 2; kp++) {
+        __m512bh bv[2];
+        for (int v = 0; v < nv; v++)
+            bv[v] = (__m512bh)_mm512_loadu_si512(b + (int64_t)kp * ldb + c0 + 16 * v);
+        for (int r = 0; r < 8; r++) {
+            int32_t pair;
+            memcpy(&pair, a + r * lda + 2 * kp, 4);
+            const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
+            for (int v = 0; v < nv; v++) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], bv[v], x);
+        }
+    }
+    for (int r = 0; r < 8; r++)
+        for (int v = 0; v < nv; v++) _mm512_storeu_ps(c + r * ldc + c0 + 16 * v, acc[r][v]);
+}
+
+/* tiles_times_pairs (amx.h) in vdpbf16ps, for the first `rows` rows of a (rounded up to 8):
+ * register tiles of 8 rows by 32 columns, 16 float32 sums each. */
+static void vec_times_pairs(const uint16_t *a, int lda, const uint32_t *b, int ldb, int k,
+                            int cols, int rows, float *c, int ldc) {
+    for (int r0 = 0; r0 < rows; r0 += 8)
+        for (int c0 = 0; c0 < cols; c0 += 32) {
+            if (c0 + 16 < cols) pairs_8xn(a + r0 * lda, lda, b, ldb, k, c0, 2, c + r0 * ldc, ldc);
+            else pairs_8xn(a + r0 * lda, lda, b, ldb, k, c0, 1, c + r0 * ldc, ldc);
+        }
+}
+
+/* Rows r0 .. r0 + 3 of O, d0 .. d0 + 16 * nv - 1, as values_vec; nv a constant once inlined. */
+INLINE void values_4xn(const uint16_t *p, int cp, int keys, const uint32_t *vv, int D, int d0,
+                       const int nv, float *o) {
+    __m512 acc[4][4];
+    for (int r = 0; r < 4; r++)
+        for (int v = 0; v < nv; v++) acc[r][v] = _mm512_setzero_ps();
+    for (int j = 0; j < keys / 2; j++) {
+        __m512bh bv[4];
+        for (int v = 0; v < nv; v++)
+            bv[v] = (__m512bh)_mm512_loadu_si512(vv + (int64_t)j * D + d0 + 16 * v);
+        for (int r = 0; r < 4; r++) {
+            int32_t pair;
+            memcpy(&pair, p + (int64_t)r * cp + 2 * j, 4);
+            const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
+            for (int v = 0; v < nv; v++) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], bv[v], x);
+        }
+    }
+    for (int r = 0; r < 4; r++)
+        for (int v = 0; v < nv; v++) _mm512_storeu_ps(o + r * D + d0 + 16 * v, acc[r][v]);
+}
+
+/* values_tiles in vdpbf16ps for the first `rows` rows (rounded up to 4; P's rows past them
+ * are zero): register tiles of 4 rows by 64 d. */
+static void values_vec(const uint16_t *p, int cp, int keys, const uint32_t *vv, int D, int rows,
+                       float *o) {
+    for (int r0 = 0; r0 < rows; r0 += 4)
+        for (int d0 = 0; d0 < D; d0 += 64) {          /* D a multiple of 32 */
+            if (D - d0 >= 64) values_4xn(p + (int64_t)r0 * cp, cp, keys, vv, D, d0, 4, o + r0 * D);
+            else values_4xn(p + (int64_t)r0 * cp, cp, keys, vv, D, d0, 2, o + r0 * D);
+        }
+}
+
+#if HAVE_AMX
 /* O [16][D] float32 = P [16][keys] . V (keys a multiple of 32), up to 4 tiles of d at a time. */
 static void values_tiles(const uint16_t *p, int cp, int keys, const uint32_t *vv, int D,
                          float *o) {
@@ -180,6 +249,7 @@ static void values_tiles(const uint16_t *p, int cp, int keys, const uint32_t *vv
         if (nt > 3) _tile_stored(3, o + d0 + 48, D * 4);
     }
 }
+#endif
 
 /* Scratch of one thread: q16 [16][D] bf16, s [16][cp] float32, p [16][cp] bf16, o [16][D]
  * float32, tmp [cp] float32. */
@@ -188,7 +258,8 @@ typedef struct { uint16_t *q16, *p; float *s, *o, *tmp; } block_scratch;
 /* One block of up to 16 rows (tokens i0 .. of run r) of query head h (KV head kh). */
 static void attend_block(const uint16_t *q, int64_t q_stride, const int32_t *ctx_lens, run_t r,
                          int i0, int h, const uint32_t *kt, const uint32_t *vv, int cp, int D,
-                         float scale, const block_scratch *w, uint16_t *out, int num_heads) {
+                         float scale, const block_scratch *w, uint16_t *out, int num_heads,
+                         int tiles) {
     const int rows = r.len - i0 < 16 ? r.len - i0 : 16;
     const int longest = ctx_lens[r.row + i0 + rows - 1];
     const int keys = (longest + 31) / 32 * 32;
@@ -196,7 +267,11 @@ static void attend_block(const uint16_t *q, int64_t q_stride, const int32_t *ctx
     for (int i = 0; i < rows; i++)
         memcpy(w->q16 + i * D, q + (int64_t)(r.row + i0 + i) * q_stride + (int64_t)h * D,
                sizeof(uint16_t) * (size_t)D);
-    tiles_times_pairs(w->q16, D, kt, cp, D, (longest + 15) / 16 * 16, w->s, cp);   /* Q K^T */
+#if HAVE_AMX
+    if (tiles) tiles_times_pairs(w->q16, D, kt, cp, D, (longest + 15) / 16 * 16, w->s, cp);
+    else
+#endif
+        vec_times_pairs(w->q16, D, kt, cp, D, (longest + 15) / 16 * 16, rows, w->s, cp);
     float inv[16];
     for (int i = 0; i < 16; i++) {
         uint16_t *p = w->p + (int64_t)i * cp;
@@ -208,7 +283,11 @@ static void attend_block(const uint16_t *q, int64_t q_stride, const int32_t *ctx
                                       scale, p, w->tmp);
         inv[i] = sum > 0.f ? 1.f / sum : 0.f;
     }
-    values_tiles(w->p, cp, keys, vv, D, w->o);
+#if HAVE_AMX
+    if (tiles) values_tiles(w->p, cp, keys, vv, D, w->o);
+    else
+#endif
+        values_vec(w->p, cp, keys, vv, D, rows, w->o);
     for (int i = 0; i < rows; i++) {
         uint16_t *dst = out + ((int64_t)(r.row + i0 + i) * num_heads + h) * D;
         for (int d = 0; d < D; d++) dst[d] = store_bf16(w->o[i * D + d] * inv[i]);
@@ -221,7 +300,7 @@ static void run_tiles(const uint16_t *q, int64_t q_stride, const uint8_t *k_cach
                       const int32_t *ctx_lens, uint16_t *out, const run_t *runs, int nruns,
                       int num_heads, int num_kv_heads, int D, int bs, int64_t num_blocks,
                       float scale, cache_kind ck, int num_threads, uint32_t *kv,
-                      const int64_t *kv_off, int cp_max, int *failed) {
+                      const int64_t *kv_off, int cp_max, int tiles, int *failed) {
     const int group = num_heads / num_kv_heads;
     const int64_t head_bytes = num_blocks * bs * (ck.kind ? kv_row_bytes(ck.kind, D) : 2 * D);
     int64_t tasks = 0;                         /* (run, query head, block of 16 rows) */
@@ -253,7 +332,9 @@ static void run_tiles(const uint16_t *q, int64_t q_stride, const uint8_t *k_cach
             w.p = w.q16 + 16 * D;
             w.o = w.s + (size_t)16 * cp_max;
             w.tmp = w.o + 16 * D;
-            amx_tiles_configure();
+#if HAVE_AMX
+            if (tiles) amx_tiles_configure();
+#endif
         }
         _Pragma("omp for schedule(dynamic, 1)")
         for (int64_t t = 0; t < tasks; t++) {
@@ -266,9 +347,11 @@ static void run_tiles(const uint16_t *q, int64_t q_stride, const uint8_t *k_cach
             const int cp = (ctx + 31) / 32 * 32;
             const uint32_t *kt = kv + kv_off[r * num_kv_heads + kh];
             attend_block(q, q_stride, ctx_lens, runs[r], i0, h, kt, kt + (int64_t)(D / 2) * cp,
-                         cp, D, scale, &w, out, num_heads);
+                         cp, D, scale, &w, out, num_heads, tiles);
         }
-        if (w.q16 && w.s) _tile_release();
+#if HAVE_AMX
+        if (tiles && w.q16 && w.s) _tile_release();
+#endif
         free(w.q16);
         free(w.s);
     }
@@ -277,9 +360,10 @@ static void run_tiles(const uint16_t *q, int64_t q_stride, const uint8_t *k_cach
 /* paged_decode_bf16's (or paged_decode8_bf16's) arguments (cpu_kernels.c): kind 0 for a
  * bfloat16 cache, else an 8-bit one (common.h's KV_*) whose K rows are dequantized as they
  * are (the per-tensor read scale is in `scale`) and V rows times v_factor (its per-tensor
- * read scale). Attends the rows of its runs on tiles and returns a mask [num_seqs] (1: done
- * here; the caller frees it), or NULL when no row was taken (no run, tiles off, head_dim not a
- * multiple of 32 or over 256, block_size not a multiple of 16, out of memory). */
+ * read scale). Attends the rows of its runs (on tiles where AMX is on, else in vdpbf16ps) and
+ * returns a mask [num_seqs] (1: done here; the caller frees it), or NULL when no row was taken
+ * (no run, no AVX512-BF16 in the build, head_dim not a multiple of 32 or over 256, block_size
+ * not a multiple of 16, out of memory). */
 uint8_t *attention_amx_prefill(const uint16_t *q, int64_t q_stride, const void *k_cache,
                                const void *v_cache, const int32_t *tables, int max_blocks,
                                const int32_t *ctx_lens, uint16_t *out, int num_seqs,
@@ -287,8 +371,8 @@ uint8_t *attention_amx_prefill(const uint16_t *q, int64_t q_stride, const void *
                                int64_t num_blocks, float scale, int kind, float v_factor,
                                int num_threads) {
     const cache_kind ck = {kind, v_factor};
-    if (!quant_amx_min_rows() || D % 32 || D > 256 || bs % 16 || num_seqs < MIN_RUN)
-        return NULL;
+    const int tiles = HAVE_AMX && quant_amx_min_rows() > 0;
+    if (D % 32 || D > 256 || bs % 16 || num_seqs < MIN_RUN) return NULL;
     run_t *runs = malloc(sizeof(run_t) * (size_t)num_seqs);
     int64_t *kv_off = NULL;
     uint32_t *kv = NULL;
@@ -314,7 +398,7 @@ uint8_t *attention_amx_prefill(const uint16_t *q, int64_t q_stride, const void *
     if (kv_off && done && (kv = scratch(0, sizeof(uint32_t) * (size_t)(total ? total : 1)))) {
         run_tiles(q, q_stride, k_cache, v_cache, tables, max_blocks, ctx_lens, out, runs,
                   nruns, num_heads, num_kv_heads, D, bs, num_blocks, scale, ck, num_threads,
-                  kv, kv_off, cp_max, &failed);
+                  kv, kv_off, cp_max, tiles, &failed);
         for (int r = 0; !failed && r < nruns; r++) {
             memset(done + runs[r].row, 1, (size_t)runs[r].len);
             amx_attention_rows += runs[r].len;

@@ -292,13 +292,13 @@ uint8_t *attention_amx_prefill(const uint16_t *q, int64_t q_stride, const void *
     _Pragma("omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)")   \
     for (int b = 0; b < num_seqs; b++)                                                       \
         for (int kh = 0; kh < num_kv_heads; kh++) {                                          \
-            if (done && done[b]) continue;              /* a prefill run's: on AMX tiles */ \
+            if (done && done[b]) continue;   /* a prefill run's: attention_amx.c took it */ \
             body;                                                                            \
         }
 
 /* Returns 0, or -1 when head_dim or the GQA group is larger than the kernel's buffers. */
-/* AMX_PREFILL: the prefill runs taken on AMX tiles (attention_amx_prefill, over `kind`'s cache
- * with `out_scale`), or NULL. */
+/* AMX_PREFILL: the prefill runs taken in bfloat16 pair products (attention_amx_prefill, over
+ * `kind`'s cache with `out_scale`), or NULL. */
 #define DEFINE_KERNELS(SUFFIX, T, AMX_PREFILL)                                               \
 void cache_write_##SUFFIX(const T *k, const T *v, T *k_cache, T *v_cache,                   \
                           const int64_t *slots, int num_tokens, int num_kv_heads,            \

@@ -69,12 +69,12 @@ def test_paged_decode8_matches_reference_over_the_dequantized_cache(lib, name, d
     assert (out.double() - ref).abs().max().item() < tol * max(1.0, ref.abs().max().item())
 
 
-@pytest.mark.parametrize("name", KINDS)
-def test_prefill_runs_on_amx_tiles_over_an_8bit_cache(amx_lib, name):
-    """Prefill runs of 16 rows and more take the AMX tiles over an 8-bit cache too (its rows
-    dequantized to bfloat16 as they are gathered): against float64 attention over the
-    dequantized cache, with fp8 scales 0.25 / 3 folded in."""
-    torch.manual_seed(2)
+def prefill_run_over_8bit_cache(kernels, name: str, seed: int) -> tuple[int, float]:
+    """One prefill run of 40 rows (contexts 11..50, one block table) of 9 heads over 3 KV heads
+    through `kernels.paged_decode` over an 8-bit cache (fp8 scales 0.25 / 3): the rows the
+    pair-product path took, and the largest error against float64 attention over the
+    dequantized cache, relative to the largest output."""
+    torch.manual_seed(seed)
     kv = KVQuant(name, 0.25, 3.0) if name != "int8" else KVQuant(name)
     heads, kv_heads, head_dim, bs, num_blocks = 9, 3, 64, 16, 64
     k_rows = kv.quantize(torch.randn(kv_heads, num_blocks, bs, head_dim), kv.k_scale)
@@ -84,41 +84,34 @@ def test_prefill_runs_on_amx_tiles_over_an_8bit_cache(amx_lib, name):
     tables = table.repeat(len(lens), 1)
     q = torch.randn(len(lens), heads, head_dim).bfloat16()
     out = torch.empty(len(lens), heads, head_dim, dtype=torch.bfloat16)
-    before = amx_lib._fn["attention_amx_rows"]()
-    amx_lib.paged_decode(q, k_rows, v_rows, tables, lens, head_dim ** -0.5, out, kv)
-    assert amx_lib._fn["attention_amx_rows"]() - before == 40
+    before = kernels._fn["attention_amx_rows"]()
+    kernels.paged_decode(q, k_rows, v_rows, tables, lens, head_dim ** -0.5, out, kv)
+    paired = kernels._fn["attention_amx_rows"]() - before
     ref = reference_decode(q, kv.dequantize(k_rows, torch.float64, kv.k_scale),
                            kv.dequantize(v_rows, torch.float64, kv.v_scale), tables, lens,
                            head_dim ** -0.5)
-    assert (out.double() - ref).abs().max().item() < 2e-2 * ref.abs().max().item()
+    return paired, (out.double() - ref).abs().max().item() / ref.abs().max().item()
+
+
+@pytest.mark.parametrize("name", KINDS)
+def test_prefill_runs_on_amx_tiles_over_an_8bit_cache(amx_lib, name):
+    """Prefill runs of 16 rows and more take the AMX tiles over an 8-bit cache too (its rows
+    dequantized to bfloat16 as they are gathered)."""
+    paired, err = prefill_run_over_8bit_cache(amx_lib, name, 2)
+    assert paired == 40 and err < 2e-2
 
 
 @pytest.mark.parametrize("name", KINDS)
 def test_prefill_runs_in_bf16_pairs_over_an_8bit_cache(lib, request, name):
     """The same on each build: where it has AVX512-BF16 (vdpbf16ps register tiles on an EPYC or
-    under the avx512 cap, tiles on an AMX host) the run of 40 rows is attended in pair products
-    over the dequantized rows; elsewhere on the vector loops. Against float64."""
+    under the avx512 cap, tiles on an AMX host) the run is attended in pair products over the
+    dequantized rows; elsewhere on the vector loops."""
     from engine.kernels.isa import cpu_flags
 
-    torch.manual_seed(3)
-    kv = KVQuant(name, 0.25, 3.0) if name != "int8" else KVQuant(name)
-    heads, kv_heads, head_dim, bs, num_blocks = 9, 3, 64, 16, 64
-    k_rows = kv.quantize(torch.randn(kv_heads, num_blocks, bs, head_dim), kv.k_scale)
-    v_rows = kv.quantize(torch.randn(kv_heads, num_blocks, bs, head_dim), kv.v_scale)
-    table = torch.randperm(num_blocks)[:4].int()
-    lens = torch.arange(11, 51, dtype=torch.int32)
-    tables = table.repeat(len(lens), 1)
-    q = torch.randn(len(lens), heads, head_dim).bfloat16()
-    out = torch.empty(len(lens), heads, head_dim, dtype=torch.bfloat16)
-    before = lib._fn["attention_amx_rows"]()
-    lib.paged_decode(q, k_rows, v_rows, tables, lens, head_dim ** -0.5, out, kv)
+    paired, err = prefill_run_over_8bit_cache(lib, name, 3)
     bf16_build = (request.node.callspec.params["lib"] in ("native", "avx512-no-amx")
                   and "avx512_bf16" in cpu_flags())
-    assert lib._fn["attention_amx_rows"]() - before == (40 if bf16_build else 0)
-    ref = reference_decode(q, kv.dequantize(k_rows, torch.float64, kv.k_scale),
-                           kv.dequantize(v_rows, torch.float64, kv.v_scale), tables, lens,
-                           head_dim ** -0.5)
-    assert (out.double() - ref).abs().max().item() < 2e-2 * ref.abs().max().item()
+    assert paired == (40 if bf16_build else 0) and err < 2e-2
 
 
 def test_the_flag_accepts_vllms_values_and_refuses_others():

@@ -102,7 +102,7 @@ def perf_analyzer(binary: Path, model: str, mode: str, concurrency: int, http: i
                   interval_ms: int | None) -> dict:
     """One perf_analyzer point: {"throughput": infer/s, "p50_us", "p90_us", "p99_us": client
     latency percentiles, µs (their spread is the latency's), or {"error": its output's tail}
-    when it could not stabilise the measurement. `interval_ms` None: perf_analyzer's default
+    when it could not stabilise the measurement (or had not within 300 s). `interval_ms` None: perf_analyzer's default
     stability settings (5 s windows, average latency, within 10 %, 10 trials); else windows of
     that length, the p99 latency within 25 %."""
     port = grpc if MODES[mode][1] == "grpc" else http
@@ -117,7 +117,11 @@ def perf_analyzer(binary: Path, model: str, mode: str, concurrency: int, http: i
         if interval_ms is not None:
             cmd += ["--measurement-interval", str(interval_ms), "--percentile", "99",
                     "--max-trials", "10", "--stability-percentage", "25"]
-        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+        except subprocess.TimeoutExpired as e:     # a point that never settles is a failure
+            tail = (e.stdout or b"")[-400:]
+            return {"error": f"perf_analyzer still running after 300 s: {tail!r}"}
         if r.returncode != 0:
             return {"error": (r.stdout + r.stderr)[-600:]}
         row = next(csv.DictReader(open(out.name)))

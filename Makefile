@@ -56,11 +56,13 @@ SHARED_STAMP := $(SHARED)/.made
 $(SHARED_STAMP): $(STAMP)
 	rm -rf $(SHARED) && mkdir -p $(SHARED)
 	site=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
-	  for p in torch functorch torchgen triton $$(cd $$site && ls -d torch-*.dist-info triton-*.dist-info); do \
+	  for p in torch functorch torchgen triton \
+	      $$(cd $$site && ls -d torch-*.dist-info triton-*.dist-info); do \
 	    ln -s $$site/$$p $(SHARED)/$$p; done
 	touch $@
 use_shared = $(1)/bin/python -c 'import os, sysconfig; \
-  open(os.path.join(sysconfig.get_paths()["purelib"], "continuum-shared.pth"), "w").write("$(abspath $(SHARED))\n")'
+  pth = os.path.join(sysconfig.get_paths()["purelib"], "continuum-shared.pth"); \
+  open(pth, "w").write("$(abspath $(SHARED))\n")'
 
 # The end-to-end v2 tests again, against tritonserver 2.51 (nvidia-pytriton, python backend) on
 # the same repositories: what Continuum copies from Triton is checked against Triton itself.

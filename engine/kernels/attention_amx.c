@@ -159,68 +159,50 @@ static float softmax_row(const float *s, int length, int keys, float scale, uint
     return sum;
 }
 
-/* Rows r0 .. r0 + 7 of c (rows ldc floats apart), columns c0 .. c0 + 16 * nv - 1 = a . b as
- * in vec_times_pairs; nv a constant once inlined. */
-INLINE void pairs_8xn(const uint16_t *a, int lda, const uint32_t *b, int ldb, int k, int c0,
-                      const int nv, float *c, int ldc) {
-    __m512 acc[8][2];
-    for (int r = 0; r < 8; r++)
+/* c [mr][16 * nv] (rows ldc floats apart, from column c0) = a [mr][k] bfloat16 (rows lda
+ * elements apart) . b in k pairs [k / 2][ldb] 32-bit units (from column c0): mr <= 8 rows by
+ * nv <= 4 vectors of 16 float32 sums, vdpbf16ps; mr and nv constants once inlined. */
+INLINE void pairs_tile(const uint16_t *a, int64_t lda, const uint32_t *b, int64_t ldb, int k,
+                       int c0, const int mr, const int nv, float *c, int64_t ldc) {
+    __m512 acc[8][4];
+    for (int r = 0; r < mr; r++)
         for (int v = 0; v < nv; v++) acc[r][v] = _mm512_setzero_ps();
     for (int kp = 0; kp < k / 2; kp++) {
-        __m512bh bv[2];
+        __m512bh bv[4];
         for (int v = 0; v < nv; v++)
-            bv[v] = (__m512bh)_mm512_loadu_si512(b + (int64_t)kp * ldb + c0 + 16 * v);
-        for (int r = 0; r < 8; r++) {
+            bv[v] = (__m512bh)_mm512_loadu_si512(b + kp * ldb + c0 + 16 * v);
+        for (int r = 0; r < mr; r++) {
             int32_t pair;
             memcpy(&pair, a + r * lda + 2 * kp, 4);
             const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
             for (int v = 0; v < nv; v++) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], bv[v], x);
         }
     }
-    for (int r = 0; r < 8; r++)
+    for (int r = 0; r < mr; r++)
         for (int v = 0; v < nv; v++) _mm512_storeu_ps(c + r * ldc + c0 + 16 * v, acc[r][v]);
 }
 
 /* tiles_times_pairs (amx.h) in vdpbf16ps, for the first `rows` rows of a (rounded up to 8):
- * register tiles of 8 rows by 32 columns, 16 float32 sums each. */
+ * Q K^T in register tiles of 8 rows by 32 keys. */
 static void vec_times_pairs(const uint16_t *a, int lda, const uint32_t *b, int ldb, int k,
                             int cols, int rows, float *c, int ldc) {
     for (int r0 = 0; r0 < rows; r0 += 8)
         for (int c0 = 0; c0 < cols; c0 += 32) {
-            if (c0 + 16 < cols) pairs_8xn(a + r0 * lda, lda, b, ldb, k, c0, 2, c + r0 * ldc, ldc);
-            else pairs_8xn(a + r0 * lda, lda, b, ldb, k, c0, 1, c + r0 * ldc, ldc);
+            const uint16_t *ar = a + r0 * lda;
+            if (c0 + 16 < cols) pairs_tile(ar, lda, b, ldb, k, c0, 8, 2, c + r0 * ldc, ldc);
+            else pairs_tile(ar, lda, b, ldb, k, c0, 8, 1, c + r0 * ldc, ldc);
         }
-}
-
-/* Rows r0 .. r0 + 3 of O, d0 .. d0 + 16 * nv - 1, as values_vec; nv a constant once inlined. */
-INLINE void values_4xn(const uint16_t *p, int cp, int keys, const uint32_t *vv, int D, int d0,
-                       const int nv, float *o) {
-    __m512 acc[4][4];
-    for (int r = 0; r < 4; r++)
-        for (int v = 0; v < nv; v++) acc[r][v] = _mm512_setzero_ps();
-    for (int j = 0; j < keys / 2; j++) {
-        __m512bh bv[4];
-        for (int v = 0; v < nv; v++)
-            bv[v] = (__m512bh)_mm512_loadu_si512(vv + (int64_t)j * D + d0 + 16 * v);
-        for (int r = 0; r < 4; r++) {
-            int32_t pair;
-            memcpy(&pair, p + (int64_t)r * cp + 2 * j, 4);
-            const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
-            for (int v = 0; v < nv; v++) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], bv[v], x);
-        }
-    }
-    for (int r = 0; r < 4; r++)
-        for (int v = 0; v < nv; v++) _mm512_storeu_ps(o + r * D + d0 + 16 * v, acc[r][v]);
 }
 
 /* values_tiles in vdpbf16ps for the first `rows` rows (rounded up to 4; P's rows past them
- * are zero): register tiles of 4 rows by 64 d. */
+ * are zero): O = P V in register tiles of 4 rows by 64 d (D a multiple of 32). */
 static void values_vec(const uint16_t *p, int cp, int keys, const uint32_t *vv, int D, int rows,
                        float *o) {
     for (int r0 = 0; r0 < rows; r0 += 4)
-        for (int d0 = 0; d0 < D; d0 += 64) {          /* D a multiple of 32 */
-            if (D - d0 >= 64) values_4xn(p + (int64_t)r0 * cp, cp, keys, vv, D, d0, 4, o + r0 * D);
-            else values_4xn(p + (int64_t)r0 * cp, cp, keys, vv, D, d0, 2, o + r0 * D);
+        for (int d0 = 0; d0 < D; d0 += 64) {
+            const uint16_t *pr = p + (int64_t)r0 * cp;
+            if (D - d0 >= 64) pairs_tile(pr, cp, vv, D, keys, d0, 4, 4, o + r0 * D, D);
+            else pairs_tile(pr, cp, vv, D, keys, d0, 4, 2, o + r0 * D, D);
         }
 }
 

@@ -102,9 +102,9 @@ def perf_analyzer(binary: Path, model: str, mode: str, concurrency: int, http: i
                   interval_ms: int | None) -> dict:
     """One perf_analyzer point: {"throughput": infer/s, "p50_us", "p90_us", "p99_us": client
     latency percentiles, µs (their spread is the latency's), or {"error": its output's tail}
-    when it could not stabilise the measurement (or had not within 300 s). `interval_ms` None: perf_analyzer's default
-    stability settings (5 s windows, average latency, within 10 %, 10 trials); else windows of
-    that length, the p99 latency within 25 %."""
+    when it could not stabilise the measurement (or had not within 300 s). `interval_ms` None:
+    perf_analyzer's default stability settings (5 s windows, average latency, within 10 %, 10
+    trials); else windows of that length, the p99 latency within 25 %."""
     port = grpc if MODES[mode][1] == "grpc" else http
     env = dict(os.environ)
     lib = next(Path(binary).parent.parent.glob("lib/python3*/site-packages/nvidia/"

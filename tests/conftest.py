@@ -94,6 +94,16 @@ def amx_lib(tmp_path_factory):
     return built
 
 
+def pairs_build(request) -> bool:
+    """Whether this test's `lib` build has AVX512-BF16, so that attention_amx.c takes prefill
+    runs in bfloat16 pair products (tiles or vdpbf16ps): this host's own build or the
+    avx512-no-amx one, on a CPU with avx512_bf16."""
+    from engine.kernels.isa import cpu_flags
+
+    return (request.node.callspec.params["lib"] in ("native", "avx512-no-amx")
+            and "avx512_bf16" in cpu_flags())
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

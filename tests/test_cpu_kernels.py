@@ -9,6 +9,7 @@ import torch
 
 from engine import kernels
 from engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk, paged_attention
+from tests.conftest import pairs_build
 
 COMPILER = kernels.find_compiler()
 pytestmark = pytest.mark.skipif(COMPILER is None, reason="no C compiler")
@@ -93,15 +94,13 @@ def test_paged_decode_matches_reference(lib, dtype, tol, heads, kv_heads, head_d
     assert (out.double() - ref).abs().max().item() < tol
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim",
-                         [(9, 3, 64), (4, 4, 128), (16, 2, 32), (10, 2, 96), (6, 2, 24)])
-def test_prefill_runs_on_amx_tiles_match_reference(amx_lib, heads, kv_heads, head_dim):
+def prefill_step(kernels, heads: int, kv_heads: int, head_dim: int) -> tuple[int, float]:
     """Rows of a step as the engine lays them out: decodes first, then prefill chunks — a run
-    of 40 tokens after a cached prefix of 10, one of 17 from position 0, and one of 5 (below the
-    tiles' 16 rows, so on the vector loops) — each chunk's rows with its request's block table
-    and consecutive context lengths. The runs of 16 rows and more are attended on AMX tiles
-    (softmax in float32, P rounded to bfloat16); head_dim 24 is not a multiple of 32 and stays
-    on the vector loops. Against float64."""
+    of 40 tokens after a cached prefix of 10, one of 17 from position 0, and one of 5 (below
+    the pair products' 16 rows, so on the vector loops) — each chunk's rows with its request's
+    block table and consecutive context lengths, through `kernels.paged_decode` (bfloat16).
+    Returns the rows attention_amx.c took and the largest error against float64, relative to
+    the largest output."""
     torch.manual_seed(heads)
     bs, num_blocks = 16, 64
     k_cache = torch.randn(kv_heads, num_blocks, bs, head_dim).bfloat16()
@@ -118,48 +117,32 @@ def test_prefill_runs_on_amx_tiles_match_reference(amx_lib, heads, kv_heads, hea
     lens = torch.tensor(lens, dtype=torch.int32)
     q = torch.randn(len(lens), heads + kv_heads, head_dim).bfloat16()[:, :heads]
     out = torch.empty(len(lens), heads, head_dim, dtype=torch.bfloat16)
-    before = amx_lib._fn["attention_amx_rows"]()
-    amx_lib.paged_decode(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, out)
-    tiled = amx_lib._fn["attention_amx_rows"]() - before
-    assert tiled == (40 + 17 if head_dim % 32 == 0 else 0)
+    before = kernels._fn["attention_amx_rows"]()
+    kernels.paged_decode(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, out)
+    paired = kernels._fn["attention_amx_rows"]() - before
     ref = reference_decode(q, k_cache, v_cache, tables, lens, head_dim ** -0.5)
-    err = (out.double() - ref).abs().max().item()
-    assert err < 2e-2 * ref.abs().max().item(), err
+    return paired, (out.double() - ref).abs().max().item() / ref.abs().max().item()
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim",
+                         [(9, 3, 64), (4, 4, 128), (16, 2, 32), (10, 2, 96), (6, 2, 24)])
+def test_prefill_runs_on_amx_tiles_match_reference(amx_lib, heads, kv_heads, head_dim):
+    """The runs of 16 rows and more are attended on AMX tiles (softmax in float32, P rounded to
+    bfloat16); head_dim 24 is not a multiple of 32 and stays on the vector loops."""
+    tiled, err = prefill_step(amx_lib, heads, kv_heads, head_dim)
+    assert tiled == (40 + 17 if head_dim % 32 == 0 else 0)
+    assert err < 2e-2, err
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (10, 2, 96), (6, 2, 24)])
 def test_prefill_runs_in_bf16_pairs_match_reference(lib, request, heads, kv_heads, head_dim):
     """The same rows through each build: where it has AVX512-BF16 (this host's own build on an
-    EPYC or an AMX host, the avx512-no-amx one) the runs of 16 rows and more take
-    attention_amx.c's pair products — tiles where AMX is on, vdpbf16ps register tiles elsewhere —
-    and the rest the vector loops; builds without BF16 run every row on the vector loops.
-    Against float64."""
-    from engine.kernels.isa import cpu_flags
-
-    torch.manual_seed(heads)
-    bs, num_blocks = 16, 64
-    k_cache = torch.randn(kv_heads, num_blocks, bs, head_dim).bfloat16()
-    v_cache = torch.randn(kv_heads, num_blocks, bs, head_dim).bfloat16()
-    perm = torch.randperm(num_blocks).int()
-    seqs = [(perm[0:4], [37]), (perm[4:8], range(11, 51)), (perm[8:10], range(1, 18)),
-            (perm[10:12], range(3, 8))]
-    tables, lens = [], []
-    for table, ctxs in seqs:
-        padded = torch.cat([table, torch.zeros(4 - len(table), dtype=torch.int32)])
-        tables += [padded] * len(ctxs)
-        lens += list(ctxs)
-    tables, lens = torch.stack(tables), torch.tensor(lens, dtype=torch.int32)
-    q = torch.randn(len(lens), heads + kv_heads, head_dim).bfloat16()[:, :heads]
-    out = torch.empty(len(lens), heads, head_dim, dtype=torch.bfloat16)
-    before = lib._fn["attention_amx_rows"]()
-    lib.paged_decode(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, out)
-    paired = lib._fn["attention_amx_rows"]() - before
-    bf16_build = (request.node.callspec.params["lib"] in ("native", "avx512-no-amx")
-                  and "avx512_bf16" in cpu_flags())
-    assert paired == (40 + 17 if bf16_build and head_dim % 32 == 0 else 0)
-    ref = reference_decode(q, k_cache, v_cache, tables, lens, head_dim ** -0.5)
-    err = (out.double() - ref).abs().max().item()
-    assert err < 2e-2 * ref.abs().max().item(), err
+    EPYC or an AMX host, the avx512-no-amx one) the runs take attention_amx.c's pair products —
+    tiles where AMX is on, vdpbf16ps register tiles elsewhere; builds without BF16 run every
+    row on the vector loops."""
+    paired, err = prefill_step(lib, heads, kv_heads, head_dim)
+    assert paired == (40 + 17 if pairs_build(request) and head_dim % 32 == 0 else 0)
+    assert err < 2e-2, err
 
 
 def test_cache_write_puts_each_token_at_its_slot(lib):

@@ -15,6 +15,7 @@ from engine.config import EngineConfig
 from engine.kv_quant import KVQuant, resolve_kv_cache_dtype
 from engine.llm_engine import LLMEngine
 from scheduler.request import SamplingParams
+from tests.conftest import pairs_build
 from tests.test_cpu_kernels import reference_decode
 
 KINDS = ["int8", "fp8_e4m3", "fp8_e5m2"]
@@ -106,12 +107,8 @@ def test_prefill_runs_in_bf16_pairs_over_an_8bit_cache(lib, request, name):
     """The same on each build: where it has AVX512-BF16 (vdpbf16ps register tiles on an EPYC or
     under the avx512 cap, tiles on an AMX host) the run is attended in pair products over the
     dequantized rows; elsewhere on the vector loops."""
-    from engine.kernels.isa import cpu_flags
-
     paired, err = prefill_run_over_8bit_cache(lib, name, 3)
-    bf16_build = (request.node.callspec.params["lib"] in ("native", "avx512-no-amx")
-                  and "avx512_bf16" in cpu_flags())
-    assert paired == (40 if bf16_build else 0) and err < 2e-2
+    assert paired == (40 if pairs_build(request) else 0) and err < 2e-2
 
 
 def test_the_flag_accepts_vllms_values_and_refuses_others():

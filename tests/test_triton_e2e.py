@@ -290,10 +290,13 @@ def test_preferred_batch_size_forms_three_batches_of_four(triton):
     s = settled_stats(lambda: stats(client, "batch4"), lambda a: a["inference_count"] >= 12)
     assert s["inference_count"] == 12 and s["inference_stats"]["success"]["count"] == 12
     sizes = {b["batch_size"]: b["compute_infer"]["count"] for b in s["batch_stats"]}
-    assert sum(size * n for size, n in sizes.items()) == 12 and sizes[4] >= 1, sizes
-    # Triton grows a batch formed while the instance is busy past the preferred size (measured
-    # on 2.51: batches of 4, 5 and, after the queue delay, 3); Continuum forms a batch when an
-    # instance is free, so every batch is a preferred size here.
+    assert sum(size * n for size, n in sizes.items()) == 12 and max(sizes) <= 8, sizes
+    # a batch under the preferred size forms only when the 20 s queue delay runs out: once
+    assert sum(n for size, n in sizes.items() if size < 4) <= 1, sizes
+    # Triton grows a batch formed while the instance is busy past the preferred size, so its
+    # sizes depend on the host's timing (measured on 2.51: 4, 5 and, after the queue delay, 3;
+    # on a CI host no batch of 4 at all); Continuum forms a batch when an instance is free, so
+    # every batch is a preferred size here.
     assert deviation("preferred-batch-growth", continuum=sizes == {4: 3}, triton=True), sizes
 
 

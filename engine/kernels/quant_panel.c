@@ -102,12 +102,15 @@ static void panel_large_m(dq_rows_fn dq, const uint8_t *w, int64_t row_bytes, in
 /* panel_tile in bfloat16 pairs with float32 accumulation (AVX512-BF16's vdpbf16ps: two k a
  * lane, twice the float32 FMA's products): x [mr rows, stride kp] bfloat16, panel
  * [kp / 2][NP][2] bfloat16. */
-INLINE void panel_tile_bf16(const uint16_t *x, int64_t kp, const uint16_t *panel, const int mr,
-                            float *acc) {
+INLINE void panel_tile_bf16(const uint16_t *x, int64_t kp, const uint16_t *panel,
+                            const uint8_t *pf, int pf_lines, const int mr, float *acc) {
     __m512 a[ML][NPV];
     for (int r = 0; r < mr; r++)
         for (int v = 0; v < NPV; v++) a[r][v] = _mm512_setzero_ps();
     for (int64_t k = 0; k < kp; k += 2) {
+        if (pf)                       /* the next panel's W, a few lines each step */
+            for (int j = 0; j < pf_lines; j++)
+                __builtin_prefetch(pf + (k / 2 * pf_lines + j) * 64, 0, 3);
         __m512bh wv[NPV];
         for (int v = 0; v < NPV; v++)
             wv[v] = (__m512bh)_mm512_loadu_si512(panel + k * NP + v * 32);
@@ -145,11 +148,15 @@ static void panel_large_m_bf16(dq_rows_fn dq, dqb_rows_fn dqb, const uint8_t *w,
         /* a pair of bfloat16 (k, k + 1) is one 32-bit unit: [NP][qk / 2] -> [qk / 2][NP] */
         transpose_panel((const float *)half, qk / 2, qk / 2, (float *)(panel + b * qk * NP));
     }
-    prefetch_rows(w + n1 * row_bytes, (n1 - n0) * row_bytes);     /* the next panel's */
+    /* the next panel's rows, spread over the first tile's steps: a burst of prefetches at
+     * once stalled on the fill buffers */
+    const int64_t lines = ((n1 - n0) * row_bytes + 63) / 64, steps = kp / 2;
+    const int pf_lines = (int)((lines + steps - 1) / steps);
     float acc[ML * NP] __attribute__((aligned(64)));
     for (int64_t r0 = 0; r0 < m; r0 += ML) {
         const int mr = m - r0 < ML ? (int)(m - r0) : ML;
-        TILE_ROWS(panel_tile_bf16, xb + r0 * kp, kp, kp, panel)
+        const uint8_t *pf = r0 == 0 ? w + n1 * row_bytes : NULL;
+        TILE_ROWS(panel_tile_bf16, xb + r0 * kp, kp, kp, panel, pf, pf_lines)
         store_tile(acc, mr, r0, n0, (int)(n1 - n0), y, ldy, y_f32, row_scale, bias);
     }
 }

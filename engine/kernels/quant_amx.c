@@ -165,13 +165,6 @@ static void store_c(const float *c, int64_t r0, int64_t m, int64_t n0, int count
     }
 }
 
-/* Ask for the bytes [s * step, (s + 1) * step) of the next unit's rows (pf): spread over the
- * k steps of a unit's tiles, so W arrives while they compute (all at once, the prefetches
- * stalled on full fill buffers). */
-INLINE void prefetch_step(const uint8_t *pf, int64_t step, int64_t s) {
-    for (int64_t off = s * step; off < (s + 1) * step; off += 64) __builtin_prefetch(pf + off, 0, 3);
-}
-
 /* The C tiles of one 32-row block of x (rows mb ..) into y: tiles 0 / 2 (x rows mb .. mb + 15,
  * W rows n0 .. n0 + 15 / n0 + 16 ..), and 1 / 3 (x rows mb + 16 ..) where `two`. */
 static void store_tiles(int two, int nr, int64_t mb, int64_t m, int64_t n0, void *y,

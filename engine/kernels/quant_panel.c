@@ -31,12 +31,13 @@ static void store_tile(float *acc, int mr, int64_t r0, int64_t n0, int ncols, vo
 }
 
 /* acc [mr][NP] = x [mr rows, stride kp] . panel [kp][NP]; mr a constant once inlined. */
-INLINE void panel_tile(const float *x, int64_t kp, const float *panel, const int mr,
-                       float *acc) {
+INLINE void panel_tile(const float *x, int64_t kp, const float *panel, const uint8_t *pf,
+                       int64_t pf_step, const int mr, float *acc) {
     V a[ML][NPV];
     for (int r = 0; r < mr; r++)
         for (int v = 0; v < NPV; v++) a[r][v] = vzero();
     for (int64_t k = 0; k < kp; k++) {
+        if (pf) prefetch_step(pf, pf_step, k);          /* the next panel's W */
         V wv[NPV];
         for (int v = 0; v < NPV; v++) wv[v] = vload_f32(panel + k * NP + v * VL);
         for (int r = 0; r < mr; r++) {
@@ -89,11 +90,15 @@ static void panel_large_m(dq_rows_fn dq, const uint8_t *w, int64_t row_bytes, in
                           const float *row_scale, const float *bias) {
     const int64_t kp = nb * qk;
     pack_panel(dq, w, row_bytes, n0, n1, nb, qk, bytes, tmp, panel);
-    prefetch_rows(w + n1 * row_bytes, (n1 - n0) * row_bytes);     /* the next panel's */
+    /* the next panel's rows, spread over the first tile's k steps (prefetch_step) */
+    const int64_t pf_step = prefetch_stride((n1 - n0) * row_bytes, kp);
     float acc[ML * NP] __attribute__((aligned(64)));
     for (int64_t r0 = 0; r0 < m; r0 += ML) {
         const int mr = m - r0 < ML ? (int)(m - r0) : ML;
-        TILE_ROWS(panel_tile, xf + r0 * kp, kp, kp, panel)
+        if (r0 == 0)      /* the prefetching tile; the others compiled without the branch */
+            TILE_ROWS(panel_tile, xf, kp, kp, panel, w + n1 * row_bytes, pf_step)
+        else
+            TILE_ROWS(panel_tile, xf + r0 * kp, kp, kp, panel, NULL, 0)
         store_tile(acc, mr, r0, n0, (int)(n1 - n0), y, ldy, y_f32, row_scale, bias);
     }
 }
@@ -103,14 +108,12 @@ static void panel_large_m(dq_rows_fn dq, const uint8_t *w, int64_t row_bytes, in
  * lane, twice the float32 FMA's products): x [mr rows, stride kp] bfloat16, panel
  * [kp / 2][NP][2] bfloat16. */
 INLINE void panel_tile_bf16(const uint16_t *x, int64_t kp, const uint16_t *panel,
-                            const uint8_t *pf, int pf_lines, const int mr, float *acc) {
+                            const uint8_t *pf, int64_t pf_step, const int mr, float *acc) {
     __m512 a[ML][NPV];
     for (int r = 0; r < mr; r++)
         for (int v = 0; v < NPV; v++) a[r][v] = _mm512_setzero_ps();
     for (int64_t k = 0; k < kp; k += 2) {
-        if (pf)                       /* the next panel's W, a few lines each step */
-            for (int j = 0; j < pf_lines; j++)
-                __builtin_prefetch(pf + (k / 2 * pf_lines + j) * 64, 0, 3);
+        if (pf) prefetch_step(pf, pf_step, k / 2);      /* the next panel's W */
         __m512bh wv[NPV];
         for (int v = 0; v < NPV; v++)
             wv[v] = (__m512bh)_mm512_loadu_si512(panel + k * NP + v * 32);
@@ -148,15 +151,15 @@ static void panel_large_m_bf16(dq_rows_fn dq, dqb_rows_fn dqb, const uint8_t *w,
         /* a pair of bfloat16 (k, k + 1) is one 32-bit unit: [NP][qk / 2] -> [qk / 2][NP] */
         transpose_panel((const float *)half, qk / 2, qk / 2, (float *)(panel + b * qk * NP));
     }
-    /* the next panel's rows, spread over the first tile's steps: a burst of prefetches at
-     * once stalled on the fill buffers */
-    const int64_t lines = ((n1 - n0) * row_bytes + 63) / 64, steps = kp / 2;
-    const int pf_lines = (int)((lines + steps - 1) / steps);
+    /* the next panel's rows, spread over the first tile's k steps (prefetch_step) */
+    const int64_t pf_step = prefetch_stride((n1 - n0) * row_bytes, kp / 2);
     float acc[ML * NP] __attribute__((aligned(64)));
     for (int64_t r0 = 0; r0 < m; r0 += ML) {
         const int mr = m - r0 < ML ? (int)(m - r0) : ML;
-        const uint8_t *pf = r0 == 0 ? w + n1 * row_bytes : NULL;
-        TILE_ROWS(panel_tile_bf16, xb + r0 * kp, kp, kp, panel, pf, pf_lines)
+        if (r0 == 0)      /* the prefetching tile; the others compiled without the branch */
+            TILE_ROWS(panel_tile_bf16, xb, kp, kp, panel, w + n1 * row_bytes, pf_step)
+        else
+            TILE_ROWS(panel_tile_bf16, xb + r0 * kp, kp, kp, panel, NULL, 0)
         store_tile(acc, mr, r0, n0, (int)(n1 - n0), y, ldy, y_f32, row_scale, bias);
     }
 }

@@ -276,7 +276,7 @@ int quant_amx_linear(int type, const uint8_t *w, int64_t row_bytes, const float 
     }
     const int64_t nb = (k + qk - 1) / qk, kp = nb * qk, mp = (m + 15) / 16 * 16;
     const int64_t steps = kp / TK, units = (n + NW - 1) / NW;
-    const int64_t pf_step = (NW * row_bytes + steps * 64 - 1) / (steps * 64) * 64;
+    const int64_t pf_step = prefetch_stride(NW * row_bytes, steps);
     uint32_t *xt = scratch(0, sizeof(uint32_t) * (size_t)(kp / 2 * mp));
     if (!xt) return -1;
     int failed = 0;

@@ -1,5 +1,6 @@
-"""`--activation-quantization int8`: the decode-sized quantized products with x quantized to
-int8 per block of 32 (engine/kernels/quant_q8.c, AVX-512 VNNI).
+"""`--activation-quantization int8`: the quantized products with x quantized to int8 per block
+of 32 (AVX-512 VNNI): engine/kernels/quant_q8.c at 1-2 rows (and wherever a weight has no
+packed copy, up to 8), quant_q8_wide.c over the copy `CpuKernels.q8_pack` makes from 3 rows on.
 
 The reference is llama.cpp's arithmetic, written here in numpy: x rounded as quantize_row_q8_0
 / q8_1 do (d = max|x| / 127, q = round-half-even(x / d)) times gguf-py's dequantized weights in
@@ -52,37 +53,84 @@ def gguf_weight(name: str, n: int, k: int, rng) -> QuantWeight:
     return QuantWeight(int(qtype), torch.from_numpy(data), (n, k))
 
 
+def check_q8_products(native, w, rows, rng, out_dtypes=(torch.float32,)) -> None:
+    """`w`'s int8-activation products at each row count in `rows` (strided float32 and
+    bfloat16 x, bias) within float32 rounding of the q8 reference (the integer dot is exact;
+    bfloat16 outputs within their own rounding)."""
+    n, k = w.shape
+    wd = w.dequantize().double()
+    bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+    for m in rows:
+        wide = torch.from_numpy(rng.standard_normal((m, k + 7)).astype(np.float32))
+        for x in (wide[:, 3:3 + k], wide[:, :k].bfloat16()):
+            xq = torch.from_numpy(q8_round(x.float().contiguous().numpy())).double()
+            want = xq @ wd.T + bias.double()
+            for out_dtype in out_dtypes:
+                y = native.quant_linear(x, w, bias, out_dtype, int8_x=True)
+                err = ((y.double() - want).abs().max() / want.abs().max()).item()
+                tol = 1e-5 if out_dtype == torch.float32 else 1e-2
+                assert err < tol, (w.type_name, n, k, m, x.dtype, out_dtype, err)
+
+
+def q8_weight(name: str, n: int, k: int, rng) -> QuantWeight:
+    """A random `[n, k]` weight of block type `name` (I8: quantize_int8's)."""
+    if name == "I8":
+        return quantize_int8(torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32)))
+    return gguf_weight(name, n, k, rng)
+
+
 @pytest.mark.parametrize("name", Q8_TYPES + ["I8"])
 def test_int8_activation_products_are_llama_cpp_arithmetic(native, name):
     """Every type, 1..8 rows, K with a lone last block and a partial one, strided float32 and
     bfloat16 x, bias: within float32 rounding of the q8 reference (the integer dot is exact)."""
     rng = np.random.default_rng(1)
     for k in (32, 96, 1000):
-        n = 37
-        w = (quantize_int8(torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32)))
-             if name == "I8" else gguf_weight(name, n, k, rng))
-        wd = w.dequantize().double()
-        bias = torch.randn(n)
-        for m in range(1, Q8_ROWS + 1):
-            wide = torch.randn(m, k + 7)
-            for x in (wide[:, 3:3 + k], wide[:, :k].bfloat16()):
-                y = native.quant_linear(x, w, bias, torch.float32, int8_x=True)
-                xq = torch.from_numpy(q8_round(x.float().contiguous().numpy())).double()
-                want = xq @ wd.T + bias.double()
-                err = ((y.double() - want).abs().max() / want.abs().max()).item()
-                assert err < 1e-5, (name, k, m, x.dtype, err)
+        check_q8_products(native, q8_weight(name, 37, k, rng), range(1, Q8_ROWS + 1), rng)
+
+
+@pytest.mark.parametrize("name", Q8_TYPES + ["I8"])
+def test_packed_weights_take_the_wide_nest_at_any_row_count(native, name):
+    """With the packed copy (quant_q8_wide.c): 1..9 rows and batches of 16, 33 and 70 (partial
+    4-row tiles, more than one 64-row pass), N of 1, 37 and 64 (partial 16-row groups and
+    32-row tiles), K with a lone last block and a partial one, float32 and bfloat16 outputs:
+    the same arithmetic as the reference."""
+    rng = np.random.default_rng(3)
+    for n, k in ((1, 32), (37, 96), (64, 1000), (37, 576)):
+        w = q8_weight(name, n, k, rng)
+        native.q8_pack(w)
+        assert w.q8_packed is not None
+        check_q8_products(native, w, [*range(1, 10), 16, 33, 70], rng,
+                          (torch.float32, torch.bfloat16))
 
 
 def test_more_rows_and_k_types_take_the_float_path(native):
-    """Past 8 rows, and for Q4_K (no int8 kernel), the result is quant_linear's exactly."""
+    """Past 8 rows without a packed copy, and for Q4_K (no int8 kernel, nothing to pack), the
+    result is quant_linear's exactly."""
     from tests.test_quant import random_blocks
 
     w = gguf_weight("Q4_1", 40, 256, np.random.default_rng(2))
     x = torch.randn(Q8_ROWS + 1, 256)
     assert torch.equal(native.quant_linear(x, w, int8_x=True), native.quant_linear(x, w))
     qk = random_blocks("Q4_K", 8, 256)
-    x = torch.randn(2, 256)
+    native.q8_pack(qk)
+    assert qk.q8_packed is None
+    x = torch.randn(12, 256)
     assert torch.equal(native.quant_linear(x, qk, int8_x=True), native.quant_linear(x, qk))
+
+
+def test_linears_with_the_flag_carry_the_packed_copy(native):
+    """An int8-activation `Linear` over Q4_1 blocks packs its weight once (the wide nest reads
+    it from 3 rows on); one without the flag does not."""
+    from engine.linear import Linear
+
+    rng = np.random.default_rng(4)
+    w = gguf_weight("Q4_1", 48, 64, rng)
+    assert Linear(w, kernels=native).parts[0].q8_packed is None
+    lin = Linear(w, kernels=native, int8_x=True)
+    assert lin.parts[0].q8_packed is not None
+    x = torch.randn(12, 64)
+    want = torch.from_numpy(q8_round(x.numpy())).double() @ w.dequantize().double().T
+    assert ((lin(x).double() - want).abs().max() / want.abs().max()).item() < 1e-5
 
 
 def fake_quant_hooks(model) -> list:

@@ -38,8 +38,9 @@ logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
 SOURCES = [HERE / name for name in (
-    "cpu_kernels.c", "gemm.c", "quant.c", "quant_panel.c", "quant_q8.c", "quant_amx.c",
-    "attention_amx.c", "lora.c", "lora_amx.c", "layer_stack.c", "kv_cache.c", "sample.c")]
+    "cpu_kernels.c", "gemm.c", "quant.c", "quant_panel.c", "quant_q8.c", "quant_q8_wide.c",
+    "quant_amx.c", "attention_amx.c", "lora.c", "lora_amx.c", "layer_stack.c", "kv_cache.c",
+    "sample.c")]
 HEADERS = [HERE / "common.h", HERE / "vec.h", HERE / "quant_blocks.h", HERE / "amx.h"]
 BASE_CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
 
@@ -72,7 +73,9 @@ _PLAIN = {
     "argmax_rows_f32": ([_P, _I64, _I64, _I64, _P, _I], None),
     "quant_linear": ([_I, _P, _I64, _P, _P, _P, _I64, _I, _P, _I64, _I, _I64, _I64, _I64, _I], _I),
     "quant_linear_q8": ([_I, _P, _I64, _P, _P, _P, _I64, _I, _P, _I64, _I, _I64, _I64, _I64,
-                         _I], _I),
+                         _I, _P], _I),
+    "quant_q8_packed_bytes": ([_I, _I64, _I64], _I64),
+    "quant_q8_pack": ([_I, _P, _I64, _P, _I64, _I64, _P], _I),
     "quant_q8_available": ([], _I),
     "quant_amx_config": ([_I], _I),
     "quant_amx_min_rows": ([], _I),
@@ -249,7 +252,8 @@ class CpuKernels:
         transpose of `weight` (an `engine.quant.QuantWeight` `[N, K]` read in its block format),
         plus `bias [N]` float32: a new `[M, N]` of `out_dtype` (default x's: float32 or
         bfloat16). float32 arithmetic (quant.c); with `int8_x`, x is quantized to int8 per block
-        of 32 where quant_q8.c has a kernel (`q8_available`; Q4_0 / Q4_1 / Q8_0 / I8, M <= 4).
+        of 32 where quant_q8.c has a kernel (`q8_available`; Q4_0 / Q4_1 / Q8_0 / I8: up to 8
+        rows, and any number where `q8_pack` gave the weight its copy).
         Raises MemoryError, ValueError (no kernel for the weight's type)."""
         m, k = x.shape
         if x.stride(1) != 1:
@@ -259,15 +263,35 @@ class CpuKernels:
         n = weight.shape[0]
         out = torch.empty((m, n), dtype=out_dtype)
         qtype, w_ptr, row_bytes, scale_ptr = weight.kernel_args
-        rc = self._fn["quant_linear_q8" if int8_x else "quant_linear"](
-            qtype, w_ptr, row_bytes, scale_ptr, None if bias is None else bias.data_ptr(),
-            x.data_ptr(), x.stride(0), x_bf16, out.data_ptr(), n,
-            out_dtype == torch.float32, m, n, k, torch.get_num_threads())
+        args = (qtype, w_ptr, row_bytes, scale_ptr, None if bias is None else bias.data_ptr(),
+                x.data_ptr(), x.stride(0), x_bf16, out.data_ptr(), n,
+                out_dtype == torch.float32, m, n, k, torch.get_num_threads())
+        if int8_x:
+            packed = weight.q8_packed
+            rc = self._fn["quant_linear_q8"](*args, None if packed is None else packed.data_ptr())
+        else:
+            rc = self._fn["quant_linear"](*args)
         if rc == -2:
             raise ValueError(f"quant_linear: no kernel for {weight.type_name}")
         if rc:
             raise MemoryError(f"quant_linear: cannot allocate {m} x {k} float32 for the input")
         return out
+
+    def q8_pack(self, weight) -> None:
+        """Give `weight` (an `engine.quant.QuantWeight`) the repacked copy the int8-activation
+        nest reads from 3 rows on (quant_q8_wide.c: 16 W rows to a vector's int32 lanes), as
+        `weight.q8_packed` (uint8; 1.2x a Q4_1 weight's bytes, 1.33x Q4_0, 1.06x Q8_0, 1.13x
+        I8, kept beside the blocks); left None where this build has no such nest for the type
+        (no AVX-512 VNNI, K-quants)."""
+        n, k = weight.shape
+        size = self._fn["quant_q8_packed_bytes"](weight.qtype, n, k)
+        if size <= 0:
+            return
+        packed = torch.empty(size, dtype=torch.uint8)
+        qtype, w_ptr, row_bytes, scale_ptr = weight.kernel_args
+        if self._fn["quant_q8_pack"](qtype, w_ptr, row_bytes, scale_ptr, n, k,
+                                     packed.data_ptr()) == 0:
+            weight.q8_packed = packed
 
     @property
     def q8_available(self) -> bool:

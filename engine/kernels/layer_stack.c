@@ -28,6 +28,7 @@ typedef struct {
     const float *scale;        /* per-row scale (int8) or NULL */
     const float *bias;         /* float32 [n] or NULL */
     int64_t n, k;
+    const uint8_t *q8_packed;  /* quant_q8_pack's copy (int8 x at more than 8 rows) or NULL */
 } qproj;
 
 typedef struct {
@@ -95,9 +96,11 @@ DECLARE_8(bf16, uint16_t)
 
 static int project(const layer_stack *s, const qproj *p, const void *x, int64_t x_stride,
                    void *y, int n, int threads) {
-    return (s->int8_x ? quant_linear_q8 : quant_linear)(
-        p->type, p->w, p->row_bytes, p->scale, p->bias, x, x_stride, s->bf16, y, p->n, !s->bf16,
-        n, p->n, p->k, threads);
+    if (s->int8_x)
+        return quant_linear_q8(p->type, p->w, p->row_bytes, p->scale, p->bias, x, x_stride,
+                               s->bf16, y, p->n, !s->bf16, n, p->n, p->k, threads, p->q8_packed);
+    return quant_linear(p->type, p->w, p->row_bytes, p->scale, p->bias, x, x_stride, s->bf16, y,
+                        p->n, !s->bf16, n, p->n, p->k, threads);
 }
 
 /* Every layer of `s` over n tokens (see the file comment). positions [n] int64, slots [n]

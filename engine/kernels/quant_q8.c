@@ -21,6 +21,9 @@
 #define HAVE_Q8_DOT 1
 #define Q8_MR 8       /* rows of x up to which the int8 path runs */
 #define Q8_NC 16      /* rows of W a thread takes at a time */
+#define Q8_WIDE_ROWS 3 /* rows of x from which quant_q8_wide.c's nest runs where W has its
+                          packed copy (Zen 5, the model's 121 products: 2 rows even, 3 rows
+                          4.14 -> 3.76 ms, 8 rows 8.90 -> 5.89) */
 
 /* x quantized, for one weight family: per row r and block pair p (blocks 2p, 2p + 1, the last
  * padded with a zero block): 64 int8 (nibble types: [b lo16, b+1 lo16, b hi16, b+1 hi16],
@@ -189,18 +192,25 @@ static void q8_chunk(int type, const uint8_t *w, int64_t row_bytes, int64_t n0, 
 #else
 #define HAVE_Q8_DOT 0
 #define Q8_MR 0
+#define Q8_WIDE_ROWS 0
 #endif
 
 /* 1 where this build has the int8-activation kernels (AVX-512 VNNI), else 0. */
 int quant_q8_available(void) { return HAVE_Q8_DOT; }
 
 /* quant_linear's contract with x quantized to int8 per block of 32 (see the file comment) where
- * the type is Q4_0, Q4_1, Q8_0 or I8, m <= Q8_MR and the host has AVX-512 VNNI; otherwise
- * exactly quant_linear. Returns 0; -1 out of memory; -2 unknown type. */
+ * the type is Q4_0, Q4_1, Q8_0 or I8 and the host has AVX-512 VNNI: from Q8_WIDE_ROWS rows
+ * quant_q8_wide.c's nest over `packed` (W as quant_q8_pack wrote it; NULL: none), else at
+ * m <= Q8_MR this file's;
+ * otherwise exactly quant_linear. Returns 0; -1 out of memory; -2 unknown type. */
 int quant_linear_q8(int type, const uint8_t *w, int64_t row_bytes, const float *row_scale,
                     const float *bias, const void *x, int64_t x_stride, int x_bf16, void *y,
-                    int64_t ldy, int y_f32, int64_t m, int64_t n, int64_t k, int num_threads) {
+                    int64_t ldy, int y_f32, int64_t m, int64_t n, int64_t k, int num_threads,
+                    const uint8_t *packed) {
     const int supported = type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0 || type == T_I8;
+    if (HAVE_Q8_DOT && supported && packed && m >= Q8_WIDE_ROWS)
+        return quant_q8_wide(type, packed, bias, x, x_stride, x_bf16, y, ldy, y_f32, m, n, k,
+                             num_threads);
     if (!HAVE_Q8_DOT || !supported || m > Q8_MR || m < 1)
         return quant_linear(type, w, row_bytes, row_scale, bias, x, x_stride, x_bf16, y, ldy,
                             y_f32, m, n, k, num_threads);

@@ -113,15 +113,16 @@ def weight_bytes() -> dict:
         t_py = min(_timed(lambda: [lib.quant_linear(xs[w.shape[1]], w, int8_x=int8_x)
                                    for w in linears]) for _ in range(20))
         fn = lib._fn["quant_linear_q8" if int8_x else "quant_linear"]
+        packed = (None,) if int8_x else ()       # quant_linear_q8's packed copy: one row here
         calls = [(*w.kernel_args, None, xs[w.shape[1]].data_ptr(), w.shape[1], 0,
                   ys[w.shape[0]].data_ptr(), w.shape[0], 1, 1, w.shape[0], w.shape[1],
-                  torch.get_num_threads()) for w in linears]
+                  torch.get_num_threads(), *packed) for w in linears]
         t_c = min(_timed(lambda: [fn(*a) for a in calls]) for _ in range(20))
         # one call over the 30 layers' gate / up rows stacked (33 MB): the inner loop's rate
         # without the ~2 us of call and fork / join that each of the 120 calls pays
         n, k = big_w.shape
         args = (*big_w.kernel_args, None, xs[k].data_ptr(), k, 0, big_y.data_ptr(), n, 1, 1, n,
-                k, torch.get_num_threads())
+                k, torch.get_num_threads(), *packed)
         t_loop = min(_timed(lambda: fn(*args)) for _ in range(20))
         out[f"{name}_one_call_gbs"] = round(big_w.nbytes / t_loop / 1e9, 1)
         out[f"{name}_one_call_fraction_of_bound"] = round(big_w.nbytes / t_loop / 1e9 / read_gbs,

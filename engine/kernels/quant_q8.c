@@ -200,15 +200,19 @@ int quant_q8_available(void) { return HAVE_Q8_DOT; }
 
 /* quant_linear's contract with x quantized to int8 per block of 32 (see the file comment) where
  * the type is Q4_0, Q4_1, Q8_0 or I8 and the host has AVX-512 VNNI: from Q8_WIDE_ROWS rows
- * quant_q8_wide.c's nest over `packed` (W as quant_q8_pack wrote it; NULL: none), else at
- * m <= Q8_MR this file's;
+ * quant_q8_wide.c's nest over `packed` (W as quant_q8_pack wrote it; NULL: none; bfloat16 x
+ * above Q8_MR rows on an AMX host: the tiles), else at m <= Q8_MR this file's;
  * otherwise exactly quant_linear. Returns 0; -1 out of memory; -2 unknown type. */
 int quant_linear_q8(int type, const uint8_t *w, int64_t row_bytes, const float *row_scale,
                     const float *bias, const void *x, int64_t x_stride, int x_bf16, void *y,
                     int64_t ldy, int y_f32, int64_t m, int64_t n, int64_t k, int num_threads,
                     const uint8_t *packed) {
     const int supported = type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0 || type == T_I8;
-    if (HAVE_Q8_DOT && supported && packed && m >= Q8_WIDE_ROWS)
+    /* On an AMX host bfloat16 x above Q8_MR rows stays on the tiles (quant_amx.c, through
+     * quant_linear), as before the wide nest: their rate is several times vpdpbusd's (not
+     * measured against this nest: no AMX host at hand when it was written). */
+    const int amx = x_bf16 && m > Q8_MR && quant_amx_min_rows() > 0;
+    if (HAVE_Q8_DOT && supported && packed && m >= Q8_WIDE_ROWS && !amx)
         return quant_q8_wide(type, packed, bias, x, x_stride, x_bf16, y, ldy, y_f32, m, n, k,
                              num_threads);
     if (!HAVE_Q8_DOT || !supported || m > Q8_MR || m < 1)

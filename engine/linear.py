@@ -99,7 +99,7 @@ class Linear:
             parts = weight if isinstance(weight, list) else [weight]
             merged = QuantWeight.cat(parts) if len(parts) > 1 else parts[0]
             self.parts = [merged] if merged is not None else parts
-            if self.int8_x and kernels.q8_available:   # the wide nest's copy (> 8 rows)
+            if self.int8_x and kernels.q8_available:   # the wide nest's copy (3+ rows)
                 for part in self.parts:
                     kernels.q8_pack(part)
             self.out_features = sum(p.shape[0] for p in parts)

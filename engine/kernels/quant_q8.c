@@ -11,8 +11,10 @@
  *   I8:    d_x sum(q_w q_x) * row_scale             offset's 128 sum(q_w) taken off exactly)
  *
  * The integer dot is exact; the result differs from the float path by x's rounding to int8
- * (relative error about 1/254 of a block's largest |x|). Other types (Q4_K, Q6_K), hosts
- * without AVX-512 VNNI and larger M go to quant_linear (quant.c) unchanged.
+ * (relative error about 1/254 of a block's largest |x|). From Q8_WIDE_ROWS rows a weight with
+ * a packed copy goes to quant_q8_wide.c (the same arithmetic, W rows across the lanes). Other
+ * types (Q4_K, Q6_K), hosts without AVX-512 VNNI and larger M without a packed copy go to
+ * quant_linear (quant.c) unchanged.
  */
 #include "quant_blocks.h"
 

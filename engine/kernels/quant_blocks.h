@@ -337,6 +337,21 @@ INLINE void transpose_tile(const float *src, int64_t lds, float *dst, int64_t ld
 }
 #endif
 
+#if HAVE_AVX512
+/* A block of 32 float32 (a: values 0..15, b: 16..31) rounded as llama.cpp's q8_0 / q8_1
+ * activations are (ggml-quants.c quantize_row_q8_1: d = max|x| / 127, q = round(x / d) to
+ * nearest even): returns d, the 32 q as int32 in *qa, *qb (quant_q8.c, quant_q8_wide.c). */
+INLINE float q8_round_block(__m512 a, __m512 b, __m512i *qa, __m512i *qb) {
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+    const int rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    const __m512 inv = _mm512_set1_ps(id);
+    *qa = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(a, inv), rn));
+    *qb = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(b, inv), rn));
+    return d;
+}
+#endif
+
 /* Ask for the bytes [s * step, (s + 1) * step) of the next panel's rows (pf, contiguous): the
  * panel nests (quant_panel.c, quant_amx.c) walk many rows at once, a pattern the hardware
  * prefetcher does not follow, so each panel's tiles ask for the next one's rows (its thread's

@@ -42,13 +42,8 @@ typedef struct {
  * nearest even, as llama.cpp's AVX quantize_row_q8_0 / q8_1 do. */
 static void quantize_block(const float *v, int nibble_layout, int half, int8_t *q, float *dl,
                            float *s) {
-    const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-    const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-    const int rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-    const __m512 inv = _mm512_set1_ps(id);
-    const __m512i qa = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(a, inv), rn));
-    const __m512i qb = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(b, inv), rn));
+    __m512i qa, qb;
+    const float d = q8_round_block(_mm512_loadu_ps(v), _mm512_loadu_ps(v + 16), &qa, &qb);
     __m128i ba = _mm512_cvtsepi32_epi8(qa), bb = _mm512_cvtsepi32_epi8(qb);
     if (nibble_layout) {          /* values 0..15 then 16..31 of the block, a half apart */
         _mm_storeu_si128((__m128i *)(q + half * 16), ba);

@@ -53,12 +53,8 @@ typedef struct {
 /* One block of 32 values (a, b: values 0..15 and 16..31) into q [32], *d_out, *s_out, *c_out. */
 INLINE void quantize_block_wide(__m512 a, __m512 b, int8_t *q, float *d_out, float *s_out,
                                 int32_t *c_out) {
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-    const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
-    const int rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-    const __m512 inv = _mm512_set1_ps(id);
-    const __m512i qa = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(a, inv), rn));
-    const __m512i qb = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(b, inv), rn));
+    __m512i qa, qb;
+    const float d = q8_round_block(a, b, &qa, &qb);
     _mm_storeu_si128((__m128i *)q, _mm512_cvtsepi32_epi8(qa));
     _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtsepi32_epi8(qb));
     const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));

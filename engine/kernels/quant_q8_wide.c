@@ -283,13 +283,13 @@ int quant_q8_wide(int type, const uint8_t *packed, const float *bias, const void
     if (!quant_q8_packed_bytes(type, n, k)) return -2;
 #if HAVE_WIDE
     const int64_t nb = (k + QK - 1) / QK, rows = (m + XT - 1) / XT * XT;
-    float *buf = malloc((size_t)(rows * nb) * (3 * sizeof(float) + QK));
+    /* the calling thread's scratch: a prefill's copy is megabytes, kept out of the heap */
+    float *buf = scratch(0, (size_t)(rows * nb) * (3 * sizeof(float) + QK));
     if (!buf) return -1;
     const xwide xq = {(int8_t *)(buf + 3 * rows * nb), buf, buf + rows * nb,
                       (int32_t *)(buf + 2 * rows * nb)};
     wide_product(type, packed, nb, x, x_stride, x_bf16, k, &xq, m, n, y, ldy, y_f32, bias,
                  num_threads);
-    free(buf);
     return 0;
 #else
     (void)packed; (void)bias; (void)x; (void)x_stride; (void)x_bf16; (void)y; (void)ldy;

@@ -31,18 +31,6 @@ float expf(float);
 
 #define MAX_GROUP 32
 
-/* Ask for the next block's cache lines while this one is being used: blocks are scattered in
- * the pool, so the hardware prefetcher cannot guess them. */
-INLINE void prefetch_block(const void *p, int bytes) {
-    for (int off = 0; off < bytes; off += 64) __builtin_prefetch((const char *)p + off, 0, 3);
-}
-
-/* The cache lines holding bytes [lo, hi) of p: a few rows' worth at a time, so the requests
- * spread over the loop that uses the data instead of filling the fill buffers in a burst. */
-INLINE void prefetch_range(const void *p, int64_t lo, int64_t hi) {
-    for (int64_t off = lo & ~(int64_t)63; off < hi; off += 64)
-        __builtin_prefetch((const char *)p + off, 0, 3);
-}
 
 /* s[t] = exp(s[t] - max) for t < n (vectorized expf); returns their sum: a softmax's
  * numerators and denominator. */
@@ -211,7 +199,7 @@ INLINE void decode_tile_vec_##NAME(const float *q_scaled, const CT *kbase, const
             const CT *vrow = vbase + (int64_t)table[j] * block_size * R, *vb = vrow + VL * i;\
             const int n = j == nblocks - 1 ? ctx - j * block_size : block_size;              \
             if (prefetch && i == 0 && j + 1 < nblocks)                                       \
-                prefetch_block(vbase + (int64_t)table[j + 1] * block_size * R, block_bytes); \
+                prefetch_range(vbase + (int64_t)table[j + 1] * block_size * R, 0, block_bytes);\
             const float *sj = scores + j * block_size;                                       \
             int t = 0;                                                                       \
             for (; t + 1 < n; t += 2) {    /* row pairs: two accumulators per head */        \

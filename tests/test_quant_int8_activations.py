@@ -103,6 +103,31 @@ def test_packed_weights_take_the_wide_nest_at_any_row_count(native, name):
                           (torch.float32, torch.bfloat16))
 
 
+@pytest.mark.parametrize("name", Q8_TYPES)
+def test_products_match_gguf_py_q8_0_activations(native, name):
+    """Against the library rather than this file's reading of it: x quantized by gguf-py's
+    Q8_0 (`gguf.quants.quantize`, "bit-exact with ggml-quants.c"'s reference) and dequantized
+    by it, times gguf-py's weights, for both nests (1-2 rows and 3 rows up, with the packed
+    copy). Marked deviation: the kernels keep each block's d in float32 where ggml stores it as
+    float16 (and round ties to even as ggml's AVX path does, where its reference rounds them
+    away from zero), so the bound is float16's rounding of d, not float32's."""
+    from gguf import GGMLQuantizationType, quants
+
+    rng = np.random.default_rng(5)
+    k = 576
+    w = gguf_weight(name, 37, k, rng)
+    native.q8_pack(w)
+    wd = w.dequantize().double()
+    for m in (1, 2, 16, 33):
+        x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+        q8 = GGMLQuantizationType.Q8_0
+        xq = quants.dequantize(quants.quantize(x.numpy(), q8), q8)
+        want = torch.from_numpy(np.ascontiguousarray(xq, np.float64)) @ wd.T
+        y = native.quant_linear(x, w, None, torch.float32, int8_x=True)
+        err = ((y.double() - want).abs().max() / want.abs().max()).item()
+        assert err < 1e-3, (name, m, err)         # the float32 path: 4e-3
+
+
 def test_more_rows_and_k_types_take_the_float_path(native):
     """Past 8 rows without a packed copy, and for Q4_K (no int8 kernel, nothing to pack), the
     result is quant_linear's exactly."""

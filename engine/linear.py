@@ -81,13 +81,16 @@ class Linear:
     `weight [out, in]` in the model dtype, or quantized: a `QuantWeight`, or a list of them
     stacked along `out` (kept as separate products when their block types differ); `bias [out]`
     or None. `kernels` is required for path "kernel" and quantized weights; `int8_x` quantizes
-    x to int8 for a quantized weight where quant_q8.c has a kernel. Raises ValueError
-    for an unknown path."""
+    x to int8 for a quantized weight where quant_q8.c has a kernel (with the wide nest's copy
+    of the weight, `CpuKernels.q8_pack`); otherwise `bf16_x` (the model computes in bfloat16)
+    gives a quantized weight the bfloat16 panels' copy (`CpuKernels.panel_pack`) where the
+    build has them. Raises ValueError for an unknown path."""
 
     PACK_BATCH_HINT = 64
 
     def __init__(self, weight, bias: torch.Tensor | None = None,
-                 path: str = "torch", kernels=None, int8_x: bool = False) -> None:
+                 path: str = "torch", kernels=None, int8_x: bool = False,
+                 bf16_x: bool = False) -> None:
         from engine.quant.formats import QuantWeight
         if isinstance(weight, (QuantWeight, list)):
             path = "quant"
@@ -99,9 +102,11 @@ class Linear:
             parts = weight if isinstance(weight, list) else [weight]
             merged = QuantWeight.cat(parts) if len(parts) > 1 else parts[0]
             self.parts = [merged] if merged is not None else parts
-            if self.int8_x and kernels.q8_available:   # the wide nest's copy (3+ rows)
-                for part in self.parts:
-                    kernels.q8_pack(part)
+            for part in self.parts:             # a repacked copy for the nest that reads it
+                if self.int8_x and kernels.q8_available:
+                    kernels.q8_pack(part)           # the int8 wide nest (3+ rows)
+                elif bf16_x and not self.int8_x:
+                    kernels.panel_pack(part)        # the bfloat16 panels (9+ rows)
             self.out_features = sum(p.shape[0] for p in parts)
             self.weight, self.packed = None, None
             self.bias = None if bias is None else bias.float().contiguous()

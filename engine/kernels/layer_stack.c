@@ -29,6 +29,7 @@ typedef struct {
     const float *bias;         /* float32 [n] or NULL */
     int64_t n, k;
     const uint8_t *q8_packed;  /* quant_q8_pack's copy (int8 x from 3 rows on) or NULL */
+    const uint8_t *panel_packed; /* quant_panel_pack's copy (bfloat16 panels) or NULL */
 } qproj;
 
 typedef struct {
@@ -99,8 +100,9 @@ static int project(const layer_stack *s, const qproj *p, const void *x, int64_t 
     if (s->int8_x)
         return quant_linear_q8(p->type, p->w, p->row_bytes, p->scale, p->bias, x, x_stride,
                                s->bf16, y, p->n, !s->bf16, n, p->n, p->k, threads, p->q8_packed);
-    return quant_linear(p->type, p->w, p->row_bytes, p->scale, p->bias, x, x_stride, s->bf16, y,
-                        p->n, !s->bf16, n, p->n, p->k, threads);
+    return quant_linear_packed(p->type, p->w, p->row_bytes, p->scale, p->bias, x, x_stride,
+                               s->bf16, y, p->n, !s->bf16, n, p->n, p->k, threads,
+                               p->panel_packed);
 }
 
 /* Every layer of `s` over n tokens (see the file comment). positions [n] int64, slots [n]

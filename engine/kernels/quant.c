@@ -14,7 +14,8 @@
  * - MR < M <= MB, bfloat16 x on an AVX512-BF16 host: the same with the block rounded to
  *   bfloat16 (dqb) and vdpbf16ps products, x block-major.
  * - otherwise (prefill, large decode batches): quant_panel.c — a panel of W rows dequantized
- *   once into a transposed scratch, then register tiles over all of x.
+ *   once into a transposed scratch, then register tiles over all of x (for a bfloat16 x, from
+ *   W's repacked copy where quant_linear_packed is given one).
  * Threads split W's rows. x is first copied (float32, or bfloat16 for the bfloat16 nests),
  * zero-padded to whole blocks (the int8 format pads K with zero weights).
  */
@@ -248,6 +249,16 @@ static void fused_chunk(const qkernels *kn, int nest, const uint8_t *w, int64_t 
 int quant_linear(int type, const uint8_t *w, int64_t row_bytes, const float *row_scale,
                  const float *bias, const void *x, int64_t x_stride, int x_bf16, void *y,
                  int64_t ldy, int y_f32, int64_t m, int64_t n, int64_t k, int num_threads) {
+    return quant_linear_packed(type, w, row_bytes, row_scale, bias, x, x_stride, x_bf16, y, ldy,
+                               y_f32, m, n, k, num_threads, NULL);
+}
+
+/* quant_linear with W's repacked copy `packed` (quant_panel_pack's, or NULL): the panels of a
+ * bfloat16 x read it (quant_panel.c), the same products bit for bit. */
+int quant_linear_packed(int type, const uint8_t *w, int64_t row_bytes, const float *row_scale,
+                        const float *bias, const void *x, int64_t x_stride, int x_bf16, void *y,
+                        int64_t ldy, int y_f32, int64_t m, int64_t n, int64_t k,
+                        int num_threads, const uint8_t *packed) {
     qkernels kn;
     if (!kernels_for(type, &kn)) return -2;
     const int amx_rows = quant_amx_min_rows();
@@ -279,6 +290,11 @@ int quant_linear(int type, const uint8_t *w, int64_t row_bytes, const float *row
             if (!panels)
                 fused_chunk(&kn, nest, w, row_bytes, n0, n1, nb, xc, kp, m, y, ldy, y_f32,
                             row_scale, bias);
+#if HAVE_BF16_DOT
+            else if (tmp && packed && nest == NEST_PANEL_BF16)
+                quant_panel_repacked(type, packed, n, n0, n1, nb, xc, m, tmp, y, ldy, y_f32,
+                                     row_scale, bias);
+#endif
             else if (tmp)
                 quant_panel(kn.dq, kn.dqb, nest == NEST_PANEL_BF16, w, row_bytes, n0, n1, nb, qk,
                             bytes, xc, m, tmp, y, ldy, y_f32, row_scale, bias);

@@ -410,6 +410,10 @@ INLINE void store_row(float *v, int count, void *y, int64_t ldy, int y_f32, int6
 int quant_linear(int type, const uint8_t *w, int64_t row_bytes, const float *row_scale,
                  const float *bias, const void *x, int64_t x_stride, int x_bf16, void *y,
                  int64_t ldy, int y_f32, int64_t m, int64_t n, int64_t k, int num_threads);
+int quant_linear_packed(int type, const uint8_t *w, int64_t row_bytes, const float *row_scale,
+                        const float *bias, const void *x, int64_t x_stride, int x_bf16, void *y,
+                        int64_t ldy, int y_f32, int64_t m, int64_t n, int64_t k,
+                        int num_threads, const uint8_t *packed);
 int quant_linear_q8(int type, const uint8_t *w, int64_t row_bytes, const float *row_scale,
                     const float *bias, const void *x, int64_t x_stride, int x_bf16, void *y,
                     int64_t ldy, int y_f32, int64_t m, int64_t n, int64_t k, int num_threads,
@@ -444,5 +448,12 @@ void quant_panel(dq_rows_fn dq, dqb_rows_fn dqb, int bf16, const uint8_t *w,
                  int64_t row_bytes, int64_t n0, int64_t n1, int64_t nb, int qk, int bytes,
                  const void *xc, int64_t m, float *tmp, void *y, int64_t ldy, int y_f32,
                  const float *row_scale, const float *bias);
+/* quant_panel.c: W repacked for the bfloat16 panels (AVX512-BF16 builds; see there). */
+int64_t quant_panel_packed_bytes(int type, int64_t n, int64_t k);
+int quant_panel_pack(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
+                     uint8_t *out);
+void quant_panel_repacked(int type, const uint8_t *pk, int64_t n, int64_t n0, int64_t n1,
+                          int64_t nb, const uint16_t *xb, int64_t m, float *tmp, void *y,
+                          int64_t ldy, int y_f32, const float *row_scale, const float *bias);
 
 #endif

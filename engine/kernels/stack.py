@@ -23,7 +23,8 @@ import torch
 
 class _QProj(ctypes.Structure):
     _fields_ = [("type", c_int), ("w", c_void_p), ("row_bytes", c_int64), ("scale", c_void_p),
-                ("bias", c_void_p), ("n", c_int64), ("k", c_int64), ("q8_packed", c_void_p)]
+                ("bias", c_void_p), ("n", c_int64), ("k", c_int64), ("q8_packed", c_void_p),
+                ("panel_packed", c_void_p)]
 
 
 class _Layer(ctypes.Structure):
@@ -53,9 +54,9 @@ def _proj(lin) -> _QProj:
     qtype, w, row_bytes, scale = lin.parts[0].kernel_args
     n, k = lin.parts[0].shape
     bias = None if lin.bias is None else lin.bias.data_ptr()
-    packed = lin.parts[0].q8_packed
-    return _QProj(qtype, w, row_bytes, scale, bias, n, k,
-                  None if packed is None else packed.data_ptr())
+    q8, panel = lin.parts[0].q8_packed, lin.parts[0].panel_packed
+    return _QProj(qtype, w, row_bytes, scale, bias, n, k, None if q8 is None else q8.data_ptr(),
+                  None if panel is None else panel.data_ptr())
 
 
 class LayerStack:

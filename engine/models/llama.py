@@ -159,7 +159,8 @@ class LlamaForCausalLM:
             self.vocab_start = vocab_shard(cfg.vocab_size, tp.rank, tp.world_size)[0]
         self.cfg, self.device, self.dtype = cfg, device, dtype
         self.linear_path, self.kernels = linear_path, kernels
-        lin = partial(Linear, path=linear_path, kernels=kernels, int8_x=int8_activations)
+        lin = partial(Linear, path=linear_path, kernels=kernels, int8_x=int8_activations,
+                      bf16_x=dtype == torch.bfloat16 and device.type == "cpu")
 
         def get(name: str):
             if name not in weights:

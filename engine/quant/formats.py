@@ -32,13 +32,14 @@ class QuantWeight:
     """A weight `[N, K]` (out, in) as quantized blocks: `data [N, row_bytes] uint8`, each row
     `ceil(K / block)` blocks of `qtype` (a GGML type id in KERNEL_TYPES); `scale [N] float32`
     for I8 only; `q8_packed`: the int8-activation nest's repacked copy (`CpuKernels.q8_pack`),
-    or None."""
+    or None; `panel_packed`: the bfloat16 panels' (`CpuKernels.panel_pack`), or None."""
 
     qtype: int
     data: torch.Tensor
     shape: tuple[int, int]
     scale: torch.Tensor | None = None
     q8_packed: torch.Tensor | None = None
+    panel_packed: torch.Tensor | None = None
 
     @property
     def type_name(self) -> str:

@@ -1,0 +1,89 @@
+"""The bfloat16 panels' repacked weights (engine/kernels/quant_panel.c, `CpuKernels.panel_pack`):
+the products read from the copy equal, bit for bit, those of the panels over the blocks, for
+every type it covers (Q4_0, Q4_1, Q8_0, I8), at row counts that take the panels (9 and more),
+N that leave partial groups of 16 and panels of 48, K with a partial last block, float32 and
+bfloat16 outputs with a bias, strided x; and they stay the dequantized model's products
+(gguf-py's dequantization, float64). A bfloat16 model's `Linear` carries the copy; a float32 or
+int8-activation one does not. Skipped where the build has no AVX512-BF16 (no copy is made).
+
+The served greedy parity of the default (bfloat16) path, which reads the copy from 9 rows on
+(prefills, batched decode), is tests/test_engine_correctness.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.quant.formats import QuantWeight, quantize_int8
+from tests.test_quant import assert_close, reference
+
+
+@pytest.fixture(scope="module")
+def native():
+    from engine import kernels
+    lib = kernels.load()
+    if lib is None or lib._fn["quant_panel_packed_bytes"](3, 16, 32) <= 0:
+        pytest.skip("the repacked panels are built for AVX512-BF16 hosts; this build has none")
+    return lib
+
+
+def weight(name: str, n: int, k: int, rng) -> QuantWeight:
+    """`[n, k]` of random normal weights quantized to `name` (gguf-py, or quantize_int8)."""
+    if name == "I8":
+        return quantize_int8(torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32)))
+    from gguf import GGMLQuantizationType, quants
+
+    qtype = GGMLQuantizationType[name]
+    kp = -(-k // 32) * 32
+    w = np.zeros((n, kp), np.float32)
+    w[:, :k] = rng.standard_normal((n, k))
+    return QuantWeight(int(qtype), torch.from_numpy(np.ascontiguousarray(quants.quantize(w, qtype))),
+                       (n, k))
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q8_0", "I8"])
+def test_repacked_panels_equal_the_blocks(native, name):
+    rng = np.random.default_rng(7)
+    for n, k in [(16, 32), (37, 64), (100, 96), (53, 200)]:
+        w = weight(name, n, k, rng)
+        blocks_only = QuantWeight(w.qtype, w.data, w.shape, w.scale)
+        native.panel_pack(w)
+        assert w.panel_packed is not None and blocks_only.panel_packed is None
+        deq = reference(w)[:, :k] if name != "I8" else w.dequantize().double()
+        bias = torch.randn(n)
+        for m in (9, 16, 33, 70):
+            x = torch.randn(m, k + 3)[:, :k].bfloat16()          # strided rows
+            for out in (torch.float32, torch.bfloat16):
+                got = native.quant_linear(x, w, bias, out)
+                assert torch.equal(got, native.quant_linear(x, blocks_only, bias, out)), (n, k, m)
+            # bfloat16-rounded weights: 2^-9 of each product's magnitude at most
+            assert_close(native.quant_linear(x, w, bias, torch.float32), x, deq, bias, 5e-3)
+
+
+def test_k_quants_and_other_builds_get_no_copy(native):
+    """The 256-value K-quants have no repacked layout: `panel_pack` leaves them as they are."""
+    from tests.test_quant import random_blocks
+
+    w = random_blocks("Q4_K", 48, 256)
+    native.panel_pack(w)
+    assert w.panel_packed is None
+    x = torch.randn(16, 256).bfloat16()
+    assert_close(native.quant_linear(x, w, None, torch.float32), x, reference(w), None, 5e-3)
+
+
+def test_bfloat16_linears_carry_the_copy(native):
+    """A quantized `Linear` of a bfloat16 model packs its weight once; a float32 model's, or one
+    with int8 activations (the wide nest has its own copy), does not; results equal."""
+    from engine.linear import Linear
+
+    rng = np.random.default_rng(3)
+    w = weight("Q4_1", 96, 128, rng)
+    plain = Linear(QuantWeight(w.qtype, w.data, w.shape), kernels=native)
+    assert plain.parts[0].panel_packed is None
+    lin = Linear(w, kernels=native, bf16_x=True)
+    assert lin.parts[0].panel_packed is not None
+    q8 = Linear(QuantWeight(w.qtype, w.data, w.shape), kernels=native, bf16_x=True, int8_x=True)
+    assert q8.parts[0].panel_packed is None
+    x = torch.randn(24, 128).bfloat16()
+    assert torch.equal(lin(x), plain(x))

@@ -1,12 +1,13 @@
 """The bfloat16 panels' repacked weights (engine/kernels/quant_panel.c, `CpuKernels.panel_pack`):
 the products read from the copy equal, bit for bit, those of the panels over the blocks, for
-every type it covers (Q4_0, Q4_1, Q8_0, I8), at row counts that take the panels (9 and more),
+every type it covers (Q4_0, Q4_1, Q8_0, I8), at row counts that take the panels (4 and more:
+quant.c's PACKED_PANEL_ROWS; without the copy 4-8 rows take the fused nests),
 N that leave partial groups of 16 and panels of 48, K with a partial last block, float32 and
 bfloat16 outputs with a bias, strided x; and they stay the dequantized model's products
 (gguf-py's dequantization, float64). A bfloat16 model's `Linear` carries the copy; a float32 or
 int8-activation one does not. Skipped where the build has no AVX512-BF16 (no copy is made).
 
-The served greedy parity of the default (bfloat16) path, which reads the copy from 9 rows on
+The served greedy parity of the default (bfloat16) path, which reads the copy from 4 rows on
 (prefills, batched decode), is tests/test_engine_correctness.py."""
 
 from __future__ import annotations
@@ -52,13 +53,16 @@ def test_repacked_panels_equal_the_blocks(native, name):
         assert w.panel_packed is not None and blocks_only.panel_packed is None
         deq = reference(w)[:, :k] if name != "I8" else w.dequantize().double()
         bias = torch.randn(n)
-        for m in (9, 16, 33, 70):
+        for m in (4, 5, 8, 9, 16, 33, 70):
             x = torch.randn(m, k + 3)[:, :k].bfloat16()          # strided rows
             for out in (torch.float32, torch.bfloat16):
                 got = native.quant_linear(x, w, bias, out)
-                assert torch.equal(got, native.quant_linear(x, blocks_only, bias, out)), (n, k, m)
-            # bfloat16-rounded weights: 2^-9 of each product's magnitude at most
-            assert_close(native.quant_linear(x, w, bias, torch.float32), x, deq, bias, 5e-3)
+                if m >= 9:       # the blocks' own panels: the same products, the same bits
+                    assert torch.equal(got, native.quant_linear(x, blocks_only, bias, out)), \
+                        (n, k, m)
+                # bfloat16-rounded weights (and outputs): 2^-9 of each product's magnitude
+                # at most, each
+                assert_close(got, x, deq, bias, 5e-3)
 
 
 def test_k_quants_and_other_builds_get_no_copy(native):

@@ -302,14 +302,15 @@ class CpuKernels:
 
     def panel_pack(self, weight) -> None:
         """Give `weight` (an `engine.quant.QuantWeight`) the repacked copy the bfloat16 panels
-        read from 9 rows of a bfloat16 x on (quant_panel.c: 16 W rows interleaved by k pairs,
-        no transposition at run time; a 16-row decode step ~10 % faster on an AVX512-BF16
-        EPYC), as `weight.panel_packed` (uint8; the blocks' own bytes again: 1.0x Q4_0 / Q4_1 /
-        Q8_0, 1.06x I8, kept beside them); left None where this build has no such panels for
-        the type (no AVX512-BF16, K-quants)."""
+        read from 4 rows of a bfloat16 x on (quant_panel.c: 16 W rows interleaved by k pairs,
+        no transposition at run time; quant.c's PACKED_PANEL_ROWS: on an AVX512-BF16 EPYC
+        16-row decode steps ~10 % faster, 4-8 rows' products 1.4-1.7x), as
+        `weight.panel_packed` (uint8; the blocks' own bytes again: 1.0x Q4_0 / Q4_1 / Q8_0,
+        1.06x I8, kept beside them); left None where this build has no such panels for the type
+        (no AVX512-BF16, K-quants) and where AMX tiles take bfloat16 x (from fewer rows)."""
         n, k = weight.shape
         size = self._fn["quant_panel_packed_bytes"](weight.qtype, n, k)
-        if size <= 0:
+        if size <= 0 or self.amx_rows:      # tiles take bfloat16 x before the panels would
             return
         packed = torch.empty(size, dtype=torch.uint8)
         qtype, w_ptr, row_bytes, _ = weight.kernel_args

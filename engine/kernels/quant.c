@@ -14,8 +14,9 @@
  * - MR < M <= MB, bfloat16 x on an AVX512-BF16 host: the same with the block rounded to
  *   bfloat16 (dqb) and vdpbf16ps products, x block-major.
  * - otherwise (prefill, large decode batches): quant_panel.c — a panel of W rows dequantized
- *   once into a transposed scratch, then register tiles over all of x (for a bfloat16 x, from
- *   W's repacked copy where quant_linear_packed is given one).
+ *   once into a transposed scratch, then register tiles over all of x. A bfloat16 x over W's
+ *   repacked copy (quant_linear_packed's `packed`) takes the panels from PACKED_PANEL_ROWS
+ *   (4) rows: filled from the copy they beat both fused nests there.
  * Threads split W's rows. x is first copied (float32, or bfloat16 for the bfloat16 nests),
  * zero-padded to whole blocks (the int8 format pads K with zero weights).
  */
@@ -218,7 +219,16 @@ void *quant_copy_x(const void *x, int64_t x_stride, int x_bf16, int64_t m, int64
 /* Which nest runs a call (see the file comment). */
 enum { NEST_SMALL, NEST_MID_BF16, NEST_PANEL, NEST_PANEL_BF16 };
 
-static int choose_nest(int64_t m, int x_bf16) {
+/* Rows of bfloat16 x from which a weight with the panels' repacked copy takes the panels. The
+ * model's 121 products streamed from memory (2-core Zen 5 EPYC, ms, alternating runs): at 4 rows
+ * 5.0-5.3 against the M <= 4 nest's 7.2-7.4, at 5-8 rows 5.4-6.5 against the fused bfloat16
+ * nest's 9.1-9.7 (over the blocks the panels ran 6.2-7.7: the fused nests' per-row reductions
+ * and block-by-block rounding lose to one panel per call); at 3 rows the M <= 4 nest's 4.4
+ * against 5.7-6.8. */
+#define PACKED_PANEL_ROWS 4
+
+static int choose_nest(int64_t m, int x_bf16, int packed) {
+    if (HAVE_BF16_DOT && x_bf16 && packed && m >= PACKED_PANEL_ROWS) return NEST_PANEL_BF16;
     /* 5 to 8 rows of bfloat16 x on an AVX512-BF16 host: the vdpbf16ps nest (measured there) */
     if (m <= 4 || (m <= MR && !(HAVE_BF16_DOT && x_bf16))) return NEST_SMALL;
     if (HAVE_BF16_DOT && x_bf16) return m <= MB ? NEST_MID_BF16 : NEST_PANEL_BF16;
@@ -267,7 +277,7 @@ int quant_linear_packed(int type, const uint8_t *w, int64_t row_bytes, const flo
                                 m, n, k, num_threads);
     const int qk = kn.qk, bytes = kn.bytes;
     const int64_t nb = (k + qk - 1) / qk, kp = nb * qk;
-    const int nest = choose_nest(m, x_bf16);
+    const int nest = choose_nest(m, x_bf16, packed != NULL);
     const int as_bf16 = nest == NEST_MID_BF16 || nest == NEST_PANEL_BF16;
     const int64_t rows = nest == NEST_MID_BF16 ? MB : m;
     void *xc = quant_copy_x(x, x_stride, x_bf16, m, rows, k, kp, as_bf16,

@@ -320,7 +320,9 @@ int64_t quant_panel_packed_bytes(int type, int64_t n, int64_t k) {
 int quant_panel_pack(int type, const uint8_t *w, int64_t row_bytes, int64_t n, int64_t k,
                      uint8_t *out) {
     if (!quant_panel_packed_bytes(type, n, k)) return -2;
-#if HAVE_BF16_DOT
+#if !HAVE_BF16_DOT
+    (void)w, (void)row_bytes, (void)out;
+#else
     const int64_t nb = (k + QK - 1) / QK, gb = group_bytes(type);
     for (int64_t g = 0; g * PG < n; g++)
         for (int64_t b = 0; b < nb; b++)

@@ -106,7 +106,7 @@ class Linear:
                 if self.int8_x and kernels.q8_available:
                     kernels.q8_pack(part)           # the int8 wide nest (3+ rows)
                 elif bf16_x and not self.int8_x:
-                    kernels.panel_pack(part)        # the bfloat16 panels (4+ rows)
+                    kernels.panel_pack(part)        # the bfloat16 panels (5+ rows)
             self.out_features = sum(p.shape[0] for p in parts)
             self.weight, self.packed = None, None
             self.bias = None if bias is None else bias.float().contiguous()

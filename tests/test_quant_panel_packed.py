@@ -1,13 +1,14 @@
 """The bfloat16 panels' repacked weights (engine/kernels/quant_panel.c, `CpuKernels.panel_pack`):
 the products read from the copy equal, bit for bit, those of the panels over the blocks, for
-every type it covers (Q4_0, Q4_1, Q8_0, I8), at row counts that take the panels (4 and more:
-quant.c's PACKED_PANEL_ROWS; without the copy 4-8 rows take the fused nests),
+every type it covers (Q4_0, Q4_1, Q8_0, I8), at row counts that take the panels (5 and more:
+quant.c's PACKED_PANEL_ROWS; without the copy 5-8 rows take the fused bfloat16 nest; 4 rows
+the float32 one either way),
 N that leave partial groups of 16 and panels of 48, K with a partial last block, float32 and
 bfloat16 outputs with a bias, strided x; and they stay the dequantized model's products
 (gguf-py's dequantization, float64). A bfloat16 model's `Linear` carries the copy; a float32 or
 int8-activation one does not. Skipped where the build has no AVX512-BF16 (no copy is made).
 
-The served greedy parity of the default (bfloat16) path, which reads the copy from 4 rows on
+The served greedy parity of the default (bfloat16) path, which reads the copy from 5 rows on
 (prefills, batched decode), is tests/test_engine_correctness.py."""
 
 from __future__ import annotations
@@ -63,6 +64,19 @@ def test_repacked_panels_equal_the_blocks(native, name):
                 # bfloat16-rounded weights (and outputs): 2^-9 of each product's magnitude
                 # at most, each
                 assert_close(got, x, deq, bias, 5e-3)
+
+
+def test_up_to_four_rows_give_each_row_its_single_row_result(native):
+    """Below the panels (quant.c's PACKED_PANEL_ROWS) a weight with the copy keeps the float32
+    nest, which gives each row exactly its single-row product: a speculative verification of up
+    to 3 drafts has the plain decode's logits (tests/test_spec_decode_engine.py's logprobs)."""
+    rng = np.random.default_rng(5)
+    w = weight("Q4_1", 96, 576, rng)
+    native.panel_pack(w)
+    for m in (2, 3, 4):
+        x = torch.randn(m, 576).bfloat16()
+        rows = torch.cat([native.quant_linear(x[r:r + 1], w) for r in range(m)])
+        assert torch.equal(native.quant_linear(x, w), rows), m
 
 
 def test_k_quants_and_other_builds_get_no_copy(native):

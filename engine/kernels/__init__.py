@@ -302,9 +302,9 @@ class CpuKernels:
 
     def panel_pack(self, weight) -> None:
         """Give `weight` (an `engine.quant.QuantWeight`) the repacked copy the bfloat16 panels
-        read from 4 rows of a bfloat16 x on (quant_panel.c: 16 W rows interleaved by k pairs,
+        read from 5 rows of a bfloat16 x on (quant_panel.c: 16 W rows interleaved by k pairs,
         no transposition at run time; quant.c's PACKED_PANEL_ROWS: on an AVX512-BF16 EPYC
-        16-row decode steps ~10 % faster, 4-8 rows' products 1.4-1.7x), as
+        16-row decode steps ~10 % faster, 5-8 rows' products 1.5-1.7x), as
         `weight.panel_packed` (uint8; the blocks' own bytes again: 1.0x Q4_0 / Q4_1 / Q8_0,
         1.06x I8, kept beside them); left None where this build has no such panels for the type
         (no AVX512-BF16, K-quants) and where AMX tiles take bfloat16 x (from fewer rows)."""

@@ -16,7 +16,7 @@
  * - otherwise (prefill, large decode batches): quant_panel.c — a panel of W rows dequantized
  *   once into a transposed scratch, then register tiles over all of x. A bfloat16 x over W's
  *   repacked copy (quant_linear_packed's `packed`) takes the panels from PACKED_PANEL_ROWS
- *   (4) rows: filled from the copy they beat both fused nests there.
+ *   (5) rows: filled from the copy they beat the fused bfloat16 nest there.
  * Threads split W's rows. x is first copied (float32, or bfloat16 for the bfloat16 nests),
  * zero-padded to whole blocks (the int8 format pads K with zero weights).
  */
@@ -220,12 +220,14 @@ void *quant_copy_x(const void *x, int64_t x_stride, int x_bf16, int64_t m, int64
 enum { NEST_SMALL, NEST_MID_BF16, NEST_PANEL, NEST_PANEL_BF16 };
 
 /* Rows of bfloat16 x from which a weight with the panels' repacked copy takes the panels. The
- * model's 121 products streamed from memory (2-core Zen 5 EPYC, ms, alternating runs): at 4 rows
- * 5.0-5.3 against the M <= 4 nest's 7.2-7.4, at 5-8 rows 5.4-6.5 against the fused bfloat16
- * nest's 9.1-9.7 (over the blocks the panels ran 6.2-7.7: the fused nests' per-row reductions
- * and block-by-block rounding lose to one panel per call); at 3 rows the M <= 4 nest's 4.4
- * against 5.7-6.8. */
-#define PACKED_PANEL_ROWS 4
+ * model's 121 products streamed from memory (2-core Zen 5 EPYC, ms, alternating runs): at 5-8
+ * rows 5.4-6.5 against the fused bfloat16 nest's 9.1-9.7 (over the blocks the panels ran 6.2-7.7:
+ * the fused nests' per-row reductions and block-by-block rounding lose to one panel per call).
+ * At 4 rows the panels also win (5.0-5.3 against the M <= 4 nest's 7.2-7.4) but the M <= 4 nest
+ * stays: it multiplies float32 weights, each row exactly as at one row, so a decode step of up
+ * to 4 rows (a speculative verification of 3 drafts) gives the single-row step's logits; the
+ * panels round weights to bfloat16 as the fused bfloat16 nest did from 5 rows. */
+#define PACKED_PANEL_ROWS 5
 
 static int choose_nest(int64_t m, int x_bf16, int packed) {
     if (HAVE_BF16_DOT && x_bf16 && packed && m >= PACKED_PANEL_ROWS) return NEST_PANEL_BF16;

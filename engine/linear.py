@@ -103,9 +103,10 @@ class Linear:
             merged = QuantWeight.cat(parts) if len(parts) > 1 else parts[0]
             self.parts = [merged] if merged is not None else parts
             for part in self.parts:             # a repacked copy for the nest that reads it
-                if self.int8_x and kernels.q8_available:
-                    kernels.q8_pack(part)           # the int8 wide nest (3+ rows)
-                elif bf16_x and not self.int8_x:
+                if self.int8_x:
+                    if kernels.q8_available:
+                        kernels.q8_pack(part)       # the int8 wide nest (3+ rows)
+                elif bf16_x:
                     kernels.panel_pack(part)        # the bfloat16 panels (5+ rows)
             self.out_features = sum(p.shape[0] for p in parts)
             self.weight, self.packed = None, None

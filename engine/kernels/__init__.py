@@ -290,15 +290,8 @@ class CpuKernels:
         `weight.q8_packed` (uint8; 1.2x a Q4_1 weight's bytes, 1.33x Q4_0, 1.06x Q8_0, 1.13x
         I8, kept beside the blocks); left None where this build has no such nest for the type
         (no AVX-512 VNNI, K-quants)."""
-        n, k = weight.shape
-        size = self._fn["quant_q8_packed_bytes"](weight.qtype, n, k)
-        if size <= 0:
-            return
-        packed = torch.empty(size, dtype=torch.uint8)
-        qtype, w_ptr, row_bytes, scale_ptr = weight.kernel_args
-        if self._fn["quant_q8_pack"](qtype, w_ptr, row_bytes, scale_ptr, n, k,
-                                     packed.data_ptr()) == 0:
-            weight.q8_packed = packed
+        _, w_ptr, row_bytes, scale_ptr = weight.kernel_args
+        weight.q8_packed = self._repack(weight, "quant_q8", w_ptr, row_bytes, scale_ptr)
 
     def panel_pack(self, weight) -> None:
         """Give `weight` (an `engine.quant.QuantWeight`) the repacked copy the bfloat16 panels
@@ -308,14 +301,20 @@ class CpuKernels:
         `weight.panel_packed` (uint8; the blocks' own bytes again: 1.0x Q4_0 / Q4_1 / Q8_0,
         1.06x I8, kept beside them); left None where this build has no such panels for the type
         (no AVX512-BF16, K-quants) and where AMX tiles take bfloat16 x (from fewer rows)."""
+        if not self.amx_rows:               # tiles take bfloat16 x before the panels would
+            _, w_ptr, row_bytes, _ = weight.kernel_args
+            weight.panel_packed = self._repack(weight, "quant_panel", w_ptr, row_bytes)
+
+    def _repack(self, weight, prefix: str, *args) -> torch.Tensor | None:
+        """`{prefix}_pack(type, *args, n, k, out)` into a new uint8 tensor of
+        `{prefix}_packed_bytes(type, n, k)` bytes; None where that is 0 (no such layout here)."""
         n, k = weight.shape
-        size = self._fn["quant_panel_packed_bytes"](weight.qtype, n, k)
-        if size <= 0 or self.amx_rows:      # tiles take bfloat16 x before the panels would
-            return
+        size = self._fn[f"{prefix}_packed_bytes"](weight.qtype, n, k)
+        if size <= 0:
+            return None
         packed = torch.empty(size, dtype=torch.uint8)
-        qtype, w_ptr, row_bytes, _ = weight.kernel_args
-        if self._fn["quant_panel_pack"](qtype, w_ptr, row_bytes, n, k, packed.data_ptr()) == 0:
-            weight.panel_packed = packed
+        rc = self._fn[f"{prefix}_pack"](weight.qtype, *args, n, k, packed.data_ptr())
+        return packed if rc == 0 else None
 
     @property
     def q8_available(self) -> bool:

@@ -30,6 +30,8 @@ enum { T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14, T_I8 = 24 }
     X(q8_0, T_Q8_0, QK, 34) X(q4_0, T_Q4_0, QK, 18) X(q4_1, T_Q4_1, QK, 20)                   \
     X(i8, T_I8, QK, QK) X(q4_k, T_Q4_K, QK_K, 144) X(q6_k, T_Q6_K, QK_K, 210)
 #define BLOCK_BYTES_CASE(T, ID, QKT, BYTES) case ID: return BYTES;
+/* Whether `type`'s values are 4-bit codes, two to a byte (Q4_0, Q4_1). */
+INLINE int is_nibble(int type) { return type == T_Q4_0 || type == T_Q4_1; }
 /* Bytes a block of GGML type `type` holds; 0 for a type without kernels. */
 INLINE int block_bytes(int type) {
     switch (type) { QUANT_TYPES(BLOCK_BYTES_CASE) default: return 0; }

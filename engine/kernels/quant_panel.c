@@ -150,6 +150,25 @@ INLINE void panel_tile_bf16(const uint16_t *x, int64_t kp, const uint16_t *panel
         for (int v = 0; v < NPV; v++) _mm512_storeu_ps(acc + r * NP + v * 16, a[r][v]);
 }
 
+/* y rows 0 .. m - 1, columns [n0, n1) = xb [m][kp] . a filled bfloat16 panel [kp / 2][NP][2],
+ * in tiles of ML rows; the first tile asks for the next panel's pf_bytes at pf, spread over its
+ * k steps (prefetch_step; pf NULL or pf_bytes 0: none). */
+static void panel_tiles_bf16(const uint16_t *xb, int64_t m, int64_t kp, const uint16_t *panel,
+                             const uint8_t *pf, int64_t pf_bytes, int64_t n0, int64_t n1,
+                             void *y, int64_t ldy, int y_f32, const float *row_scale,
+                             const float *bias) {
+    const int64_t pf_step = prefetch_stride(pf_bytes, kp / 2);
+    float acc[ML * NP] __attribute__((aligned(64)));
+    for (int64_t r0 = 0; r0 < m; r0 += ML) {
+        const int mr = m - r0 < ML ? (int)(m - r0) : ML;
+        if (r0 == 0 && pf && pf_bytes > 0)   /* the prefetching tile; the others compiled */
+            TILE_ROWS(panel_tile_bf16, xb, kp, kp, panel, pf, pf_step)   /* without it */
+        else
+            TILE_ROWS(panel_tile_bf16, xb + r0 * kp, kp, kp, panel, NULL, 0)
+        store_tile(acc, mr, r0, n0, (int)(n1 - n0), y, ldy, y_f32, row_scale, bias);
+    }
+}
+
 /* panel_large_m for a bfloat16 x: the panel rounded to bfloat16 (nearest even, as the
  * bfloat16 model's weights are), in k pairs. */
 static void panel_large_m_bf16(dq_rows_fn dq, dqb_rows_fn dqb, const uint8_t *w,
@@ -173,17 +192,8 @@ static void panel_large_m_bf16(dq_rows_fn dq, dqb_rows_fn dqb, const uint8_t *w,
         /* a pair of bfloat16 (k, k + 1) is one 32-bit unit: [NP][qk / 2] -> [qk / 2][NP] */
         transpose_panel((const float *)half, qk / 2, qk / 2, (float *)(panel + b * qk * NP));
     }
-    /* the next panel's rows, spread over the first tile's k steps (prefetch_step) */
-    const int64_t pf_step = prefetch_stride((n1 - n0) * row_bytes, kp / 2);
-    float acc[ML * NP] __attribute__((aligned(64)));
-    for (int64_t r0 = 0; r0 < m; r0 += ML) {
-        const int mr = m - r0 < ML ? (int)(m - r0) : ML;
-        if (r0 == 0)      /* the prefetching tile; the others compiled without the branch */
-            TILE_ROWS(panel_tile_bf16, xb, kp, kp, panel, w + n1 * row_bytes, pf_step)
-        else
-            TILE_ROWS(panel_tile_bf16, xb + r0 * kp, kp, kp, panel, NULL, 0)
-        store_tile(acc, mr, r0, n0, (int)(n1 - n0), y, ldy, y_f32, row_scale, bias);
-    }
+    panel_tiles_bf16(xb, m, kp, panel, w + n1 * row_bytes, (n1 - n0) * row_bytes, n0, n1, y,
+                     ldy, y_f32, row_scale, bias);
 }
 #endif
 
@@ -232,7 +242,7 @@ static int block_code(int type, const uint8_t *blk, int i) {
 /* One (group, block) of the repacked layout from rows r0 .. r0 + 15 (those < n) of W. */
 static void pack_group_block(int type, const uint8_t *w, int64_t row_bytes, int64_t n,
                              int64_t r0, int64_t b, uint8_t *o) {
-    const int bytes = block_bytes(type), nibbles = type == T_Q4_0 || type == T_Q4_1;
+    const int bytes = block_bytes(type), nibbles = is_nibble(type);
     const int pad = type == T_Q4_0 ? 8 : 0;             /* a zero row's code */
     memset(o, 0, (size_t)group_bytes(type));
     const uint8_t *blk[PG];
@@ -262,7 +272,7 @@ static void fill_panel(int type, const uint8_t *pk, int64_t nb, int64_t g0, int6
     const __m512i pair_lo = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
     const __m512i pair_hi = _mm512_add_epi32(pair_lo, _mm512_set1_epi32(8));
     const __m512i low4 = _mm512_set1_epi32(15);
-    const int q41 = type == T_Q4_1, nibbles = type == T_Q4_0 || q41;
+    const int q41 = type == T_Q4_1, nibbles = is_nibble(type);
     const V bias = vset1(type == T_Q4_0 ? -8.f : 0.f);
     for (int gi = 0; gi < NP / PG; gi++) {
         uint16_t *dst = panel + 2 * gi * PG;
@@ -340,19 +350,11 @@ void quant_panel_repacked(int type, const uint8_t *pk, int64_t n, int64_t n0, in
     uint16_t *panel = (uint16_t *)(tmp + 2 * NP * QK);
     const int64_t kp = nb * QK, ngroups = (n + PG - 1) / PG, gb = group_bytes(type);
     fill_panel(type, pk, nb, n0 / PG, ngroups, panel);
-    /* the next panel's groups, spread over the first tile's k steps (prefetch_step): without it
-     * a 16-row decode step ran 15.4-16.0 ms against 12.3-12.6 (EPYC) */
+    /* the next panel's groups (without their prefetch a 16-row decode step ran 15.4-16.0 ms
+     * against 12.3-12.6, EPYC) */
     const int64_t next = n1 / PG, left = ngroups - next;
-    const int64_t pf_bytes = (left < NP / PG ? left : NP / PG) * nb * gb;
-    const int64_t pf_step = prefetch_stride(pf_bytes, kp / 2);
-    float acc[ML * NP] __attribute__((aligned(64)));
-    for (int64_t r0 = 0; r0 < m; r0 += ML) {
-        const int mr = m - r0 < ML ? (int)(m - r0) : ML;
-        if (r0 == 0 && pf_bytes > 0)
-            TILE_ROWS(panel_tile_bf16, xb, kp, kp, panel, pk + next * nb * gb, pf_step)
-        else
-            TILE_ROWS(panel_tile_bf16, xb + r0 * kp, kp, kp, panel, NULL, 0)
-        store_tile(acc, mr, r0, n0, (int)(n1 - n0), y, ldy, y_f32, row_scale, bias);
-    }
+    panel_tiles_bf16(xb, m, kp, panel, pk + next * nb * gb,
+                     (left < NP / PG ? left : NP / PG) * nb * gb, n0, n1, y, ldy, y_f32,
+                     row_scale, bias);
 }
 #endif

@@ -37,7 +37,6 @@
 #define XT 4          /* rows of x a tile takes */
 #define XB 64         /* rows of x a pass over W takes (their int8 copy stays in L2) */
 
-INLINE int is_nibble(int type) { return type == T_Q4_0 || type == T_Q4_1; }
 /* Bytes of one (group, block): the quantized chunks, then the two 16-lane vectors. */
 INLINE int64_t gb_bytes(int type) { return is_nibble(type) ? 256 + 128 : 512 + 64; }
 INLINE int64_t q_bytes(int type) { return is_nibble(type) ? 256 : 512; }

@@ -63,10 +63,14 @@ static int quantize_x(const void *x, int64_t x_stride, int x_bf16, int64_t m, in
                       int nibble_layout, q8x *out) {
     const int64_t nb = (k + QK - 1) / QK, pairs = (nb + 1) / 2;
     out->pairs = pairs;
-    float *buf = calloc((size_t)(m * pairs), 16 * sizeof(float) + 4 * sizeof(float) + 64);
-    out->dl = buf;                                    /* one zeroed buffer: dl, s, then q */
-    out->s = buf ? buf + m * pairs * 16 : NULL;
-    out->q = buf ? (int8_t *)(buf + m * pairs * 20) : NULL;
+    /* one zeroed buffer on a cache line: q, dl (64 bytes a pair each: every load whole lines),
+     * then s */
+    const size_t bytes = (size_t)(m * pairs) * (64 + 16 * sizeof(float) + 4 * sizeof(float));
+    int8_t *buf = alloc_lines(bytes);
+    if (buf) memset(buf, 0, bytes);
+    out->q = buf;
+    out->dl = buf ? (float *)(buf + m * pairs * 64) : NULL;
+    out->s = buf ? out->dl + m * pairs * 16 : NULL;
     /* x as float32 rows zero-padded to whole blocks: quant.c's copy, in this thread's scratch */
     const float *xf = buf ? quant_copy_x(x, x_stride, x_bf16, m, m, k, nb * QK, 0, 0) : NULL;
     if (!xf) return -1;
@@ -226,7 +230,7 @@ int quant_linear_q8(int type, const uint8_t *w, int64_t row_bytes, const float *
             q8_chunk(type, w, row_bytes, n0, n1, nb, &xq, m, y, ldy, y_f32, row_scale, bias);
         }
     }
-    free(xq.dl);
+    free(xq.q);
     return rc;
 #else
     return 0;

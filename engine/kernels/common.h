@@ -36,7 +36,8 @@
  * a large block at 16 bytes past a page) three of every four straddle two lines, and each such
  * load costs two. Measured (Zen 5, the model's 121 products of 4 rows of bfloat16 x, whose
  * float32 copy the 1-4-row nest reads): 7.1-7.7 ms in the processes where the copy was not
- * 64-byte aligned, 5.2-5.6 where it was. */
+ * 64-byte aligned, 5.2-5.6 where it was (docs/cpu.md: a slow mode with another cause remains
+ * in the engine's 4-sequence steps). */
 static inline void *alloc_lines(size_t bytes) {
     return aligned_alloc(64, bytes > 0 ? (bytes + 63) / 64 * 64 : 64);
 }

@@ -63,10 +63,10 @@ static int quantize_x(const void *x, int64_t x_stride, int x_bf16, int64_t m, in
                       int nibble_layout, q8x *out) {
     const int64_t nb = (k + QK - 1) / QK, pairs = (nb + 1) / 2;
     out->pairs = pairs;
-    /* one zeroed buffer on a cache line: q, dl (64 bytes a pair each: every load whole lines),
-     * then s */
+    /* one zeroed buffer on a cache line, this thread's scratch (kept from call to call, not
+     * a heap block a call): q, dl (64 bytes a pair each: every load whole lines), then s */
     const size_t bytes = (size_t)(m * pairs) * (64 + 16 * sizeof(float) + 4 * sizeof(float));
-    int8_t *buf = alloc_lines(bytes);
+    int8_t *buf = scratch(0, bytes);
     if (buf) memset(buf, 0, bytes);
     out->q = buf;
     out->dl = buf ? (float *)(buf + m * pairs * 64) : NULL;
@@ -230,7 +230,6 @@ int quant_linear_q8(int type, const uint8_t *w, int64_t row_bytes, const float *
             q8_chunk(type, w, row_bytes, n0, n1, nb, &xq, m, y, ldy, y_f32, row_scale, bias);
         }
     }
-    free(xq.q);
     return rc;
 #else
     return 0;

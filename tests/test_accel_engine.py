@@ -134,7 +134,8 @@ class ReplayByCall:
 
 def test_decode_steps_replay_captured_graphs(tiny, prompts, reference):
     """Decode-only steps run as replays of the bucket's capture over the step buffers, padded
-    to the bucket (3 decodes run in the 4 bucket); outputs equal eager ones and transformers'."""
+    to the bucket (3 decodes run in the 4 bucket), through the split-KV decode kernels;
+    outputs equal eager ones and transformers'."""
     eng = engine(tiny)
     runner = eng.runner
     fake = ReplayByCall()
@@ -146,6 +147,8 @@ def test_decode_steps_replay_captured_graphs(tiny, prompts, reference):
     assert fake.replays >= MAX_TOKENS - 2
     assert run(eng, prompts) == reference
     assert runner.graphs.bucket_for(3) == 4 and runner.graphs.bucket_for(9) is None
+    # every bucket (8 x 2 KV heads < 128 programs) decodes by split-KV, its scratch per bucket
+    assert {key[0] for key in runner.backend._parts} == {8, 4, 2, 1}
 
 
 def test_graph_buckets():

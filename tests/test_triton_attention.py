@@ -21,7 +21,7 @@ if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
     pytest.skip("needs TRITON_INTERPRET=1 (conftest sets it) or a GPU", allow_module_level=True)
 
 from engine.accel.metadata import StepBuffers  # noqa: E402
-from engine.accel.triton_attention import TritonAttention  # noqa: E402
+from engine.accel.triton_attention import NUM_SPLITS, TritonAttention  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3}
@@ -44,15 +44,18 @@ def reference(q, k_full, v_full, ctx_start, scale, window):
 
 
 def run_step(seqs, num_heads, num_kv_heads, head_dim, dtype, block_size=16, window=None,
-             seed=0, kv=None):
+             seed=0, kv=None, split=None):
     """seqs: (cached tokens, new tokens) per sequence, decodes (new == 1) first. Builds a cache
     holding each sequence's cached prefix at shuffled blocks, runs the backend's write and
     attention for the new tokens, and compares with the reference. Returns the max error.
     `kv` (engine.kv_quant.KVQuant): an 8-bit cache, its rows written by the torch path's
     quantize; the reference then attends the dequantized rows, and the kernel's writes must be
-    the torch path's bytes."""
+    the torch path's bytes. `split`: True / False forces the split-KV decode path on or off
+    (None: the backend's own choice); the step must then be decode-only (or not split)."""
     g = torch.Generator().manual_seed(seed)
-    backend = TritonAttention(tile_n=16, kv=kv)
+    backend = TritonAttention(tile_n=16, kv=kv, num_splits=NUM_SPLITS,
+                              **({} if split is None else
+                                 dict(split_below=10**9 if split else 0)))
     blocks_needed = [math.ceil((c + n) / block_size) for c, n in seqs]
     num_blocks = sum(blocks_needed) + 3
     perm = torch.randperm(num_blocks, generator=g).tolist()
@@ -89,12 +92,14 @@ def run_step(seqs, num_heads, num_kv_heads, head_dim, dtype, block_size=16, wind
     q = torch.cat(qs).to(DEVICE)
     k_new = torch.cat([k[c:] for k, (c, _) in zip(ks, seqs)]).to(DEVICE)
     v_new = torch.cat([v[c:] for v, (c, _) in zip(vs, seqs)]).to(DEVICE)
-    buffers = StepBuffers(DEVICE, 64, 8, 16)
+    buffers = StepBuffers(DEVICE, 64, 8, max(16, max(blocks_needed)))
     num_decodes = sum(1 for _, n in seqs if n == 1)
     _, _, meta = buffers.fill(backend, [0] * len(slots), torch.tensor(positions),
                               torch.tensor(slots), [n for _, n in seqs],
                               [c + n for c, n in seqs], tables, num_decodes)
     scale = head_dim ** -0.5
+    if split is not None:
+        assert backend.uses_split(meta, num_kv_heads) == split
     out = backend.forward(q, k_new, v_new, cache[0], cache[1], meta, scale, window or 0).cpu()
     out = out.view(-1, num_heads, head_dim)
     err, t = 0.0, 0
@@ -111,13 +116,46 @@ def run_step(seqs, num_heads, num_kv_heads, head_dim, dtype, block_size=16, wind
     return err
 
 
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("group", [1, 3, 8])
-def test_decodes_only(dtype, group):
+def test_decodes_only(dtype, group, split):
     """A decode-only step (the CUDA-graph shape): contexts inside one block, on a block
-    boundary, and across several blocks."""
-    err = run_step([(0, 1), (15, 1), (16, 1), (40, 1)], 2 * group, 2, 64, dtype)
+    boundary, and across several blocks — by the one-pass kernel and by split-KV."""
+    err = run_step([(0, 1), (15, 1), (16, 1), (40, 1)], 2 * group, 2, 64, dtype, split=split)
     assert err < TOL[dtype], err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("window", [0, 7, 100])
+def test_split_kv_long_single_decodes(dtype, window):
+    """Long single decodes, the split path's case: one sequence of 1,000 keys (63 tiles over 16
+    shares, the last one short) and beside it a short one (most shares empty), GQA group 4,
+    with and without a sliding window (a window inside one share and one across several)."""
+    err = run_step([(999, 1), (20, 1)], 8, 2, 64, dtype, window=window, seed=window,
+                   split=True)
+    assert err < TOL[dtype], err
+
+
+def test_split_kv_takes_small_decode_steps_only():
+    """The backend's choice (vLLM's): split-KV for decode-only steps of fewer than 128
+    (sequence, KV head) programs, the one-pass kernel for prefill chunks and big batches."""
+    backend = TritonAttention()
+    buffers = StepBuffers(DEVICE, 256, 64, 4)
+
+    def meta(query_lens, pad_to=None):
+        n = len(query_lens)
+        _, _, m = buffers.fill(backend, [0] * sum(query_lens), torch.zeros(sum(query_lens)),
+                               torch.full((sum(query_lens),), -1), query_lens,
+                               [5] * n, [[0]] * n, sum(1 for q in query_lens if q == 1),
+                               pad_to=pad_to)
+        return m
+    assert backend.uses_split(meta([1]), 8)
+    assert backend.uses_split(meta([1] * 15), 8)            # 120 programs
+    assert not backend.uses_split(meta([1] * 16), 8)        # 128
+    assert not backend.uses_split(meta([1, 3]), 8)          # a chunk in the step
+    assert backend.uses_split(meta([1], pad_to=8), 8)       # a graph bucket: its padded size
+    assert not backend.uses_split(meta([1], pad_to=32), 8)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -152,10 +190,11 @@ def test_small_blocks_and_odd_head_dim():
     assert err < TOL[torch.float32], err
 
 
-def test_padded_rows_write_nothing_and_attend_to_nothing():
+@pytest.mark.parametrize("split", [False, True])
+def test_padded_rows_write_nothing_and_attend_to_nothing(split):
     """A CUDA graph's padding rows (slot -1, context 0): no cache write, zero output, and the
-    real rows are unchanged by them."""
-    backend = TritonAttention()
+    real rows are unchanged by them — by both decode paths."""
+    backend = TritonAttention(split_below=10**9 if split else 0, num_splits=NUM_SPLITS)
     cache = torch.zeros(2, 1, 4, 16, 64, device=DEVICE)
     cache[:, :, 1] = torch.randn(2, 1, 16, 64)
     buffers = StepBuffers(DEVICE, 8, 4, 4)
@@ -185,4 +224,6 @@ def test_8bit_caches_write_the_cpu_bytes_and_attend_their_values(kv, dtype):
     from engine.kv_quant import KVQuant
     quant = KVQuant(kv) if kv == "int8" else KVQuant(kv, k_scale=0.5, v_scale=2.0)
     err = run_step([(20, 1), (3, 1), (17, 9)], 6, 2, 64, dtype, kv=quant)
+    assert err < TOL[dtype] * 4, err
+    err = run_step([(130, 1), (3, 1)], 6, 2, 64, dtype, kv=quant, split=True)   # split-KV
     assert err < TOL[dtype] * 4, err

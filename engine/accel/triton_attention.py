@@ -3,7 +3,8 @@ mapping, and one launch that attends every query token of a step — decodes, pr
 prefix-cache hits alike — reading K/V in place through the block tables.
 
 Owns: `TritonAttention` (the CUDA attention backend: `forward(q, k, v, k_cache, v_cache, meta,
-scale)`) and the two `@triton.jit` kernels behind it. In: the step's `SeqMetadata`
+scale)`) and the `@triton.jit` kernels behind it (the write, the attention, the split-KV decode
+pair). In: the step's `SeqMetadata`
 (`engine.accel.metadata`: per sequence its query span `query_start_loc`, its context length
 after the step `seq_lens`, its `block_tables` row; per token its `slot_mapping`, -1 = write
 nothing, as a padded CUDA-graph row has). Out: `[T, num_heads * head_dim]` in q's dtype.
@@ -31,6 +32,15 @@ online softmax):
   `sliding_window` convention: a query sees itself and the W - 1 keys before it). Tiles wholly
   outside every row's range are skipped by the loop bounds.
 - rows of padding (seq_lens 0) write zeros.
+
+Split-KV decode, after vLLM's 3-D unified attention and Flash-Decoding (Dao et al. 2023): a
+decode-only step with few (sequence, KV head) programs — batch 1 has one per KV head, each
+walking the whole context alone — splits each context's key tiles into `NUM_SPLITS` shares,
+grid `(num_seqs, num_kv_heads, NUM_SPLITS)`; each program writes its share's unnormalised
+output, running max and sum (float32 scratch kept per shape), and a second kernel, grid
+`(num_seqs, num_heads)`, merges them with the usual rescaling. The shares are computed in the
+kernel from `seq_lens`, so the grid is fixed per batch size, as CUDA graphs need. Taken below
+`SPLIT_BELOW` programs (vLLM's threshold), `TritonAttention.uses_split`.
 
 Runs under `TRITON_INTERPRET=1` on CPU tensors (numpy, no bfloat16 there): that is how the
 tests check it on CPU-only machines; `benchmarks/device_check.py` checks it on a GPU.
@@ -186,7 +196,8 @@ def _paged_attention_kernel(
     kv_base = kvh * stride_ch
     for start in range((key_begin // TILE_N) * TILE_N, key_end, TILE_N):
         k_pos = start + cols
-        k_ok = k_pos < key_end
+        # keys before key_begin are never read: their blocks may have been freed (a window)
+        k_ok = (k_pos < key_end) & (k_pos >= key_begin)
         blk = tl.load(block_tables_ptr + seq * stride_bt + k_pos // block_size, mask=k_ok,
                       other=0)
         kv_off = kv_base + blk.to(tl.int64) * stride_cb + (k_pos % block_size) * stride_cs
@@ -218,6 +229,106 @@ def _paged_attention_kernel(
              mask=row_ok[:, None] & dmask[None, :])
 
 
+@triton.jit
+def _split_decode_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+        block_tables_ptr, seq_lens_ptr, query_start_ptr,
+        scale, block_size, head_dim, window, k_scale, v_scale, num_heads,
+        stride_qt, stride_qh, stride_ch, stride_cb, stride_cs, stride_bt,
+        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
+        HEAD_D: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr,
+        KV_KIND: tl.constexpr):
+    """Split-KV decode, pass 1 (module docstring): program (seq, kvh, split) attends the one
+    query token of `seq` with the GROUP heads of KV head `kvh` over its share of the context's
+    key tiles, and writes the unnormalised partial output `part_acc [S, H, NUM_SPLITS, HEAD_D]`
+    with its running max `part_m` and sum `part_l [S, H, NUM_SPLITS]` (float32; an empty share:
+    -inf, 0, zeros)."""
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1).to(tl.int64)          # int64 offsets: a cache may pass 2**31
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    q_start = tl.load(query_start_ptr + seq)
+    q_pos = seq_len - 1                          # the decode token's position
+
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < GROUP
+    head = kvh * GROUP + rows % GROUP
+    d = tl.arange(0, HEAD_D)
+    dmask = d < head_dim
+    q = tl.load(q_ptr + q_start * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & dmask[None, :], other=0.0)
+
+    key_begin = 0
+    if USE_WINDOW:
+        key_begin = tl.maximum(q_pos - window + 1, 0)
+    first_tile = key_begin // TILE_N
+    num_tiles = tl.cdiv(seq_len, TILE_N) - first_tile      # <= 0 for a padding row
+    per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = first_tile + split * per_split
+    tile_hi = tl.minimum(tile_lo + per_split, first_tile + num_tiles)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_D], dtype=tl.float32)
+    cols = tl.arange(0, TILE_N)
+    kv_base = kvh * stride_ch
+    for tile in range(tile_lo, tile_hi):
+        k_pos = tile * TILE_N + cols
+        k_ok = (k_pos < seq_len) & (k_pos >= key_begin)
+        blk = tl.load(block_tables_ptr + seq * stride_bt + k_pos // block_size, mask=k_ok,
+                      other=0)
+        kv_off = kv_base + blk.to(tl.int64) * stride_cb + (k_pos % block_size) * stride_cs
+        kv_mask = k_ok[:, None] & dmask[None, :]
+        k = _load_rows(k_cache_ptr, kv_off, d, kv_mask, k_ok, head_dim, k_scale,
+                       KV_KIND).to(q.dtype)
+        v = _load_rows(v_cache_ptr, kv_off, d, kv_mask, k_ok, head_dim, v_scale,
+                       KV_KIND).to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32) * scale
+        s = tl.where(k_ok[None, :] & row_ok[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v,
+                                            input_precision="ieee").to(tl.float32)
+        m_i = m_new
+
+    part = (seq * num_heads + head) * NUM_SPLITS + split          # [BLOCK_M]
+    tl.store(part_m_ptr + part, m_i, mask=row_ok)
+    tl.store(part_l_ptr + part, l_i, mask=row_ok)
+    tl.store(part_acc_ptr + part[:, None] * HEAD_D + d[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def _split_reduce_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, query_start_ptr,
+                         head_dim, num_heads, stride_ot, stride_oh,
+                         HEAD_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """Split-KV decode, pass 2: program (seq, head) merges the NUM_SPLITS partials — each
+    rescaled by exp(m_split - max m), the sum likewise — into the output row (zeros where
+    nothing was seen: a padding row)."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    sp = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, HEAD_D)
+    part = (seq * num_heads + head) * NUM_SPLITS + sp
+    m = tl.load(part_m_ptr + part)
+    l_s = tl.load(part_l_ptr + part)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_D + d[None, :])
+    m_max = tl.max(m, axis=0)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp(m - m_safe)                       # an empty split: exp(-inf) = 0
+    total = tl.sum(w * l_s, axis=0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+    q_start = tl.load(query_start_ptr + seq)
+    tl.store(out_ptr + q_start * stride_ot + head * stride_oh + d,
+             out.to(out_ptr.dtype.element_ty), mask=d < head_dim)
+
+
+SPLIT_BELOW = 128     # vLLM's threshold: a decode step of fewer 2-D programs splits its keys
+NUM_SPLITS = 16       # key shares per (sequence, KV head) in the split path (vLLM's segments)
+
+
 def _tile_shapes(group: int, max_query_len: int) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_Q): BLOCK_M rows (a power of two, >= 16 for `tl.dot`) hold BLOCK_Q
     tokens of `group` heads each. 16 rows where every chunk fits in them (decodes: a small
@@ -232,15 +343,44 @@ def _tile_shapes(group: int, max_query_len: int) -> tuple[int, int]:
 class TritonAttention:
     """The CUDA attention backend (see the module docstring); one per runner. `tile_n`: keys
     per tile (a power of two >= 16); `kv`: the runner's 8-bit cache (`engine.kv_quant.KVQuant`)
-    or None. Sliding windows are per call (a model's layers may differ)."""
+    or None; `split_below`, `num_splits`: the split-KV decode path's threshold in programs and
+    its shares per context (a power of two; None: `NUM_SPLITS`, or 2 under `TRITON_INTERPRET=1`,
+    where every program costs milliseconds — the kernel tests pass 16). Sliding windows are
+    per call (a model's layers may differ)."""
 
     name = "triton"
     block_dim = 3            # the block axis of the runner's [layer, k/v, head, block, slot, d]
     sliding_window = True    # forward takes a window
 
-    def __init__(self, tile_n: int = 32, kv=None) -> None:
+    def __init__(self, tile_n: int = 32, kv=None, split_below: int = SPLIT_BELOW,
+                 num_splits: int | None = None) -> None:
         self.tile_n = tile_n
         self.kv = kv             # engine.kv_quant.KVQuant: an 8-bit cache; None: the model dtype
+        self.split_below = split_below     # split-KV decode below this many 2-D programs
+        if num_splits is None:   # the interpreter runs each program in numpy: 2 shares there
+            num_splits = 2 if os.environ.get("TRITON_INTERPRET") == "1" else NUM_SPLITS
+        self.num_splits = num_splits       # a power of two
+        self._parts: dict[tuple, tuple[torch.Tensor, ...]] = {}
+
+    def uses_split(self, meta, num_kv_heads: int) -> bool:
+        """Whether `attend` takes the split-KV decode path: a decode-only step (one query token
+        a sequence) of fewer than `split_below` (sequence, KV head) programs — vLLM's choice
+        between its 2-D and 3-D unified attention. Fixed per CUDA-graph bucket (it reads only
+        the padded batch size)."""
+        return meta.max_query_len == 1 and \
+            meta.seq_lens.shape[0] * num_kv_heads < self.split_below
+
+    def _partials(self, num_seqs: int, num_heads: int, head_d: int, device):
+        """The split path's float32 scratch (acc `[S * H * splits, head_d]`, m and l
+        `[S * H * splits]`), kept per shape: allocated once, so a CUDA graph captures
+        pointers that stay valid, and an eager step allocates nothing."""
+        key = (num_seqs, num_heads, head_d, str(device))
+        if key not in self._parts:
+            n = num_seqs * num_heads * self.num_splits
+            self._parts[key] = (torch.empty(n, head_d, dtype=torch.float32, device=device),
+                                torch.empty(n, dtype=torch.float32, device=device),
+                                torch.empty(n, dtype=torch.float32, device=device))
+        return self._parts[key]
 
     def _kv_args(self) -> tuple[int, float, float]:
         """(KV_KIND, K's fp8 scale, V's) of the kernels (0, 1, 1: the model dtype)."""
@@ -283,6 +423,8 @@ class TritonAttention:
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads = k_cache.shape[0]
         group = num_heads // num_kv_heads
+        if self.uses_split(meta, num_kv_heads):
+            return self._attend_split(q, k_cache, v_cache, meta, scale, out, window)
         block_m, block_q = _tile_shapes(group, meta.max_query_len)
         num_seqs = meta.seq_lens.shape[0]
         grid = (num_seqs, triton.cdiv(meta.max_query_len, block_q), num_kv_heads)
@@ -294,6 +436,28 @@ class TritonAttention:
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
             GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=self.tile_n,
             HEAD_D=triton.next_power_of_2(head_dim), USE_WINDOW=window > 0, KV_KIND=kind)
+        return out
+
+    def _attend_split(self, q, k_cache, v_cache, meta, scale, out, window):
+        """`attend` for a decode-only step by split-KV (module docstring): grid `(S, KVH,
+        num_splits)` writes partials, `(S, H)` merges them into `out`."""
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        num_kv_heads = k_cache.shape[0]
+        group = num_heads // num_kv_heads
+        num_seqs = meta.seq_lens.shape[0]
+        head_d = triton.next_power_of_2(head_dim)
+        acc, m, l_sum = self._partials(num_seqs, num_heads, head_d, q.device)
+        kind, k_scale, v_scale = self._kv_args()
+        _split_decode_kernel[(num_seqs, num_kv_heads, self.num_splits)](
+            q, k_cache, v_cache, acc, m, l_sum, meta.block_tables, meta.seq_lens,
+            meta.query_start_loc, scale, k_cache.shape[2], head_dim, window, k_scale, v_scale,
+            num_heads, q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
+            GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(group)), TILE_N=self.tile_n,
+            HEAD_D=head_d, NUM_SPLITS=self.num_splits, USE_WINDOW=window > 0, KV_KIND=kind)
+        _split_reduce_kernel[(num_seqs, num_heads)](
+            acc, m, l_sum, out, meta.query_start_loc, head_dim, num_heads,
+            out.stride(0), out.stride(1), HEAD_D=head_d, NUM_SPLITS=self.num_splits)
         return out
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

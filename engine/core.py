@@ -142,7 +142,8 @@ class EngineCore:
         self._compile_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self.scheduler = Scheduler(
             sched, CacheConfig(config.block_size, num_gpu_blocks, num_cpu_blocks,
-                        config.enable_prefix_caching), compile_grammar=self._compile_grammar)
+                               config.enable_prefix_caching, self._freed_window(mcfg, draft)),
+            compile_grammar=self._compile_grammar)
         eos_ids = (self.eos_token_id,) + self.extra_eos_ids
         if self._tp is not None:     # the ranks' runners start with the same cache
             self.runner = TensorParallelRunner(*self._tp, self.model, self.device,
@@ -205,9 +206,10 @@ class EngineCore:
         if runner.backend is None:
             return "torch"
         graphs = runner.graphs
+        window = self.scheduler.cache_config.sliding_window
         return f"{runner.backend.name} kernels, " + (
             f"CUDA graphs for {len(graphs.buckets)} decode batch sizes" if graphs is not None
-            else "eager")
+            else "eager") + (f", blocks behind the {window}-token window freed" if window else "")
 
     def _isa_description(self) -> str:
         """The ready log's `cpu isa: ...`: the kernels' level with the matmul extensions in use,
@@ -308,6 +310,17 @@ class EngineCore:
             raise ValueError(f"--max-model-len {wanted} exceeds the model's limit of {limit} "
                              "tokens")
         return wanted
+
+    def _freed_window(self, mcfg: ModelConfig, draft) -> int:
+        """The sliding window (tokens) whose slid-out blocks the KV cache frees, or 0: only
+        where attention applies windows (`has_sliding_window`), every layer has one (a Qwen2
+        with full layers still reads every block), and no draft model shares the block tables
+        (its layers attend to everything)."""
+        windows = mcfg.layer_windows
+        if draft is not None or not windows or not all(windows) \
+                or not has_sliding_window(self.device.kind):
+            return 0
+        return max(windows)
 
     def _num_gpu_blocks(self, block_bytes: int, max_num_tokens: int, max_num_seqs: int,
                         logit_rows: int) -> int:

@@ -13,6 +13,14 @@ Pure Python, no torch. Physical layout (in the runner): slot = block_id * block_
 Contract with the model runner: within one forward pass, the K/V of every scheduled token of a
 layer is written before that layer's attention reads the cache. A block registered in the prefix
 cache during `allocate_slots` may therefore be read by another request in the same step.
+
+Sliding windows (`sliding_window` W > 0: every layer of the model attends to a window, and the
+attention backend applies it — vLLM's `SlidingWindowManager`): a query at position p reads keys
+p - W + 1 .. p only, so once a request has computed c tokens, its blocks wholly before position
+c - W + 1 are never read again. `allocate_slots` frees them and puts the null block — one
+block reserved at start, never written, never read — in their table entries, so a windowed
+model's cache holds about W tokens a request however long its context; the attention kernels
+must not read keys before a query's window (the Triton kernels mask them out of their loads).
 """
 
 from __future__ import annotations
@@ -35,16 +43,26 @@ class KVCacheManager:
         block_size: tokens per block.
         enable_prefix_caching: share full blocks between requests with equal prefixes.
         num_cpu_blocks: blocks in the CPU swap pool (0 disables swapping).
+        sliding_window: W > 0 frees blocks that slid out of a W-token window (module
+            docstring); it reserves one device block, the null block.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_cpu_blocks: int = 0) -> None:
+                 num_cpu_blocks: int = 0, sliding_window: int = 0) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if sliding_window and num_blocks < 2:
+            raise ValueError("a sliding-window cache needs two blocks or more (one is the null "
+                             "block)")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.cpu_pool = BlockPool(num_cpu_blocks, enable_caching=False) if num_cpu_blocks else None
+        self.sliding_window = sliding_window
+        self.null_block = self.pool.allocate(1)[0] if sliding_window else None
+        self._skipped: dict[str, int] = {}             # leading table entries now null
+        self._unreported: dict[str, int] = {}          # first entry nulled, not yet returned
+        self.num_window_freed = 0                      # table entries freed by the window
         self.block_tables: dict[str, list[KVCacheBlock]] = {}
         self.cpu_tables: dict[str, list[KVCacheBlock]] = {}
         self._hashes: dict[str, list[int]] = {}        # memo: hash of each full block so far
@@ -108,7 +126,7 @@ class KVCacheManager:
                            extra_keys: Hashable) -> None:
         """Register every block of `table` that is full after `num_tokens` tokens."""
         num_full = min(num_tokens // self.block_size, len(table))
-        start = self._num_cached.get(request_id, 0)
+        start = max(self._num_cached.get(request_id, 0), self._skipped.get(request_id, 0))
         if num_full <= start:
             return
         hashes = self._block_hashes(request_id, token_ids, num_full, extra_keys)
@@ -133,16 +151,20 @@ class KVCacheManager:
             num_lookahead_tokens: extra slots reserved past them (speculative decoding).
             new_computed_blocks: prefix-cache hits from `get_computed_blocks` (new request only).
 
-        Returns: the index of the first table entry that changed (== old table length when only
-        appends happened or nothing changed), or None if the device pool has no room — then
-        nothing was changed. A shared, partly filled block about to be written is replaced by a
-        private copy (copy-on-write); the pair appears in `take_blocks_to_copy()`.
+        Returns: the index of the first table entry that changed since the last call returned
+        (== old table length when only appends happened or nothing changed), or None if the
+        device pool has no room — then nothing was changed but the release of blocks that slid
+        out of the window (`_free_slid_out`). A shared, partly filled block about to be written
+        is replaced by a private copy (copy-on-write); the pair appears in
+        `take_blocks_to_copy()`.
         """
         bs = self.block_size
         table = self.block_tables.get(request_id)
         if table is None:
             table = []
         elif not new_computed_blocks:
+            if self.sliding_window:
+                self._free_slid_out(request_id, table, num_computed_tokens)
             # Fast path (most decodes): the slots exist, the written block is private, and no
             # block becomes full, so nothing changes.
             end = num_computed_tokens + num_new_tokens
@@ -151,7 +173,7 @@ class KVCacheManager:
                     and table[write_idx].ref_cnt == 1
                     and (not self.enable_prefix_caching
                          or end // bs <= self._num_cached.get(request_id, 0))):
-                return len(table)
+                return self._unreported.pop(request_id, len(table))
         num_computed = num_computed_tokens + len(new_computed_blocks) * bs
         needed = cdiv(num_computed + num_new_tokens + num_lookahead_tokens, bs)
         num_existing = len(table) + len(new_computed_blocks)
@@ -162,11 +184,14 @@ class KVCacheManager:
             reviving = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
             if num_alloc > self.pool.num_free_blocks - reviving:
                 return None
-        first_changed = len(table)
+        first_changed = min(len(table), self._unreported.pop(request_id, len(table)))
         if new_computed_blocks:
             self.pool.touch(new_computed_blocks)
             table.extend(new_computed_blocks)
             self._num_cached[request_id] = len(table)
+            if self.sliding_window:        # a long cached prefix: keep only its window
+                self._free_slid_out(request_id, table, num_computed)
+                first_changed = min(first_changed, self._unreported.pop(request_id, 0))
         if cow:
             old = table[write_idx]
             new = self.pool.allocate(1)[0]
@@ -174,7 +199,7 @@ class KVCacheManager:
             self.pool.free([old])
             if num_computed % bs:
                 self._copies.append((old.block_id, new.block_id))
-            first_changed = write_idx
+            first_changed = min(first_changed, write_idx)
             num_alloc -= 1
         if num_alloc:
             table.extend(self.pool.allocate(num_alloc))
@@ -183,6 +208,26 @@ class KVCacheManager:
             self._cache_full_blocks(request_id, table, token_ids, num_computed + num_new_tokens,
                                     extra_keys)
         return first_changed
+
+    def _free_slid_out(self, request_id: str, table: list[KVCacheBlock],
+                       num_computed: int) -> None:
+        """Free the table's blocks wholly before position `num_computed - W + 1` (no query
+        from `num_computed` on reads them) and put the null block in their entries; the first
+        such entry is remembered for the next successful `allocate_slots` to report. Done
+        whether or not that allocation succeeds: the freed blocks are never read again."""
+        done = self._skipped.get(request_id, 0)
+        upto = min((num_computed - self.sliding_window + 1) // self.block_size, len(table))
+        if upto <= done:
+            return
+        self.pool.free(table[done:upto])
+        table[done:upto] = [self.null_block] * (upto - done)
+        self.num_window_freed += upto - done
+        self._skipped[request_id] = upto
+        self._unreported[request_id] = min(self._unreported.get(request_id, done), done)
+
+    def _live(self, request_id: str, table: list[KVCacheBlock]) -> list[KVCacheBlock]:
+        """The table without its leading null entries."""
+        return table[self._skipped.get(request_id, 0):]
 
     def take_blocks_to_copy(self) -> list[tuple[int, int]]:
         """Copy-on-write pairs `(src_block_id, dst_block_id)` since the last call."""
@@ -199,7 +244,10 @@ class KVCacheManager:
         if self.holds_blocks(child_id):
             raise KVCacheError(f"fork: request {child_id!r} already holds blocks")
         shared = self.block_tables.get(parent_id, [])[:cdiv(num_computed_tokens, self.block_size)]
-        self.pool.touch(shared)
+        skipped = min(self._skipped.get(parent_id, 0), len(shared))
+        self.pool.touch(shared[skipped:])
+        if skipped:
+            self._skipped[child_id] = skipped
         self.block_tables[child_id] = list(shared)
         self._num_cached[child_id] = min(self._num_cached.get(parent_id, 0), len(shared))
         if parent_id in self._hashes:
@@ -219,10 +267,12 @@ class KVCacheManager:
         if table is None and cpu is None:
             raise KVCacheError(f"free: request {request_id!r} holds no blocks")
         if table is not None:
-            self.pool.free(table)
+            self.pool.free(self._live(request_id, table))
         if cpu is not None:
-            self.cpu_pool.free(cpu)
+            self.cpu_pool.free(self._live(request_id, cpu))
         self._num_cached.pop(request_id, None)
+        self._skipped.pop(request_id, None)
+        self._unreported.pop(request_id, None)
         if not keep_hashes:
             self._hashes.pop(request_id, None)
 
@@ -247,8 +297,8 @@ class KVCacheManager:
 
     def can_swap_out(self, request_id: str) -> bool:
         """Whether the CPU pool has room for all of the request's device blocks."""
-        table = self.block_tables.get(request_id, ())
-        return self.cpu_pool is not None and self.cpu_pool.num_free_blocks >= len(table)
+        live = self._live(request_id, self.block_tables.get(request_id, []))
+        return self.cpu_pool is not None and self.cpu_pool.num_free_blocks >= len(live)
 
     def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:
         """Move the request's device blocks to the CPU pool.
@@ -259,11 +309,14 @@ class KVCacheManager:
         if not self.can_swap_out(request_id):
             return None
         table = self.block_tables.pop(request_id)
-        cpu = self.cpu_pool.allocate(len(table))
-        self.pool.free(table)
-        self.cpu_tables[request_id] = cpu
+        live = self._live(request_id, table)
+        cpu = self.cpu_pool.allocate(len(live))
+        self.pool.free(live)
+        skipped = len(table) - len(live)      # null entries stay null (the null block)
+        self.cpu_tables[request_id] = [self.null_block] * skipped + cpu
         self._num_cached.pop(request_id, None)
-        return [(g.block_id, c.block_id) for g, c in zip(table, cpu)]
+        self._unreported.pop(request_id, None)     # a swap-in reports its whole table
+        return [(g.block_id, c.block_id) for g, c in zip(live, cpu)]
 
     def swap_in(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
                 num_new_tokens: int, num_lookahead_tokens: int = 0,
@@ -275,17 +328,19 @@ class KVCacheManager:
         """
         cpu = self.cpu_tables[request_id]
         bs = self.block_size
-        needed = max(len(cpu), cdiv(num_computed_tokens + num_new_tokens + num_lookahead_tokens, bs))
+        skipped = self._skipped.get(request_id, 0)
+        needed = max(len(cpu), cdiv(num_computed_tokens + num_new_tokens + num_lookahead_tokens,
+                                    bs)) - skipped
         if needed > self.pool.num_free_blocks:
             return None
-        table = self.pool.allocate(needed)
+        live = self.pool.allocate(needed)
         del self.cpu_tables[request_id]
-        self.cpu_pool.free(cpu)
-        self.block_tables[request_id] = table
+        self.cpu_pool.free(cpu[skipped:])
+        table = self.block_tables[request_id] = [self.null_block] * skipped + live
         if self.enable_prefix_caching:
             self._cache_full_blocks(request_id, table, token_ids,
                                     num_computed_tokens + num_new_tokens, extra_keys)
-        return [(c.block_id, g.block_id) for c, g in zip(cpu, table)]
+        return [(c.block_id, g.block_id) for c, g in zip(cpu[skipped:], live)]
 
     def reset_prefix_cache(self) -> int:
         """Drop cached content of every free block (see `BlockPool.reset_prefix_cache`)."""

@@ -106,12 +106,16 @@ class CacheConfig:
 
     block_size: tokens per block. num_gpu_blocks: device blocks. num_cpu_blocks: swap-pool
     blocks (0 = no swap pool). enable_prefix_caching: share full blocks across requests.
+    sliding_window: tokens; > 0 when every layer attends to a window of that size and the
+    attention applies it: blocks that slid out of it are freed (`kvcache.manager`); 0 = keep
+    every block of a sequence.
     """
 
     block_size: int = 16
     num_gpu_blocks: int = 1024
     num_cpu_blocks: int = 0
     enable_prefix_caching: bool = True
+    sliding_window: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -124,10 +128,19 @@ class CacheConfig:
 
 def check_cache_fits(config: SchedulerConfig, cache_config: CacheConfig) -> None:
     """Raises ValueError if one sequence of `max_model_len` tokens (plus lookahead) could not
-    fit in the KV cache: it could then never finish."""
-    capacity = cache_config.num_gpu_blocks * cache_config.block_size
-    if capacity < config.max_model_len + config.num_lookahead_tokens:
+    fit in the KV cache: it could then never finish. With a sliding window W a sequence holds
+    at most the blocks of W - 1 tokens before a step's first query plus the step's tokens
+    (`max_num_batched_tokens` at most), one more for alignment, and the null block."""
+    bs, blocks = cache_config.block_size, cache_config.num_gpu_blocks
+    lookahead = config.num_lookahead_tokens
+    need = -(-(config.max_model_len + lookahead) // bs)
+    window = cache_config.sliding_window
+    if window:
+        step = min(config.max_num_batched_tokens, config.max_model_len)
+        need = min(need, -(-(window - 2 + step + lookahead) // bs) + 1) + 1
+    if blocks < need:
         raise ValueError(
             f"max_model_len ({config.max_model_len}) is larger than the KV cache can hold "
-            f"({capacity} tokens = {cache_config.num_gpu_blocks} blocks x "
-            f"{cache_config.block_size}); decrease --max-model-len or give the cache more memory")
+            f"({blocks * bs} tokens = {blocks} blocks x {bs}; one sequence needs {need} blocks"
+            f"{f' with its {window}-token window' if window else ''}); decrease "
+            "--max-model-len or give the cache more memory")

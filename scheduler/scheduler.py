@@ -90,7 +90,8 @@ class Scheduler:
         self.config = config
         self.cache_config = cache_config
         self.kv = KVCacheManager(cache_config.num_gpu_blocks, cache_config.block_size,
-                                 cache_config.enable_prefix_caching, cache_config.num_cpu_blocks)
+                                 cache_config.enable_prefix_caching, cache_config.num_cpu_blocks,
+                                 cache_config.sliding_window)
         self.requests: dict[str, Request] = {}     # every unfinished request, by id
         self._key = policy_key(config)
         self.waiting = WaitingQueue(self._key)     # new, preempted, waiting for a grammar

@@ -8,6 +8,12 @@ context back through its block table. That context must equal the request's true
 next token is a deterministic function of the context read back — so a bookkeeping error either
 trips an assertion or changes the output.
 
+With a sliding window (`CacheConfig.sliding_window` W) a query at position p reads positions
+p - W + 1 .. p only, as a windowed model's attention does: the runner checks every scheduled
+request's window back through its table (the blocks before it may have been freed and their
+entries pointed at the null block, which nothing may write), and the "model" sees the true
+tokens there (`next_token` reads only the last six, so W >= 6 changes no output).
+
 With `draft_rng` it proposes drafts, as the engine's n-gram proposer does: for each request that
 sampled, in the step's `ModelRunnerOutput.draft_token_ids` (the scheduler keeps them).
 
@@ -60,6 +66,9 @@ class FakeRunner:
         self.cpu = [[None] * cache.block_size for _ in range(cache.num_cpu_blocks)]
         self.tables: dict[str, list[int]] = {}
         self.steps = 0
+        self.window = cache.sliding_window
+        null = scheduler.kv.null_block
+        self.null_id = null.block_id if null is not None else None
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self.steps += 1
@@ -83,27 +92,33 @@ class FakeRunner:
                 del table[s.block_table_start:]
                 table.extend(s.new_block_ids)
             table = self.tables[s.request_id]
+            assert table == self.scheduler.kv.block_ids(s.request_id), \
+                f"{s.request_id}: the runner's block table differs from the manager's"
             for i, tok in enumerate(s.token_ids):
                 pos = s.start_position + i
+                assert table[pos // bs] != self.null_id, \
+                    f"{s.request_id}: position {pos} written into the null block"
                 self.gpu[table[pos // bs]][pos % bs] = (pos, tok)
         sampled: dict[str, list[int]] = {}
         proposed: dict[str, list[int]] = {}
         for s in out.scheduled:
-            if not s.sample:
-                continue
-            table = self.tables[s.request_id]
             end = s.start_position + len(s.token_ids)
-            context = []
-            for pos in range(end):
+            seen = max(0, s.start_position - self.window + 1) if self.window else 0
+            truth = self.scheduler.requests[s.request_id].all_token_ids
+            context = list(truth[:seen])         # before the first query's window: not read
+            table = self.tables[s.request_id]
+            for pos in range(seen, end):
                 entry = self.gpu[table[pos // bs]][pos % bs]
                 assert entry is not None and entry[0] == pos, \
                     f"{s.request_id}: slot for position {pos} holds {entry}"
                 context.append(entry[1])
+            if not s.sample:
+                continue
             if s.num_drafts:        # verify: sample at every position, keep the agreeing prefix
                 drafts = s.token_ids[1:]
                 end -= s.num_drafts
                 context = context[:end]
-            truth = self.scheduler.requests[s.request_id].all_token_ids[:end]
+            truth = truth[:end]
             assert context == truth, f"{s.request_id}: cache holds {context}, expected {truth}"
             emitted = [next_token(context, s.choice_index)]
             for j in range(s.num_drafts):
@@ -173,8 +188,13 @@ def check_invariants(scheduler: Scheduler, out: SchedulerOutput | None) -> None:
             continue
         refs = [0] * pool.num_blocks
         holders: dict[int, set[str]] = {}
+        if kv.null_block is not None and pool is kv.pool:
+            refs[kv.null_block.block_id] = 1          # reserved: never freed, never counted
         for rid, table in tables.items():
-            for b in table:
+            skipped = kv._skipped.get(rid, 0)
+            assert all(b is kv.null_block for b in table[:skipped])
+            for b in table[skipped:]:
+                assert b is not kv.null_block, f"{rid}: the null block inside its window"
                 refs[b.block_id] += 1
                 holders.setdefault(b.block_id, set()).add(rid)
         free = [b.block_id for b in pool.blocks if b.ref_cnt == 0]

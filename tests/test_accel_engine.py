@@ -247,7 +247,8 @@ def test_sliding_window_layers_match_transformers(model_dir, tmp_path, architect
                                                   window_cfg):
     """With the Triton kernels the engine serves past a model's sliding window (the CPU paths
     cap max_model_len at it) and applies each layer's window as transformers does: prompts
-    and outputs several windows long, decodes, a chunked prompt."""
+    and outputs several windows long, decodes, a chunked prompt; where every layer has a
+    window the blocks behind it are freed, so a cache smaller than one sequence serves it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = str(build_checkpoint(model_dir, tmp_path / "w", "tiny", architecture=architecture,
@@ -262,5 +263,13 @@ def test_sliding_window_layers_match_transformers(model_dir, tmp_path, architect
     eng = engine(path, max_num_batched_tokens=16)
     assert eng.max_model_len == 512 and eng.model.cfg.sliding_window == window_cfg["sliding_window"]
     assert run(eng, prompts) == ref
+    if architecture == "MistralForCausalLM":    # blocks behind every layer's window are freed:
+        assert eng.scheduler.kv.num_window_freed > 0     # a cache smaller than one sequence
+        small = engine(path, max_num_batched_tokens=16, block_size=4, num_gpu_blocks_override=9)
+        longest = max(len(p) for p in prompts) + MAX_TOKENS
+        assert small.num_gpu_blocks * 4 < longest and run(small, prompts) == ref
+    else:                                       # a full layer reads every block: none freed
+        assert eng.scheduler.cache_config.sliding_window == 0
+        assert eng.scheduler.kv.num_window_freed == 0
     assert engine(path, backend="auto", max_model_len=None).max_model_len \
         == window_cfg["sliding_window"]                      # the CPU path: capped

@@ -172,3 +172,61 @@ def test_swap_out_fails_cleanly_when_cpu_pool_is_full():
     kv.allocate_slots("a", list(range(8)), 0, 8)
     assert kv.swap_out("a") is None
     assert len(kv.block_ids("a")) == 2 and kv.cpu_pool.num_used_blocks == 0
+
+
+def test_sliding_window_frees_blocks_behind_the_window_and_reports_them():
+    """W = 6, blocks of 4: once 13 tokens are computed, the next query (position 13) reads
+    positions 8.. only, so blocks 0 and 1 are freed and their entries become the null block;
+    the cache a request holds stays bounded however long it decodes."""
+    kv = KVCacheManager(num_blocks=8, block_size=BS, sliding_window=6)
+    null = kv.null_block.block_id
+    assert kv.num_free_blocks == 7                            # one reserved: the null block
+    tokens = list(range(13))
+    assert kv.allocate_slots("a", tokens, 0, 13) == 0         # a 13-token prompt: 4 blocks
+    ids = kv.block_ids("a")
+    assert null not in ids and kv.num_free_blocks == 3
+    assert kv.allocate_slots("a", tokens + [1], 13, 1) == 0   # decode at 13: blocks 0, 1 go
+    assert kv.block_ids("a") == [null, null] + ids[2:] and kv.num_free_blocks == 5
+    assert kv.allocate_slots("a", tokens + [1, 2], 14, 1) == 4   # nothing new slid out
+    for n in range(15, 200):                                  # a long decode: 3 blocks held
+        kv.allocate_slots("a", list(range(n + 1)), n, 1)
+        assert sum(b != null for b in kv.block_ids("a")) <= 3
+    assert kv.num_window_freed == (199 - 6 + 1) // BS                  # 48 of 50 entries
+    kv.free("a")
+    assert kv.num_free_blocks == 7 and kv.null_block.ref_cnt == 1
+
+
+def test_sliding_window_release_survives_a_failed_allocation():
+    """The release happens even when the allocation that noticed it has no room; the next
+    successful call reports the nulled entries."""
+    kv = KVCacheManager(num_blocks=5, block_size=BS, sliding_window=4)
+    kv.allocate_slots("a", list(range(12)), 0, 12)            # 3 blocks
+    kv.allocate_slots("b", [9], 0, 1)                         # the last free block
+    assert kv.allocate_slots("a", list(range(24)), 12, 12) is None  # needs 3 more, 2 freed
+    assert kv.block_ids("a")[:2] == [kv.null_block.block_id] * 2 and kv.num_free_blocks == 2
+    assert kv.allocate_slots("a", list(range(13)), 12, 1) == 0      # reported from entry 0
+
+
+def test_sliding_window_prefix_hit_keeps_only_the_window_and_swaps_skip_nulls():
+    """A long cached prefix is taken and at once trimmed to its window; swap out copies only
+    the live blocks and swap in gives the table back with its null entries; fork shares
+    them."""
+    kv = KVCacheManager(num_blocks=12, block_size=BS, num_cpu_blocks=8, sliding_window=5)
+    null = kv.null_block.block_id
+    prompt = list(range(100, 117))                            # 4 full blocks + 1
+    kv.allocate_slots("a", prompt, 0, 17)
+    hit, n = kv.get_computed_blocks("b", prompt)
+    assert n == 16
+    assert kv.allocate_slots("b", prompt, 0, 1, new_computed_blocks=hit) == 0
+    assert kv.block_ids("b")[:3] == [null] * 3                # 16 - 5 + 1 = 12: 3 blocks out
+    assert kv.block_ids("b")[3] == kv.block_ids("a")[3]       # the window's block is shared
+    kv.fork("b", "b#1", 17)
+    assert kv.block_ids("b#1") == kv.block_ids("b")
+    out = kv.swap_out("b")
+    assert [g for g, _ in out] == kv.block_ids("b#1")[3:]     # the live blocks only
+    assert kv.cpu_pool.num_used_blocks == 2
+    back = kv.swap_in("b", prompt + [1], 17, 1)
+    assert kv.block_ids("b")[:3] == [null] * 3 and len(back) == 2
+    for rid in ("a", "b", "b#1"):
+        kv.free(rid)
+    assert kv.num_free_blocks == 11 and kv.cpu_pool.num_used_blocks == 0

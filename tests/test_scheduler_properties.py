@@ -53,6 +53,7 @@ config = st.fixed_dictionaries({
     "max_num_seqs": st.integers(2, 10),
     "spec_k": st.sampled_from([0, 0, 2, 4]),        # speculative drafts, some rejected
     "spec_adaptive": st.booleans(),
+    "window": st.sampled_from([0, 0, 6, 9]),        # blocks that slid out of it are freed
 })
 
 
@@ -64,7 +65,8 @@ def build(c, policy="fcfs", num_blocks=None):
                         policy=policy, preemption_mode=c["mode"],
                         target_itl_ms=c["target_itl_ms"] if c["chunked"] else None,
                         num_speculative_tokens=c["spec_k"], spec_adaptive=c["spec_adaptive"]),
-        CacheConfig(BS, num_blocks or c["num_blocks"], c["num_cpu_blocks"], c["prefix"]))
+        CacheConfig(BS, (num_blocks or c["num_blocks"]) + bool(c["window"]),  # + the null
+                    c["num_cpu_blocks"], c["prefix"], c["window"]))
 
 
 def make_request(i, spec):
@@ -116,11 +118,12 @@ def test_random_workloads_keep_invariants_and_outputs(c, ops, policy):
                            ("forked", any("#" in rid for rid in outputs)),
                            ("drafts accepted", s.spec_counters.num_accepted_tokens),
                            ("drafts rejected", s.spec_counters.num_accepted_tokens
-                            < s.spec_counters.num_draft_tokens)]:
+                            < s.spec_counters.num_draft_tokens),
+                           ("slid out of the window", s.kv.num_window_freed)]:
         event(f"{name}: {bool(happened)}")
     # Everything finished and returned its blocks (FCFS: no starvation; priority: drained).
     assert not s.has_unfinished_requests()
-    assert s.kv.pool.num_free_blocks == s.kv.pool.num_blocks
+    assert s.kv.pool.num_free_blocks == s.kv.pool.num_blocks - bool(c["window"])   # the null
     assert not s.kv.block_tables and not s.kv.cpu_tables
     # Every request that was not aborted produced its stand-alone output.
     for r in added:

@@ -1,7 +1,8 @@
 """A step's flat batch as an accelerator backend reads it: token ids, positions, slot mapping
 and per-sequence metadata, copied into the runner's `StepBuffers`.
 
-Owns: `prepare_step`. In: the model runner's ordered requests (decodes first, then prefill
+Owns: `prepare_step` (a decode-only step takes a short path without tensor ops over tokens).
+In: the model runner's ordered requests (decodes first, then prefill
 chunks; `engine.model_runner`) and their block tables. Out: (input_ids, positions,
 `SeqMetadata`, sample_idx), the same contract as the CPU path's `ModelRunner._prepare`.
 """
@@ -22,6 +23,8 @@ def prepare_step(buffers: StepBuffers, backend, ordered, states, num_decodes: in
     CUDA graph's batch size (decode-only steps). Per token, positions and slots are computed
     with tensor ops over the padded block tables (no Python loop over a prefill's tokens).
     Raises ValueError past the buffers' sizes."""
+    if num_decodes == len(ordered):
+        return _prepare_decodes(buffers, backend, ordered, states, block_size, pad_to)
     ids: list[int] = []
     query_lens, seq_lens, tables = [], [], []
     sample_idx: list[tuple[int, int]] = []
@@ -47,4 +50,26 @@ def prepare_step(buffers: StepBuffers, backend, ordered, states, num_decodes: in
              + positions % block_size)
     input_ids, pos, meta = buffers.fill(backend, ids, positions, slots, query_lens, seq_lens,
                                         host_tables, num_decodes, pad_to)
+    return input_ids, pos, meta, sample_idx
+
+
+def _prepare_decodes(buffers: StepBuffers, backend, ordered, states, block_size: int,
+                     pad_to: int | None):
+    """`prepare_step` for a decode-only step (every request one token, the CUDA-graph case):
+    positions and slots in plain Python, one token a request — no tensor ops over tokens."""
+    bs = block_size
+    ids, positions, slots, seq_lens, tables, sample_idx = [], [], [], [], [], []
+    for i, (s, st) in enumerate(zip(ordered, states)):
+        pos = s.start_position
+        table = st.block_table[:pos // bs + 1]
+        ids.append(s.token_ids[0])
+        positions.append(pos)
+        slots.append(table[-1] * bs + pos % bs)
+        seq_lens.append(pos + 1)
+        tables.append(table)
+        if s.sample:
+            sample_idx.append((i, i))
+    input_ids, pos, meta = buffers.fill(backend, ids, torch.tensor(positions),
+                                        torch.tensor(slots), [1] * len(ordered), seq_lens,
+                                        pad_tables(tables), len(ordered), pad_to)
     return input_ids, pos, meta, sample_idx

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.accel import attention_backend
+from engine.accel import attention_backend, fused_ops
 from engine.accel.metadata import StepBuffers
 from engine.accel.step import prepare_step
 from engine.attention import (SMALL_DECODE_BATCH, AttentionMetadata, DecodeGroup, PrefillChunk,
@@ -144,7 +144,8 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.kernels = device.kernels(model.dtype) if self.backend is None else None
         self.sampler = Sampler(device.torch_device, seed, self.kernels)
-        model.set_kernels(self.kernels)
+        model.set_kernels(self.kernels if self.backend is None
+                          else fused_ops(device.kind, model.dtype))
         self.states: dict[str, _RequestState] = {}
         self.grammars = grammars      # engine.structured.grammar.GrammarCompiler, or None
         self._mask_pool: ThreadPoolExecutor | None = None

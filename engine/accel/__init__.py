@@ -2,7 +2,8 @@
 language) and Ascend NPUs (torch_npu's fused operators), the step's device buffers, CUDA graphs
 for decode steps, and the KV-cache memory profile behind `--gpu-memory-utilization`.
 
-Owns: the choice of attention backend for a device (`attention_backend`, `backend_name`). In:
+Owns: the choice of attention backend for a device (`attention_backend`, `backend_name`) and of
+its fused elementwise ops (`fused_ops`). In:
 the device kind. Out: a backend object with `name`, `block_dim` (the block axis of the runner's
 cache), `sliding_window` (whether `forward` applies a layer's window), `cache_shape(...)`,
 `check_dtype(dtype)` (ValueError, one line, for a dtype it cannot run) and `forward(q, k, v,
@@ -35,6 +36,17 @@ def has_sliding_window(device_kind: str) -> bool:
     the CPU paths and the NPU operators attend fully, so the engine caps max_model_len at a
     model's window there)."""
     return backend_name(device_kind) == "triton"
+
+
+def fused_ops(device_kind: str, dtype):
+    """The fused elementwise ops (`model.fused`) for a model of `dtype` on an accelerator:
+    `TritonFused` with the Triton backend in float16 / bfloat16, else None (float32 keeps
+    torch's ops, bit-identical to transformers; the NPU path keeps torch's)."""
+    import torch
+    if backend_name(device_kind) != "triton" or dtype not in (torch.float16, torch.bfloat16):
+        return None
+    from engine.accel.triton_fused import TritonFused
+    return TritonFused()
 
 
 def attention_backend(device_kind: str, kv=None):

@@ -79,7 +79,8 @@ class LayerStack:
         """The stack for `model`, or None where the per-op path must run: no fused kernels
         (float32 over dense weights, CUDA, NPU), tensor parallelism, LoRA, a projection that is
         not one quantized weight, or mixed int8-activation settings."""
-        if kernels is None or model.fused is None or model.tp is not None:
+        if kernels is None or model.fused is None or model.tp is not None \
+                or not getattr(kernels, "layer_stack", True):     # CUDA's TritonFused
             return None
         lins = [lin for layer in model.layers for lin in (layer[1], layer[2], layer[4],
                                                           layer[5])]

@@ -253,14 +253,15 @@ class LlamaForCausalLM:
         return self._caches
 
     def set_kernels(self, kernels) -> None:
-        """Use `kernels` (`engine.kernels.CpuKernels` or None) for the fused residual-add +
-        RMSNorm, SiLU-and-mul and RoPE — in bfloat16, and in float32 where the linears are
-        quantized (the GGUF default: its products already sum in the kernels' order, and at
-        one decode row the ~120 small torch ops these replace took a third of the step).
-        float32 over dense weights keeps torch's ops, bit-identical to transformers: the
-        exact reference the correctness tests compare token by token."""
-        use = self.dtype == torch.bfloat16 or (self.dtype == torch.float32
-                                                and bool(self.quant_types))
+        """Use `kernels` (`engine.kernels.CpuKernels`, on CUDA `engine.accel.triton_fused.
+        TritonFused`, or None) for the fused residual-add + RMSNorm, SiLU-and-mul and RoPE —
+        in bfloat16 / float16, and in float32 where the linears are quantized (the GGUF
+        default: its products already sum in the kernels' order, and at one decode row the
+        ~120 small torch ops these replace took a third of the step). float32 over dense
+        weights keeps torch's ops, bit-identical to transformers: the exact reference the
+        correctness tests compare token by token."""
+        use = self.dtype in (torch.bfloat16, torch.float16) or (
+            self.dtype == torch.float32 and bool(self.quant_types))
         self.fused = kernels if kernels is not None and use else None
         from engine.kernels.stack import LayerStack
         self.stack = LayerStack.build(self, self.fused)    # every layer in one C call

@@ -26,6 +26,8 @@ embedded model's GGUF needs `gguf`, which the GPU image lacks). Sections:
    graphs, on llama-3.2-1b bfloat16; against the HBM bound = weight bytes (the checkpoint's
    parameters in the serving dtype, tied embeddings once) / bandwidth, the bandwidth measured by
    a device-to-device copy of 1 GiB (bytes read + written / time). fraction = bound / step.
+0. attention_kernel: one layer's batch-1 decode attention at contexts 128 / 1024 / 4096, the
+   split-KV kernels against the one-pass kernel (`benchmarks/device_kernels.py`).
 3. throughput: 256 prompts of 128 random token ids (seed 0), 128 output tokens, ignore_eos:
    output tokens/s of the engine (graphs) vs transformers' continuous batching
    (`generate_batch`, timed from its first request's start to its last finish, so its own
@@ -64,6 +66,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.device_kernels import attention_kernels  # noqa: E402
 from benchmarks.device_measure import (Report, attempt, copy_bandwidth_gb_s,  # noqa: E402
                                       environment, free_memory, generate_batch,
                                       greedy_reference, load_hf, log, random_prompts,
@@ -472,6 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     state: dict = {}
     try:
         report.section("env", environment, plan.device)
+        report.section("attention_kernel", attention_kernels, plan)
         ckpts = report.section("checkpoints", build_checkpoints, plan, base_dir, work)
         if not isinstance(ckpts, dict) or "error" in ckpts:
             ckpts = None

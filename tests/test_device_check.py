@@ -16,7 +16,7 @@ import pytest
 from benchmarks import device_check
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = ("env", "checkpoints", "parity", "decode_step", "throughput", "goals", "wall_s")
+SECTIONS = ("env", "attention_kernel", "checkpoints", "parity", "decode_step", "throughput", "goals", "wall_s")
 
 
 def test_device_command_is_printed_and_documented():
@@ -57,3 +57,5 @@ def test_smoke_run_writes_every_section(model_dir, tmp_path):
     assert tput["continuum"]["output_tokens"] == 4 * 8
     assert isinstance(tput["transformers_generate_batch"], dict)   # its result, or its error
     assert data["goals"]["parity"]["pass"] is True
+    kernel = data["attention_kernel"]                     # split-KV vs one-pass: they agree
+    assert all(kernel[c]["max_abs_diff"] < 1e-5 for c in ("16", "64")), kernel

@@ -127,6 +127,32 @@ def _load_rows(cache_ptr, off, d, mask, rows_ok, head_dim, scale, KV_KIND: tl.co
 
 
 @triton.jit
+def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row, k_pos, k_ok, visible,
+                 d, dmask, block_size, head_dim, kv_base, stride_cb, stride_cs, scale, k_scale,
+                 v_scale, KV_KIND: tl.constexpr):
+    """Fold one tile of keys into the rows' running max `m_i`, sum `l_i` and output `acc`
+    (FlashAttention-2's online softmax): keys at positions `k_pos [TILE_N]`, loaded where
+    `k_ok` (their blocks looked up in the sequence's block-table row `table_row`), seen by the
+    rows where `visible [BLOCK_M, TILE_N]`. Returns the new (m_i, l_i, acc)."""
+    blk = tl.load(table_row + k_pos // block_size, mask=k_ok, other=0)
+    kv_off = kv_base + blk.to(tl.int64) * stride_cb + (k_pos % block_size) * stride_cs
+    kv_mask = k_ok[:, None] & dmask[None, :]
+    k = _load_rows(k_cache_ptr, kv_off, d, kv_mask, k_ok, head_dim, k_scale, KV_KIND).to(q.dtype)
+    v = _load_rows(v_cache_ptr, kv_off, d, kv_mask, k_ok, head_dim, v_scale, KV_KIND).to(q.dtype)
+    # "ieee": float32 products in full float32 (tensor cores would round them to TF32, 10-bit
+    # mantissas); ignored for float16 / bfloat16
+    s = tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32) * scale
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)     # a row with nothing seen yet
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee").to(tl.float32)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _cache_write_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                         stride_kt, stride_kh, stride_vt, stride_vh,
                         stride_ch, stride_cb, stride_cs,
@@ -194,34 +220,18 @@ def _paged_attention_kernel(
         key_begin = tl.maximum(ctx_start + qb * BLOCK_Q - window + 1, 0)
     cols = tl.arange(0, TILE_N)
     kv_base = kvh * stride_ch
+    table_row = block_tables_ptr + seq * stride_bt
     for start in range((key_begin // TILE_N) * TILE_N, key_end, TILE_N):
         k_pos = start + cols
         # keys before key_begin are never read: their blocks may have been freed (a window)
         k_ok = (k_pos < key_end) & (k_pos >= key_begin)
-        blk = tl.load(block_tables_ptr + seq * stride_bt + k_pos // block_size, mask=k_ok,
-                      other=0)
-        kv_off = kv_base + blk.to(tl.int64) * stride_cb + (k_pos % block_size) * stride_cs
-        kv_mask = k_ok[:, None] & dmask[None, :]
-        k = _load_rows(k_cache_ptr, kv_off, d, kv_mask, k_ok, head_dim, k_scale,
-                       KV_KIND).to(q.dtype)
-        v = _load_rows(v_cache_ptr, kv_off, d, kv_mask, k_ok, head_dim, v_scale,
-                       KV_KIND).to(q.dtype)
-
-        # "ieee": float32 products in full float32 (tensor cores would round them to TF32,
-        # 10-bit mantissas); ignored for float16 / bfloat16
-        s = tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32) * scale
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :] & row_ok[:, None]
         if USE_WINDOW:
             visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)     # a row with nothing seen yet
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v,
-                                            input_precision="ieee").to(tl.float32)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row,
+                                     k_pos, k_ok, visible, d, dmask, block_size, head_dim,
+                                     kv_base, stride_cb, stride_cs, scale, k_scale, v_scale,
+                                     KV_KIND)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh
@@ -272,27 +282,14 @@ def _split_decode_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_D], dtype=tl.float32)
     cols = tl.arange(0, TILE_N)
     kv_base = kvh * stride_ch
+    table_row = block_tables_ptr + seq * stride_bt
     for tile in range(tile_lo, tile_hi):
         k_pos = tile * TILE_N + cols
         k_ok = (k_pos < seq_len) & (k_pos >= key_begin)
-        blk = tl.load(block_tables_ptr + seq * stride_bt + k_pos // block_size, mask=k_ok,
-                      other=0)
-        kv_off = kv_base + blk.to(tl.int64) * stride_cb + (k_pos % block_size) * stride_cs
-        kv_mask = k_ok[:, None] & dmask[None, :]
-        k = _load_rows(k_cache_ptr, kv_off, d, kv_mask, k_ok, head_dim, k_scale,
-                       KV_KIND).to(q.dtype)
-        v = _load_rows(v_cache_ptr, kv_off, d, kv_mask, k_ok, head_dim, v_scale,
-                       KV_KIND).to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee").to(tl.float32) * scale
-        s = tl.where(k_ok[None, :] & row_ok[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v,
-                                            input_precision="ieee").to(tl.float32)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, table_row,
+                                     k_pos, k_ok, k_ok[None, :] & row_ok[:, None], d, dmask,
+                                     block_size, head_dim, kv_base, stride_cb, stride_cs,
+                                     scale, k_scale, v_scale, KV_KIND)
 
     part = (seq * num_heads + head) * NUM_SPLITS + split          # [BLOCK_M]
     tl.store(part_m_ptr + part, m_i, mask=row_ok)

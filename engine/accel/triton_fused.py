@@ -80,25 +80,22 @@ class TritonFused:
     layer_stack = False
 
     @staticmethod
-    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """`x [n, hidden]` (contiguous) → new `rms_norm(x) * weight`, float32 math."""
-        out = torch.empty_like(x)
+    def _norm(x, residual, weight, out, eps: float) -> torch.Tensor:
         if x.shape[0]:
-            _add_rms_norm_kernel[(x.shape[0],)](x, x, weight, out, x.shape[1], eps,
-                                                HAS_RES=False,
-                                                BLOCK=triton.next_power_of_2(x.shape[1]))
+            _add_rms_norm_kernel[(x.shape[0],)](
+                x, x if residual is None else residual, weight, out, x.shape[1], eps,
+                HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(x.shape[1]))
         return out
 
-    @staticmethod
-    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """`x [n, hidden]` (contiguous) → new `rms_norm(x) * weight`, float32 math."""
+        return self._norm(x, None, weight, torch.empty_like(x), eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> torch.Tensor:
         """In place, both `[n, hidden]` contiguous: `residual += x` (rounded to its dtype),
         then `x = rms_norm(residual) * weight`; returns `x`."""
-        if x.shape[0]:
-            _add_rms_norm_kernel[(x.shape[0],)](x, residual, weight, x, x.shape[1], eps,
-                                                HAS_RES=True,
-                                                BLOCK=triton.next_power_of_2(x.shape[1]))
-        return x
+        return self._norm(x, residual, weight, x, eps)
 
     @staticmethod
     def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

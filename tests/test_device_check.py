@@ -59,3 +59,18 @@ def test_smoke_run_writes_every_section(model_dir, tmp_path):
     assert data["goals"]["parity"]["pass"] is True
     kernel = data["attention_kernel"]                     # split-KV vs one-pass: they agree
     assert all(kernel[c]["max_abs_diff"] < 1e-5 for c in ("16", "64")), kernel
+
+
+@pytest.mark.extended
+def test_profile_smoke_run_reports_steps_and_kernels(model_dir, tmp_path):
+    """benchmarks/device_profile.py (the batch-1 step's breakdown on a GPU) runs end to end here
+    in its smoke mode and writes the step time, the host profile and the op table."""
+    pytest.importorskip("triton", reason="the triton package is not installed")
+    out = tmp_path / "profile.txt"
+    done = subprocess.run([sys.executable, "benchmarks/device_profile.py", "--smoke",
+                           "--base-dir", str(model_dir), "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    text = out.read_text()
+    assert "step: median" in text and "cProfile of 5 steps" in text
+    assert "torch.profiler of 2 steps" in text and "engine/core.py" in text

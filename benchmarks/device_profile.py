@@ -27,11 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        import torch
-        torch.cuda.synchronize()
+from benchmarks.device_measure import sync  # noqa: E402
 
 
 def median_ms(fn, device: str, n: int) -> float:

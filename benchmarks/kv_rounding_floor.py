@@ -32,6 +32,9 @@ if __package__ in (None, ""):          # run as a file: the repository root on t
 import torch  # noqa: E402
 
 from benchmarks.kv_cache_bench import TOPICS, family_checkpoint  # noqa: E402
+from engine.kv_quant import KVQuant  # noqa: E402
+
+INT8 = KVQuant("int8")       # `--kv-cache-dtype int8`'s rows, exactly as the cache stores them
 
 
 def round_rows(x: torch.Tensor, group: int, bits: int = 8) -> torch.Tensor:
@@ -47,7 +50,7 @@ def round_rows(x: torch.Tensor, group: int, bits: int = 8) -> torch.Tensor:
 FORMATS = {
     "bfloat16": lambda x: x.bfloat16().float(),
     "float16": lambda x: x.half().float(),
-    "int8/head": lambda x: round_rows(x, x.shape[-1]),
+    "int8/head": lambda x: INT8.dequantize(INT8.quantize(x), torch.float32),   # the cache's own
     "int8/32": lambda x: round_rows(x, 32),
     "int7/head": lambda x: round_rows(x, x.shape[-1], 7),
 }

@@ -35,7 +35,7 @@ import torch
 
 from engine.accel import attention_backend, fused_ops
 from engine.accel.metadata import StepBuffers
-from engine.accel.step import prepare_step
+from engine.accel.step import decode_rows, prepare_step
 from engine.attention import (SMALL_DECODE_BATCH, AttentionMetadata, DecodeGroup, PrefillChunk,
                               build_prefill_mask, head_major_cache_shape)
 from engine.device import Device
@@ -371,17 +371,7 @@ class ModelRunner:
                                 self.block_size, pad_to)
         kernels = self.kernels if kernels is False else kernels
         bs, dev = self.block_size, self.device.torch_device
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        sample_idx: list[tuple[int, int]] = []
-        for i, (s, st) in enumerate(zip(ordered[:num_decodes], states)):
-            p = s.start_position
-            ids.append(s.token_ids[0])
-            pos.append(p)
-            slots.append(st.block_table[p // bs] * bs + p % bs)
-            if s.sample:
-                sample_idx.append((i, i))
+        ids, pos, slots, sample_idx = decode_rows(ordered[:num_decodes], states, bs)
         slot_parts = [torch.tensor(slots, dtype=torch.long)]
         pos_parts = [torch.tensor(pos, dtype=torch.long)]
         chunks: list[tuple[int, int, int, torch.Tensor]] = []    # offset, n, start, table

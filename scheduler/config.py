@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvcache.manager import cdiv
+
 POLICIES = ("fcfs", "priority", "sjf")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 
@@ -133,11 +135,11 @@ def check_cache_fits(config: SchedulerConfig, cache_config: CacheConfig) -> None
     (`max_num_batched_tokens` at most), one more for alignment, and the null block."""
     bs, blocks = cache_config.block_size, cache_config.num_gpu_blocks
     lookahead = config.num_lookahead_tokens
-    need = -(-(config.max_model_len + lookahead) // bs)
+    need = cdiv(config.max_model_len + lookahead, bs)
     window = cache_config.sliding_window
     if window:
         step = min(config.max_num_batched_tokens, config.max_model_len)
-        need = min(need, -(-(window - 2 + step + lookahead) // bs) + 1) + 1
+        need = min(need, cdiv(window - 2 + step + lookahead, bs) + 1) + 1
     if blocks < need:
         raise ValueError(
             f"max_model_len ({config.max_model_len}) is larger than the KV cache can hold "

@@ -1,7 +1,8 @@
 """A step's flat batch as an accelerator backend reads it: token ids, positions, slot mapping
 and per-sequence metadata, copied into the runner's `StepBuffers`.
 
-Owns: `prepare_step` (a decode-only step takes a short path without tensor ops over tokens).
+Owns: `prepare_step` (a decode-only step takes a short path without tensor ops over tokens)
+and `decode_rows` (the CPU path's decode rows too).
 In: the model runner's ordered requests (decodes first, then prefill
 chunks; `engine.model_runner`) and their block tables. Out: (input_ids, positions,
 `SeqMetadata`, sample_idx), the same contract as the CPU path's `ModelRunner._prepare`.
@@ -53,23 +54,32 @@ def prepare_step(buffers: StepBuffers, backend, ordered, states, num_decodes: in
     return input_ids, pos, meta, sample_idx
 
 
+def decode_rows(ordered, states, block_size: int
+                ) -> tuple[list[int], list[int], list[int], list[tuple[int, int]]]:
+    """The decode rows of a step, one token each (`ordered` `ScheduledRequest`s with their
+    runner `states`, block tables): (token ids, positions, slots `block * block_size +
+    offset`, sample_idx `(i, i)` for the rows that sample) as plain lists. Shared by the CPU
+    path (`ModelRunner._prepare`) and the accelerators' decode-only steps."""
+    bs = block_size
+    ids, positions, slots, sample_idx = [], [], [], []
+    for i, (s, st) in enumerate(zip(ordered, states)):
+        pos = s.start_position
+        ids.append(s.token_ids[0])
+        positions.append(pos)
+        slots.append(st.block_table[pos // bs] * bs + pos % bs)
+        if s.sample:
+            sample_idx.append((i, i))
+    return ids, positions, slots, sample_idx
+
+
 def _prepare_decodes(buffers: StepBuffers, backend, ordered, states, block_size: int,
                      pad_to: int | None):
     """`prepare_step` for a decode-only step (every request one token, the CUDA-graph case):
     positions and slots in plain Python, one token a request — no tensor ops over tokens."""
-    bs = block_size
-    ids, positions, slots, seq_lens, tables, sample_idx = [], [], [], [], [], []
-    for i, (s, st) in enumerate(zip(ordered, states)):
-        pos = s.start_position
-        table = st.block_table[:pos // bs + 1]
-        ids.append(s.token_ids[0])
-        positions.append(pos)
-        slots.append(table[-1] * bs + pos % bs)
-        seq_lens.append(pos + 1)
-        tables.append(table)
-        if s.sample:
-            sample_idx.append((i, i))
+    ids, positions, slots, sample_idx = decode_rows(ordered, states, block_size)
+    tables = [st.block_table[:pos // block_size + 1] for pos, st in zip(positions, states)]
     input_ids, pos, meta = buffers.fill(backend, ids, torch.tensor(positions),
-                                        torch.tensor(slots), [1] * len(ordered), seq_lens,
-                                        pad_tables(tables), len(ordered), pad_to)
+                                        torch.tensor(slots), [1] * len(ordered),
+                                        [p + 1 for p in positions], pad_tables(tables),
+                                        len(ordered), pad_to)
     return input_ids, pos, meta, sample_idx

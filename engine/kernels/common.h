@@ -43,7 +43,9 @@ static inline void *alloc_lines(size_t bytes) {
 }
 
 /* A scratch buffer of at least `bytes` for the calling thread, kept for its next call in the
- * same `slot` (grown, never shrunk or freed; on a cache line: alloc_lines): large per-call
+ * same `slot` (grown, never shrunk or freed; on a cache line: alloc_lines). The buffers are
+ * per source file as well (a `static` function in a header): quant_q8.c's slot 0 is not
+ * quant.c's, so quantize_x's buffer survives quant_copy_x's. Large per-call
  * buffers would otherwise come and go through glibc's heap, which keeps a few hundred MiB of
  * them resident once its mmap threshold has risen. NULL if out of memory. */
 #define SCRATCH_SLOTS 2

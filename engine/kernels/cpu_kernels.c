@@ -119,8 +119,17 @@ DECODE_INSTANCES(DEFINE_DECODE_ONE)
  * instantiated per ISA. */
 #include "vec.h"
 
+/* This file is compiled twice (engine/kernels/__init__.py: UNITS), as two halves of one long
+ * compile that run on two cores: CPU_KERNELS_PART 0 defines the float32 kernels and
+ * kernels_isa, 1 the bfloat16 kernels. */
+#ifndef CPU_KERNELS_PART
+#error "build cpu_kernels.c with -DCPU_KERNELS_PART=0 and again with -DCPU_KERNELS_PART=1"
+#endif
+
+#if CPU_KERNELS_PART == 0
 /* The ISA the vector loops were built for: "avx512", "avx2" or "generic". */
 const char *kernels_isa(void) { return VEC_ISA; }
+#endif
 
 #if HAVE_VEC
 /* decode_one with vectors, head_dim D = VL * NV (D <= 256). The query heads of a GQA group share
@@ -362,12 +371,15 @@ int paged_decode8_##SUFFIX(const T *q, int64_t q_stride, const uint8_t *k_cache,
     return 0;                                                                                \
 }
 
+#if CPU_KERNELS_PART == 0
 DEFINE_KERNELS(f32, float, NULL)
+#else
 DEFINE_KERNELS(bf16, uint16_t,
                attention_amx_prefill(q, q_stride, k_cache, v_cache, block_tables, max_blocks,
                                      ctx_lens, out, num_seqs, num_heads, num_kv_heads,
                                      head_dim, block_size, num_blocks, scale, kind, out_scale,
                                      num_threads))
+#endif
 
 /* ------------------------------------------------------------------ fused elementwise ops
  * vLLM's fused_add_rms_norm, silu_and_mul and rotary_embedding (csrc/layernorm_kernels.cu,
@@ -441,5 +453,8 @@ void rotary_##SUFFIX(T *x, int64_t x_stride, const int64_t *positions, const T *
     }                                                                                        \
 }
 
+#if CPU_KERNELS_PART == 0
 DEFINE_ELEMENTWISE(f32, float)
+#else
 DEFINE_ELEMENTWISE(bf16, uint16_t)
+#endif

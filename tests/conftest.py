@@ -45,7 +45,7 @@ KERNEL_BUILDS = {"native": ["-march=native"],
 
 
 @pytest.fixture(scope="session", params=list(KERNEL_BUILDS))
-def lib(request, tmp_path_factory):
+def lib(request):
     """The CPU kernels built each way this host runs them: its own (-march=native: AVX-512
     where it has it; on an AMX host, the quantized linears on tiles from AMX_MIN_ROWS rows of
     bfloat16 x), `avx512-no-amx` (the AMX extensions off, as under CONTINUUM_CPU_ISA=avx512;
@@ -70,7 +70,9 @@ def lib(request, tmp_path_factory):
         pytest.skip("this CPU has no AVX2 + FMA")
     if request.param == "avx512-no-amx" and host_isa() != "amx":
         pytest.skip("needs an AMX host (amx_tile, amx_bf16, avx512_bf16)")
-    path = kernels.build(compiler, flags, tmp_path_factory.mktemp(request.param))
+    # into the kernel cache the engine builds into (keyed by sources, flags and CPU): the native
+    # build is the engine's own and the AVX2 pass reuses this pass's builds (~20 s a compile)
+    path = kernels.build(compiler, flags)
     return kernels.CpuKernels(ctypes.CDLL(str(path)))
 
 
@@ -86,6 +88,8 @@ def amx_lib(tmp_path_factory):
     compiler = kernels.find_compiler()
     if compiler is None or host_isa() != "amx":
         pytest.skip("needs an AMX host (amx_tile, amx_bf16, avx512_bf16) and a C compiler")
+    # a copy of its own: one dlopen handle per path, and this one's row threshold (a C global)
+    # is set to 1, which must not reach the engine's or `lib`'s native build
     path = kernels.build(compiler, kernels.BASE_CFLAGS + ["-march=native"],
                          tmp_path_factory.mktemp("amx"))
     built = kernels.CpuKernels(ctypes.CDLL(str(path)))

@@ -132,6 +132,8 @@ class ReplayByCall:
         self.replays += 1
 
 
+# ~13 s in the interpreter; make test keeps the graph-less parity and both decode kernels' tests
+@pytest.mark.extended
 def test_decode_steps_replay_captured_graphs(tiny, prompts, reference):
     """Decode-only steps run as replays of the bucket's capture over the step buffers, padded
     to the bucket (3 decodes run in the 4 bucket), through the split-KV decode kernels;

@@ -88,12 +88,15 @@ def test_restricted_v2_categories_need_the_header(guarded):
     assert client.get_model_config("simple")["name"] == "simple"
 
 
-@pytest.mark.parametrize("option,flag,words", [   # tritonserver 2.51's texts (qa L0_http/L0_grpc)
+# tritonserver 2.51's texts (qa L0_http/L0_grpc); ~2 s a start: one case of each flag here,
+# the others in CI (make test-stress)
+@pytest.mark.parametrize("option,flag,words", [
     ("--http-restricted-api", "bogus:k=v", "unknown restricted api 'bogus'"),
-    ("--http-restricted-api", "inference", "expected <API>"),
-    ("--http-restricted-api", "inference:k=v",
-     "api 'inference' can not be specified in multiple config groups"),
-    ("--grpc-restricted-protocol", "bogus:k=v", "unknown restricted protocol 'bogus'"),
+    pytest.param("--http-restricted-api", "inference", "expected <API>", marks=pytest.mark.extended),
+    pytest.param("--http-restricted-api", "inference:k=v",
+                 "api 'inference' can not be specified in multiple config groups", marks=pytest.mark.extended),
+    pytest.param("--grpc-restricted-protocol", "bogus:k=v",
+                 "unknown restricted protocol 'bogus'", marks=pytest.mark.extended),
     ("--grpc-restricted-protocol", "inference:k=v",
      "protocol 'inference' can not be specified in multiple config groups"),
 ])

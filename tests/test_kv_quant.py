@@ -162,30 +162,40 @@ def test_an_8bit_cache_holds_about_twice_the_blocks_of_bfloat16():
     assert blocks["int8"] >= 1.9 * blocks["auto"] and blocks["fp8_e5m2"] >= 1.99 * blocks["auto"]
 
 
-def test_what_touches_kv_gives_the_8bit_engines_own_tokens(tokenizer):
+@pytest.fixture(scope="module")
+def alone_long(tokenizer):
+    """(four 6x prompts, the int8 engine's 24 greedy tokens of each, alone)."""
+    prompts = [tokenizer.encode(p * 6) for p in PROMPTS[:4]]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    return prompts, [engine(kv_cache_dtype="int8").generate([p], params)[0][0] for p in prompts]
+
+
+TOUCHES_KV = {
+    "prefix cache + chunked prefill": dict(max_num_batched_tokens=32),
+    "recompute": dict(num_gpu_blocks_override=12, max_model_len=128, preemption_mode="recompute"),
+    "swap": dict(num_gpu_blocks_override=12, max_model_len=128, preemption_mode="swap"),
+    "ngram": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3}),
+}
+
+
+# swap and ngram are second variants (~3 s each), run in CI's make test-stress
+@pytest.mark.parametrize("what", [pytest.param(w, marks=pytest.mark.extended)
+                                  if w in ("swap", "ngram") else w for w in TOUCHES_KV])
+def test_what_touches_kv_gives_the_8bit_engines_own_tokens(alone_long, what):
     """Prefix-cache hits, chunked prefill, swap and recompute preemption and n-gram
     speculation, each on an int8 cache: the same greedy tokens as the int8 engine alone."""
+    prompts, alone = alone_long
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    prompts = [tokenizer.encode(p * 6) for p in PROMPTS[:4]]
-    alone = [engine(kv_cache_dtype="int8").generate([p], params)[0][0] for p in prompts]
-    variants = {
-        "prefix cache + chunked prefill": dict(max_num_batched_tokens=32),
-        "swap": dict(num_gpu_blocks_override=12, max_model_len=128, preemption_mode="swap"),
-        "recompute": dict(num_gpu_blocks_override=12, max_model_len=128,
-                          preemption_mode="recompute"),
-        "ngram": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 3}),
-    }
-    for what, overrides in variants.items():
-        eng = engine(kv_cache_dtype="int8", **overrides)
-        twice = eng.generate(prompts + prompts, params)      # the second copies hit the cache
-        assert [c[0] for c in twice] == alone + alone, what
-        kv = eng.scheduler.kv
-        assert kv.num_free_blocks == kv.pool.num_blocks, what
-        counters = eng.scheduler.counters
-        if what in ("swap", "recompute"):
-            assert counters.num_preemptions > 0, what
-        if what == "swap":
-            assert counters.swap_out_blocks > 0, what
+    eng = engine(kv_cache_dtype="int8", **TOUCHES_KV[what])
+    twice = eng.generate(prompts + prompts, params)      # the second copies hit the cache
+    assert [c[0] for c in twice] == alone + alone
+    kv = eng.scheduler.kv
+    assert kv.num_free_blocks == kv.pool.num_blocks
+    counters = eng.scheduler.counters
+    if what in ("swap", "recompute"):
+        assert counters.num_preemptions > 0
+    if what == "swap":
+        assert counters.swap_out_blocks > 0
 
 
 # ----------------------------------------------------------------------------- the server

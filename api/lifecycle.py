@@ -101,13 +101,9 @@ class Lifecycle:
             self.server.should_exit = True
 
     def force(self) -> None:
-        """Stop now (a second signal): abort what runs and stop without waiting for the drain;
-        a third signal also skips waiting for connections to close. Safe in a signal handler:
-        the abort itself runs on the event loop."""
+        """Stop now (a second signal): abort what runs and stop without waiting for the drain.
+        Safe in a signal handler: the abort itself runs on the event loop."""
         if self.server is None or self.loop is None:
-            return
-        if self.server.should_exit:
-            self.server.force_exit = True
             return
         logger.info("second signal: stopping now")
         self.loop.call_soon_threadsafe(self._stop_now)
@@ -153,19 +149,37 @@ class InFlightGate:
 
 class Server(uvicorn.Server):
     """uvicorn's server with Continuum's signals: the first SIGTERM / SIGINT drains (see the
-    module docstring), a second stops at once; the signal is not re-raised afterwards."""
+    module docstring), a second stops at once, a third also skips waiting for connections to
+    close; the app's shutdown (which stops the engine) runs in every case, and the signal is
+    not re-raised afterwards."""
 
     def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle) -> None:
         super().__init__(config)
         self.lifecycle = lifecycle
+        self.signals = 0                # SIGTERM / SIGINT received so far
         lifecycle.server = self
 
     def handle_exit(self, sig: int, frame) -> None:
-        """Signal handler (main thread): the first signal drains, later ones `force`."""
-        if self.lifecycle.draining or self.should_exit:
+        """Signal handler (main thread). Counted, not inferred from the stop state: with
+        `--shutdown-timeout 0` the first signal's drain ends at once, and a second one a few
+        milliseconds later (two Ctrl-C, or `timeout` and `kill` both signalling) is a second,
+        not a third."""
+        self.signals += 1
+        if self.signals == 1:
+            self.lifecycle.begin_drain(signal.Signals(sig).name,
+                                       self.lifecycle.shutdown_timeout)
+        elif self.signals == 2:
             self.lifecycle.force()
-            return
-        self.lifecycle.begin_drain(signal.Signals(sig).name, self.lifecycle.shutdown_timeout)
+        else:
+            self.force_exit = True
+
+    async def shutdown(self, sockets=None) -> None:
+        """uvicorn's, and the app's lifespan shutdown even after a forced exit: uvicorn skips
+        it then, which leaves the lifespan task to be cancelled at loop close (a traceback)
+        and the engine process to its parent-death watch."""
+        await super().shutdown(sockets)
+        if self.force_exit:
+            await self.lifespan.shutdown()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:

@@ -71,7 +71,7 @@ def lib(request):
     if request.param == "avx512-no-amx" and host_isa() != "amx":
         pytest.skip("needs an AMX host (amx_tile, amx_bf16, avx512_bf16)")
     # into the kernel cache the engine builds into (keyed by sources, flags and CPU): the native
-    # build is the engine's own and the AVX2 pass reuses this pass's builds (~20 s a compile)
+    # build is the engine's own and the AVX2 pass reuses this pass's builds (~12 s a compile)
     path = kernels.build(compiler, flags)
     return kernels.CpuKernels(ctypes.CDLL(str(path)))
 

@@ -35,6 +35,15 @@ if __package__ in (None, ""):
 from benchmarks.harness import add_save_result, continuum, percentile, save_result  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
+# The overload server: 4 running + 8 waiting. Its context is long so that the requests holding
+# it full while the probes run (FILL_TOKENS each) outlast them on any host: 4,000 tokens are
+# ~20 s at the 5 ms step of the fastest host seen, the 50 probes well under a second (with
+# 400-token fills and a 512-token context, a fast host finished the first fills before the
+# probes began and every probe was accepted). 0.4 GiB of KV holds the four at full length in
+# bfloat16.
+OVERLOAD_FLAGS = ["--max-num-seqs", "4", "--max-waiting-requests", "8", "--max-model-len", "4096",
+                  "--kv-cache-memory", "0.4"]
+FILL_TOKENS = 4000
 IDLE_GAUGES = ("continuum_num_requests_running", "continuum_num_requests_waiting",
                "continuum_num_requests_swapped", "continuum_kv_cache_usage_perc",
                "continuum_cpu_kv_cache_usage_perc")
@@ -98,8 +107,11 @@ async def overload(base: str, burst: int, capacity: int, max_tokens: int = 16,
                    probes: int = 50, headers: dict | None = None) -> dict:
     """Overload, two ways. Burst: `burst` completions (greedy, `ignore_eos`, `max_tokens`
     tokens each) at once, `/health/ready` polled throughout. Probes: with the server full
-    (`capacity` long requests in flight), `probes` requests one after another, so a refusal's
-    latency is measured without the burst's own connection backlog on a shared CPU."""
+    (`capacity` requests of FILL_TOKENS tokens in flight: the server needs a context of at
+    least FILL_TOKENS + 8, OVERLOAD_FLAGS), `probes` requests one after another, so a
+    refusal's latency is measured without the burst's own connection backlog on a shared
+    CPU; `fill_done_before_probes` counts fill requests that ended before the probes did (the
+    server was then not full throughout)."""
     url = f"{base}/v1/completions"
     body = {"model": MODEL, "prompt": "Tell me about the sea.", "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True}
@@ -114,7 +126,7 @@ async def overload(base: str, burst: int, capacity: int, max_tokens: int = 16,
         m0 = await metrics(s, base)
         fill = []
         for _ in range(capacity):          # spaced: the engine schedules the first ones
-            fill.append(asyncio.create_task(_post(s, url, body | {"max_tokens": 400})))
+            fill.append(asyncio.create_task(_post(s, url, body | {"max_tokens": FILL_TOKENS})))
             await asyncio.sleep(0.15)
         await asyncio.sleep(0.5)
         for _ in range(5):                 # a fill refused while the burst's last requests
@@ -123,10 +135,11 @@ async def overload(base: str, burst: int, capacity: int, max_tokens: int = 16,
             if not refused_fill:
                 break
             for i in refused_fill:
-                fill[i] = asyncio.create_task(_post(s, url, body | {"max_tokens": 400}))
+                fill[i] = asyncio.create_task(_post(s, url, body | {"max_tokens": FILL_TOKENS}))
             await asyncio.sleep(0.5)
         probe = [await _post(s, url, body) for _ in range(probes)]
         m1 = await metrics(s, base)
+        fill_done = sum(t.done() for t in fill)
         for t in fill:                     # the fill's clients leave: aborted, blocks freed
             t.cancel()
         await asyncio.gather(*fill, return_exceptions=True)
@@ -146,7 +159,7 @@ async def overload(base: str, burst: int, capacity: int, max_tokens: int = 16,
         "ready_statuses": sorted(set(codes)), "ready_polls": len(codes),
         "probes_refused": len(probe_ms), "probe_refusal_ms_p50": percentile(probe_ms, 50),
         "probe_refusal_ms_p99": percentile(probe_ms, 99), "mean_step_ms_full": _step_ms(m0, m1),
-        "idle_after_s": idle_s,
+        "idle_after_s": idle_s, "fill_done_before_probes": fill_done,
     }
 
 
@@ -295,9 +308,7 @@ def main(argv: list[str] | None = None) -> dict:
     add_save_result(p)
     args = p.parse_args(argv)
     result = {
-        "overload": _run_against_server(["--max-num-seqs", "4", "--max-waiting-requests", "8",
-                                         "--kv-cache-memory", "0.1"],
-                                        _overload_work(args.burst, 4 + 8)),
+        "overload": _run_against_server(OVERLOAD_FLAGS, _overload_work(args.burst, 4 + 8)),
         # A small KV cache with swap preemption: the storm also swaps requests out and in.
         "storm": _run_against_server(["--max-num-seqs", "16", "--max-waiting-requests", "64",
                                       "--kv-cache-memory", "0.04", "--preemption-mode", "swap",

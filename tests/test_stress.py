@@ -17,7 +17,8 @@ import asyncio
 import httpx
 import pytest
 
-from benchmarks.stress_bench import overload, overload_v2, rss_mib, slow_v2_repository, storm
+from benchmarks.stress_bench import (OVERLOAD_FLAGS, overload, overload_v2, rss_mib,
+                                     slow_v2_repository, storm)
 from tests.conftest import greedy, start_server, stop_server
 
 RSS_BOUND_MIB = 100       # growth allowed across a burst / a storm after a warm-up
@@ -25,10 +26,8 @@ RSS_BOUND_MIB = 100       # growth allowed across a burst / a storm after a warm
 
 @pytest.mark.extended     # make test keeps test_server_e2e's queue-full 503
 def test_overload_burst_is_refused_fast_and_the_accepted_are_exact(tmp_path):
-    proc, base = start_server(["--max-model-len", "512", "--kv-cache-memory", "0.1",
-                               "--max-num-seqs", "4", "--max-waiting-requests", "8",
-                               "--uvicorn-log-level", "warning"], "/health/ready",
-                              tmp_path / "server.log")
+    proc, base = start_server([*OVERLOAD_FLAGS, "--uvicorn-log-level", "warning"],
+                              "/health/ready", tmp_path / "server.log")
     try:
         before_out = greedy(base)
         asyncio.run(overload(base, 120, 12, probes=5))          # warm-up
@@ -40,6 +39,7 @@ def test_overload_burst_is_refused_fast_and_the_accepted_are_exact(tmp_path):
         assert 0 < r["accepted"] <= 12 and r["refused"] == r["refused_with_retry_after"]
         assert r["accepted_exact"] and len(r["prompt_tokens"]) == 1
         assert r["ready_statuses"] == [200] and r["ready_polls"] > 0
+        assert r["fill_done_before_probes"] == 0, r       # full while the probes ran
         assert r["probes_refused"] == 50
         assert r["probe_refusal_ms_p50"] < 0.25 * r["mean_step_ms_full"], r
         assert r["idle_after_s"] is not None

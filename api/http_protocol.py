@@ -20,6 +20,11 @@ it waits in uvicorn's queue as behind any other.
 Flows in: uvicorn's protocol calls; flows out: the same bytes, in the same order, to the real
 transport. `close()` / `write_eof()` send what is held first; `abort()` drops it, as a
 transport's own buffer is dropped.
+At a server's stop, a TLS connection that is closed (at once when idle, after its response
+otherwise) is aborted if its client has not answered the close within TLS_CLOSE_GRACE_S: an SSL
+transport's close waits up to 30 s for the client's close_notify, which an idle pooled client
+never sends (it reads nothing), so one such client held every HTTPS stop for uvicorn's whole
+graceful timeout (5 s, with an error line).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ class WriteCoalescer:
 
     def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
         self._transport, self._loop = transport, loop
+        self.stopping = False          # set by the protocol's shutdown()
         self._held: list[bytes] = []
 
     def write(self, data: bytes) -> None:
@@ -68,9 +74,12 @@ class WriteCoalescer:
             self._transport.write(held[0] if len(held) == 1 else b"".join(held))
 
     def close(self) -> None:
-        """Send what is held, then close."""
+        """Send what is held, then close; at a server's stop (`stopping`), a TLS connection
+        still open TLS_CLOSE_GRACE_S later is aborted (see the module docstring)."""
         self.flush()
         self._transport.close()
+        if self.stopping and self._transport.get_extra_info("sslcontext") is not None:
+            self._loop.call_later(TLS_CLOSE_GRACE_S, self._transport.abort)
 
     def write_eof(self) -> None:
         """Send what is held, then half-close."""
@@ -91,6 +100,7 @@ class WriteCoalescer:
 
 
 _in_progress = [0]            # requests whose head has arrived and whose response has not ended
+TLS_CLOSE_GRACE_S = 0.5       # at a stop: how long a TLS client gets to answer the close (s)
 
 
 def requests_in_progress() -> int:
@@ -208,6 +218,12 @@ class HttpToolsProtocol(_HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(WriteCoalescer(transport, self.loop))
+
+    def shutdown(self) -> None:
+        """uvicorn's (an idle connection closes now, a busy one after its response), with the
+        transport told that the server stops (TLS connections: see the module docstring)."""
+        self.transport.stopping = True
+        super().shutdown()
 
     def on_message_begin(self) -> None:
         """A request starts: count it until its response ends (or its connection), and the

@@ -70,7 +70,7 @@ from benchmarks.device_kernels import attention_kernels  # noqa: E402
 from benchmarks.device_measure import (Report, attempt, copy_bandwidth_gb_s,  # noqa: E402
                                       environment, free_memory, generate_batch,
                                       greedy_reference, load_hf, log, random_prompts,
-                                      run_with_timeout, sync, weight_bytes)
+                                      run_with_timeout, sync, timed_ms, weight_bytes)
 
 COMMAND = ("pip install --no-index --no-deps build/device/wheels/*.whl 2>/dev/null; "
            "python benchmarks/device_check.py --base-dir build/device/base "
@@ -302,15 +302,10 @@ def decode_step_ms(eng, plan: Plan, batch: int, replays: list[int], rng) -> dict
         prefill_steps += 1
     for _ in range(2):                  # warm-up decode steps
         eng.step()
-    times, before = [], len(replays)
-    for _ in range(plan.timed_steps):
-        sync(plan.device)
-        t0 = time.perf_counter()
-        eng.step()
-        sync(plan.device)
-        times.append(time.perf_counter() - t0)
+    before = len(replays)
+    times = timed_ms(eng.step, plan.device, plan.timed_steps)
     eng.abort_request(ids)
-    return {"median_ms": statistics.median(times) * 1e3, "min_ms": min(times) * 1e3,
+    return {"median_ms": statistics.median(times), "min_ms": min(times),
             "prefill_steps": prefill_steps, "graph_replays": len(replays) - before}
 
 

@@ -16,17 +16,14 @@ import time
 
 import torch
 
+from benchmarks.device_measure import timed_ms
+
 
 def _time_us(fn, device: str, reps: int) -> float:
     """Median microseconds of one `fn()`: on CUDA a graph of `reps` calls replayed 5 times,
     elsewhere `reps` timed calls."""
     if device != "cuda":
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times) * 1e6
+        return statistics.median(timed_ms(fn, device, reps)) * 1e3
     fn()                                          # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

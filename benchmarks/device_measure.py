@@ -84,6 +84,19 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def timed_ms(fn, device: str, n: int) -> list[float]:
+    """Milliseconds of each of `n` calls of `fn()`, `device` synchronized before and after
+    each (`sync`): host time plus what the call queued on the device."""
+    times = []
+    for _ in range(n):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
 def free_memory() -> None:
     """Collect garbage and empty torch's CUDA cache between engines and models."""
     import torch

@@ -22,24 +22,16 @@ import random
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.device_measure import sync  # noqa: E402
+from benchmarks.device_measure import sync, timed_ms  # noqa: E402
 
 
 def median_ms(fn, device: str, n: int) -> float:
     """Median milliseconds of `n` calls of `fn`, the device synchronized around each."""
-    times = []
-    for _ in range(n):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    return statistics.median(timed_ms(fn, device, n))
 
 
 def profile(base_dir: str, smoke: bool) -> str:

@@ -162,12 +162,15 @@ def test_an_8bit_cache_holds_about_twice_the_blocks_of_bfloat16():
     assert blocks["int8"] >= 1.9 * blocks["auto"] and blocks["fp8_e5m2"] >= 1.99 * blocks["auto"]
 
 
+GREEDY24 = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
 @pytest.fixture(scope="module")
 def alone_long(tokenizer):
     """(four 6x prompts, the int8 engine's 24 greedy tokens of each, alone)."""
     prompts = [tokenizer.encode(p * 6) for p in PROMPTS[:4]]
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    return prompts, [engine(kv_cache_dtype="int8").generate([p], params)[0][0] for p in prompts]
+    return prompts, [engine(kv_cache_dtype="int8").generate([p], GREEDY24)[0][0]
+                     for p in prompts]
 
 
 TOUCHES_KV = {
@@ -185,9 +188,8 @@ def test_what_touches_kv_gives_the_8bit_engines_own_tokens(alone_long, what):
     """Prefix-cache hits, chunked prefill, swap and recompute preemption and n-gram
     speculation, each on an int8 cache: the same greedy tokens as the int8 engine alone."""
     prompts, alone = alone_long
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     eng = engine(kv_cache_dtype="int8", **TOUCHES_KV[what])
-    twice = eng.generate(prompts + prompts, params)      # the second copies hit the cache
+    twice = eng.generate(prompts + prompts, GREEDY24)    # the second copies hit the cache
     assert [c[0] for c in twice] == alone + alone
     kv = eng.scheduler.kv
     assert kv.num_free_blocks == kv.pool.num_blocks

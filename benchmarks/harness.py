@@ -39,11 +39,21 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 
 # ----------------------------------------------------------------------------- processes
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A free TCP port on the loopback interface."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free TCP port on the loopback interface, never one this process was given before.
+
+    The kernel may hand the same ephemeral port to two `bind(("", 0))` calls in a row once the
+    first socket is closed; a caller asking for two ports (HTTP and gRPC) must get two."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def launch(cmd: list[str], log: IO[bytes] | None = None,

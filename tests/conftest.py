@@ -7,12 +7,13 @@ so a machine converts the GGUF once.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
+
+from benchmarks.harness import free_port  # noqa: F401  (tests import it from here)
 
 # Triton's kernels run in its interpreter (numpy) where no GPU is: read when a kernel is defined,
 # so it is set before any test imports one (tests/test_triton_attention.py).
@@ -106,12 +107,6 @@ def pairs_build(request) -> bool:
 
     return (request.node.callspec.params["lib"] in ("native", "avx512-no-amx")
             and "avx512_bf16" in cpu_flags())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(args: list[str], ready_path: str, log_path, timeout: float = 300,

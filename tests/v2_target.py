@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.harness import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 TARGET = os.environ.get("CONTINUUM_V2_TARGET", "continuum")
 if TARGET not in ("continuum", "triton"):
@@ -143,14 +145,6 @@ class V2Server:
     metrics: str
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _continuum_command(repo: Path, http: int, grpc: int, metrics: int,
                        opts: dict) -> list[str]:
     cmd = [sys.executable, "-m", "api", "serve", "--no-llm", "--model-repository", str(repo),
@@ -205,7 +199,7 @@ def start_v2_server(repo: Path, log_path: Path, timeout: float = 180, **opts) ->
     when the server exits or is not ready in `timeout` seconds."""
     import httpx
 
-    http, grpc, metrics = _free_port(), _free_port(), _free_port()
+    http, grpc, metrics = free_port(), free_port(), free_port()     # three different ports
     if ON_TRITON:
         cmd, env = _triton_command(repo, http, grpc, metrics, opts)
     else:

@@ -24,14 +24,18 @@ class _OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The `continuum` argument parser: `serve` and `bench serve|compare`."""
+def build_parser(bench_flags: bool = True) -> argparse.ArgumentParser:
+    """The `continuum` argument parser: `serve` and `bench serve|compare`. `bench_flags=False`
+    leaves `bench serve`'s own flags out (they import the load generator: ~0.2 s that a
+    `serve` start, or its one-line refusal of a bad flag, does not need)."""
     parser = _OneLineParser(prog="continuum", description="Continuum LLM server")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
     add_serve_flags(sub.add_parser("serve", help="serve a model over the OpenAI API"))
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
-    from benchmarks.servebench.serve_bench import add_arguments
-    add_arguments(bench.add_parser("serve", help="load-test an OpenAI-compatible server"))
+    bench_serve = bench.add_parser("serve", help="load-test an OpenAI-compatible server")
+    if bench_flags:
+        from benchmarks.servebench.serve_bench import add_arguments
+        add_arguments(bench_serve)
     bench.add_parser("compare", add_help=False,
                      help="Continuum vs the transformers baseline (see --help)")
     return parser
@@ -44,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
         from benchmarks.servebench.compare import main as compare_main
         compare_main(argv[2:])
         return
-    args = build_parser().parse_args(argv)
+    args = build_parser(bench_flags=argv[:1] != ["serve"]).parse_args(argv)
     if args.command == "bench":
         from benchmarks.servebench.serve_bench import main as bench_main
         bench_main(argv[2:])

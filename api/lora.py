@@ -1,20 +1,16 @@
 """LoRA on the OpenAI server, with vLLM's flags and bodies.
 
-Owns: the `--enable-lora`, `--lora-modules`, `--max-loras`, `--max-lora-rank`,
-`--max-cpu-loras` flags (parsed into `EngineConfig`), which names the `model` field may take
+Owns (the flags are `api.lora_flags`): which names the `model` field may take
 (the base, or an adapter → `SamplingParams.lora_name`), the adapters' `/v1/models` cards
 (`parent` = the base), and `POST /v1/load_lora_adapter` / `/v1/unload_lora_adapter`, refused
 unless `VLLM_ALLOW_RUNTIME_LORA_UPDATING` is true (vLLM's variable) and LoRA is on.
 
-In: parsed flags, request bodies. Out: engine settings, the adapter of a request, responses.
-Errors: a bad flag is a ValueError (the server does not start); a bad adapter at run time is a
-400 naming it; an unknown model or adapter the OpenAI 404 vLLM gives.
+In: request bodies. Out: the adapter of a request, responses. Errors: a bad adapter at run
+time is a 400 naming it; an unknown model or adapter the OpenAI 404 vLLM gives.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import os
 
@@ -28,50 +24,6 @@ from engine.lora.adapter import LoraError
 logger = logging.getLogger("continuum.api")
 
 RUNTIME_UPDATES_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
-
-
-def add_lora_flags(p: argparse.ArgumentParser) -> None:
-    """vLLM's LoRA flags on the `serve` parser."""
-    p.add_argument("--enable-lora", action="store_true",
-                   help="serve LoRA adapters on the base model (the request's model field "
-                        "names one)")
-    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
-                   help="adapters served from the start: NAME=PATH (a PEFT directory) or "
-                        "vLLM's JSON '{\"name\": ..., \"path\": ...}'")
-    p.add_argument("--max-loras", type=int, default=1,
-                   help="adapters in one batch: device slots (default: %(default)s)")
-    p.add_argument("--max-lora-rank", type=int, default=16,
-                   help="highest adapter rank served (default: %(default)s)")
-    p.add_argument("--max-cpu-loras", type=int, default=None,
-                   help="adapters kept in host memory (default: --max-loras)")
-
-
-def parse_lora_modules(values: list[str]) -> tuple[tuple[str, str], ...]:
-    """(name, path) pairs of `--lora-modules` values. Raises ValueError naming a bad one."""
-    out = []
-    for value in values:
-        if value.lstrip().startswith("{"):
-            try:
-                spec = json.loads(value)
-                name, path = spec["name"], spec["path"]
-            except (ValueError, KeyError, TypeError):
-                raise ValueError(f"--lora-modules {value}: JSON needs \"name\" and \"path\"") \
-                    from None
-        else:
-            name, sep, path = value.partition("=")
-            if not sep or not name or not path:
-                raise ValueError(f"--lora-modules {value}: expected NAME=PATH")
-        if name in dict(out):
-            raise ValueError(f"--lora-modules: {name!r} is given twice")
-        out.append((name, path))
-    return tuple(out)
-
-
-def engine_lora_settings(args: argparse.Namespace) -> dict:
-    """`EngineConfig` keyword arguments of the LoRA flags."""
-    return dict(enable_lora=args.enable_lora, lora_modules=parse_lora_modules(args.lora_modules),
-                max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-                max_cpu_loras=args.max_cpu_loras)
 
 
 def resolve_model(state, name: str) -> str | None:

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from api.lora import engine_lora_settings
+from api.lora_flags import engine_lora_settings
 from api.network import NetworkConfig, bool_flag, network_config
 from engine.config import EngineConfig
 from engine.log_config import LogSettings
@@ -62,8 +62,6 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
 
     config = engine_config(args)
     _check_numbers(args)
-    if not args.no_llm:
-        _check_model(args, config)
     grpc_port = args.grpc_port
     if grpc_port is None:            # Triton's port with a repository; else only when asked
         grpc_port = 8001 if args.model_repository is not None else 0
@@ -86,7 +84,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     name = args.served_model_name or (Path(args.model).stem if args.model
                                       else "SmolLM2-135M-Instruct")
     api_key = args.api_key if args.api_key is not None else os.environ.get("CONTINUUM_API_KEY")
-    return ServeConfig(
+    serve = ServeConfig(
         engine=config, no_llm=args.no_llm, served_model_name=name, api_key=api_key or None,
         host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,
         http_max_input_size=args.http_max_input_size, strict_openai=args.strict_openai,
@@ -104,6 +102,9 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         allow_client_shm=bool_flag("--allow-client-shm", args.allow_client_shm),
         metrics_port=args.metrics_port, log=log_settings(args),
         trace=parse_trace_config(args.trace_config), api_server_count=getattr(args, "api_server_count", 1))
+    if not args.no_llm:              # last: it loads torch (a bad flag above is refused sooner)
+        _check_model(args, config)
+    return serve
 
 
 def _check_api_servers(args: argparse.Namespace) -> None:

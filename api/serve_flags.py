@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import argparse
 
-from engine.kv_quant import KV_CACHE_DTYPES
+from engine.config import KV_CACHE_DTYPES
 from engine.profiles import TUNING_PROFILES
-from api.lora import add_lora_flags
+from api.lora_flags import add_lora_flags
 from api.network import add_network_flags
 from engine.quant import ACTIVATION_METHODS
 from engine.quant import METHODS as QUANTIZATION_METHODS

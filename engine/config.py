@@ -14,6 +14,15 @@ from scheduler.config import check_policy, check_preemption_mode
 from scheduler.spec_decode import SpeculativeConfig
 
 GIB = 1 << 30
+# `--kv-cache-dtype` values (engine.kv_quant reads them; here so that the flags need no torch)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
+def check_kv_cache_dtype(name: str) -> None:
+    """Raises ValueError (one line, naming the flag) unless `name` is a `--kv-cache-dtype`."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                         f"got {name!r}")
 
 
 @dataclass(frozen=True)
@@ -126,8 +135,7 @@ class EngineConfig:
         if self.activation_quantization not in ACTIVATION_METHODS:
             raise ValueError("--activation-quantization must be one of "
                              f"{', '.join(ACTIVATION_METHODS)}, got {self.activation_quantization!r}")
-        from engine.kv_quant import resolve_kv_cache_dtype
-        resolve_kv_cache_dtype(self.kv_cache_dtype)
+        check_kv_cache_dtype(self.kv_cache_dtype)
         self._check_lora()
         if self.max_waiting_requests < 1:
             raise ValueError("--max-waiting-requests must be at least 1, "

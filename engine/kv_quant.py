@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+from engine.config import check_kv_cache_dtype
+
 KINDS = {"int8": 1, "fp8_e4m3": 2, "fp8_e5m2": 3}          # kernels' KV_* (common.h)
 FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 # cpu_kernels.c reads an e4m3 byte as its value / 256 (a shift into float16's bits); the
@@ -93,9 +94,7 @@ class KVQuant:
 def resolve_kv_cache_dtype(name: str) -> KVQuant | None:
     """`--kv-cache-dtype` as a `KVQuant` (None for `auto`: the activation dtype). `fp8` is
     e4m3, as in vLLM. Raises ValueError (one line) for another value."""
-    if name not in KV_CACHE_DTYPES:
-        raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
-                         f"got {name!r}")
+    check_kv_cache_dtype(name)
     if name == "auto":
         return None
     return KVQuant("fp8_e4m3" if name == "fp8" else name)

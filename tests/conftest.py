@@ -39,10 +39,11 @@ def tokenizer(model_dir):
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
-KERNEL_BUILDS = {"native": ["-march=native"],
-                 "avx512-no-amx": ["-march=native", "-mno-amx-tile", "-mno-amx-bf16",
-                                   "-mno-amx-int8"],
-                 "avx2": ["-march=x86-64-v3"], "portable": ["-march=x86-64-v2"]}
+# `lib`'s builds: name -> the kernel level whose `-march` flags it takes (`isa.march_flags`:
+# the host's own level is -march=native, less what CONTINUUM_CPU_HIDE hides; avx512 on an AMX
+# host is native without the AMX extensions)
+KERNEL_BUILDS = {"native": None, "avx512-no-amx": "avx512", "avx2": "avx2",
+                 "portable": "generic"}
 
 
 @pytest.fixture(scope="session", params=list(KERNEL_BUILDS))
@@ -56,7 +57,7 @@ def lib(request):
     import platform
 
     from engine import kernels
-    from engine.kernels.isa import LEVELS, host_isa
+    from engine.kernels.isa import LEVELS, host_isa, march_flags
 
     compiler = kernels.find_compiler()
     if compiler is None:
@@ -66,7 +67,7 @@ def lib(request):
             pytest.skip("-march=x86-64-v* builds are for x86_64")
         flags = kernels.BASE_CFLAGS
     else:
-        flags = kernels.BASE_CFLAGS + KERNEL_BUILDS[request.param]
+        flags = kernels.BASE_CFLAGS + march_flags(KERNEL_BUILDS[request.param] or host_isa())
     if request.param == "avx2" and LEVELS.index(host_isa()) < LEVELS.index("avx2"):
         pytest.skip("this CPU has no AVX2 + FMA")
     if request.param == "avx512-no-amx" and host_isa() != "amx":

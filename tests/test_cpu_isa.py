@@ -108,6 +108,39 @@ def test_avx512_cap_on_an_amx_host_keeps_its_vector_extensions(capped):
     assert isa.isa_label() == "avx512 (vnni, bf16)" and isa.bf16_matmul()
 
 
+@pytest.fixture
+def hidden(monkeypatch):
+    """Set CONTINUUM_CPU_HIDE for one test (the flags and the level are cached per process)."""
+    def hide(names: str) -> None:
+        monkeypatch.setenv(isa.HIDE_ENV, names)
+        isa.hidden_flags.cache_clear()
+        isa.cpu_isa.cache_clear()
+    yield hide
+    monkeypatch.delenv(isa.HIDE_ENV, raising=False)
+    isa.hidden_flags.cache_clear()
+    isa.cpu_isa.cache_clear()
+
+
+@pytest.mark.skipif(not X86 or not {"avx512_bf16", "avx512_vnni"} <= isa.cpu_flags(),
+                    reason="needs AVX512-BF16 and VNNI to hide (an EPYC Zen 4 / 5, an AMX Xeon)")
+def test_hiding_bf16_runs_the_host_as_an_ice_lake(hidden):
+    """CONTINUUM_CPU_HIDE=avx512_bf16: the engine sees AVX-512 with VNNI and no bfloat16 units
+    (the ready log, `--dtype auto`'s rule) and its kernels build without AVX512-BF16 (or AMX)."""
+    hidden("avx512_bf16")
+    assert "avx512_bf16" not in isa.cpu_flags() and not isa.bf16_matmul()
+    assert isa.cpu_isa() == "avx512" and isa.isa_label() == "avx512 (vnni)"
+    flags = isa.march_flags(isa.cpu_isa())
+    assert flags[0] == "-march=native" and "-mno-avx512bf16" in flags
+    assert ("-mno-amx-tile" in flags) == ("amx_tile" in isa._proc_flags())
+
+
+def test_hiding_an_unknown_extension_is_refused(hidden):
+    hidden("avx512_fp16")
+    with pytest.raises(ValueError, match="CONTINUUM_CPU_HIDE=avx512_fp16: can hide only "
+                                         "avx512_bf16, avx512_vnni"):
+        isa.cpu_flags()
+
+
 class _FakeKernels:
     """Stands in for a loaded library in the path decision only (no call is made on it)."""
 

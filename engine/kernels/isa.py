@@ -3,8 +3,10 @@
 Owns: reading the host's CPU flags, the project switch `CONTINUUM_CPU_ISA` (`amx`, `avx512`,
 `avx2` or `generic`) that caps the level below what the host has — so an AMX machine can test
 the AVX-512 paths, and an AVX-512 one the AVX2 paths (together with oneDNN's
-`ONEDNN_MAX_CPU_ISA=AVX2` and ATen's `ATEN_CPU_CAPABILITY=avx2`) —, and the C compiler's
-`-march` for each level.
+`ONEDNN_MAX_CPU_ISA=AVX2` and ATen's `ATEN_CPU_CAPABILITY=avx2`) —, the switch
+`CONTINUUM_CPU_HIDE` (e.g. `avx512_bf16`) that hides an extension from the engine and its
+kernel build — so an AMD EPYC runs as an Ice Lake Xeon would (with oneDNN's
+`ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI`) —, and the C compiler's `-march` for each level.
 
 Levels: `amx` is `avx512` with AMX tiles for bfloat16 (`amx_tile`, `amx_bf16`) and AVX512-BF16
 (Intel Sapphire, Emerald and Granite Rapids Xeons); `avx512` needs AVX-512 F, BW, VL and DQ;
@@ -30,8 +32,26 @@ _NO_AMX = ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
 ENV = "CONTINUUM_CPU_ISA"
 
 
-def cpu_flags() -> set[str]:
-    """The host's CPU feature flags from /proc/cpuinfo (empty where there is none)."""
+HIDE_ENV = "CONTINUUM_CPU_HIDE"
+# What CONTINUUM_CPU_HIDE may take away, with the compiler's switch that keeps it out of a
+# `-march=native` build: so that a host runs as one of a class it is not (an Ice Lake or
+# Cascade Lake Xeon has AVX-512 VNNI without BF16; a Skylake Xeon has neither).
+HIDEABLE = {"avx512_bf16": ["-mno-avx512bf16"], "avx512_vnni": ["-mno-avx512vnni"]}
+
+
+@lru_cache(maxsize=None)
+def hidden_flags() -> frozenset[str]:
+    """`CONTINUUM_CPU_HIDE` (comma list of HIDEABLE's names): the host's CPU flags the engine
+    and its kernels act as if absent. Raises ValueError (one line) for another name."""
+    names = {n.strip().lower() for n in os.environ.get(HIDE_ENV, "").split(",") if n.strip()}
+    unknown = names - HIDEABLE.keys()
+    if unknown:
+        raise ValueError(f"{HIDE_ENV}={','.join(sorted(unknown))}: can hide only "
+                         f"{', '.join(HIDEABLE)}")
+    return frozenset(names)
+
+
+def _proc_flags() -> set[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -39,6 +59,12 @@ def cpu_flags() -> set[str]:
     except OSError:
         pass
     return set()
+
+
+def cpu_flags() -> set[str]:
+    """The host's CPU feature flags from /proc/cpuinfo (empty where there is none), less those
+    `CONTINUUM_CPU_HIDE` hides."""
+    return _proc_flags() - hidden_flags()
 
 
 def host_isa(flags: set[str] | None = None) -> str:
@@ -114,12 +140,13 @@ def isa_label(flags: set[str] | None = None) -> str:
 def march_flags(isa: str) -> list[str]:
     """`-march` for a kernel build at `isa`: the host's own (`native`) when `isa` is the host's
     level; `native` without the AMX extensions for avx512 on an AMX host (its AVX512-BF16 and
-    VNNI loops stay); else the level's baseline (`x86-64-v3` for avx2, `x86-64-v2` for
+    VNNI loops stay); `native` less what `CONTINUUM_CPU_HIDE` hides; else the level's baseline (`x86-64-v3` for avx2, `x86-64-v2` for
     generic on x86)."""
     host = host_isa()
-    if isa == host:
-        return ["-march=native"] if platform.machine() in ("x86_64", "AMD64") else []
-    if isa == "avx512" and host == "amx":
-        return ["-march=native", *_NO_AMX]
+    hide = [switch for name in sorted(hidden_flags()) for switch in HIDEABLE[name]]
+    if "amx_tile" in _proc_flags() and isa != "amx":
+        hide += _NO_AMX              # an AMX host capped at avx512, or with BF16 hidden
+    if isa == host or (isa == "avx512" and host == "amx"):
+        return ["-march=native", *hide] if platform.machine() in ("x86_64", "AMD64") else []
     return {"avx512": ["-march=x86-64-v4"], "avx2": ["-march=x86-64-v3"],
             "generic": ["-march=x86-64-v2"]}[isa]

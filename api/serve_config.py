@@ -155,7 +155,7 @@ def _check_model(args: argparse.Namespace, config: EngineConfig) -> None:
     if args.model is not None and not Path(args.model).exists():
         raise ValueError(f"model {args.model!r} is not a local path "
                          "(Continuum never downloads weights)")
-    if args.quantization not in (None, "none") or args.activation_quantization != "none":
+    if args.quantization not in (None, "none") or args.activation_quantization == "int8":
         from engine.device import resolve_device
         from engine.quant import resolve_quantization
         resolve_quantization(args.quantization, args.model, resolve_device(args.device),

@@ -47,11 +47,15 @@ if __package__ in (None, ""):          # run as a file: the repository root on t
 from benchmarks.harness import (continuum, free_port, save_result, start,  # noqa: E402
                                 stop)
 
-SERVERS = {"gguf-bf16": ["--quantization", "gguf", "--dtype", "bfloat16"],
+# The activations' dtype is named (`none`) where `auto` would pick int8 on a host with VNNI and
+# no bfloat16 units, so that each server is the same configuration on every host.
+SERVERS = {"gguf-bf16": ["--quantization", "gguf", "--dtype", "bfloat16",
+                         "--activation-quantization", "none"],
            "gguf-f32": ["--quantization", "gguf", "--dtype", "float32"],
            "bf16": ["--quantization", "none", "--dtype", "bfloat16"],
            "f32": ["--quantization", "none", "--dtype", "float32"],
-           "int8-bf16": ["--quantization", "int8", "--dtype", "bfloat16"],
+           "int8-bf16": ["--quantization", "int8", "--dtype", "bfloat16",
+                         "--activation-quantization", "none"],
            "gguf-q8-bf16": ["--quantization", "gguf", "--activation-quantization", "int8",
                             "--dtype", "bfloat16"]}
 

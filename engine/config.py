@@ -49,8 +49,9 @@ class EngineConfig:
     kv_cache_dtype: `--kv-cache-dtype` (`engine.kv_quant`): "auto" (the activation dtype), or
         an 8-bit cache: "int8" (a scale per token and head), "fp8" / "fp8_e4m3" / "fp8_e5m2"
         (a scale per tensor, 1.0); the CPU kernels and the torch path read it.
-    activation_quantization: `--activation-quantization`: "none" (float32 activations) or
-        "int8" (per block of 32, in the decode-sized quantized products; AVX-512 VNNI).
+    activation_quantization: `--activation-quantization`: "none" (the activations' dtype),
+        "int8" (per block of 32, in the quantized products; AVX-512 VNNI) or "auto" (int8
+        where VNNI exists without bfloat16 matmul units: `engine.quant.auto_int8_activations`).
     tensor_parallel_size: ranks the model is split over (`engine.distributed`); each rank holds
         `kv_cache_memory` / `swap_space` of its own KV heads (per-device sizes, as in vLLM).
     enable_lora / lora_modules / max_loras / max_lora_rank / max_cpu_loras: vLLM's LoRA flags
@@ -81,7 +82,7 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | dict | str | None = None
     tensor_parallel_size: int = 1
     quantization: str | None = None
-    activation_quantization: str = "none"
+    activation_quantization: str = "auto"
     kv_cache_dtype: str = "auto"
     enable_lora: bool = False
     lora_modules: tuple[tuple[str, str], ...] = ()

@@ -72,7 +72,7 @@ class EngineCore:
         self.device = resolve_device(config.device)
         self.device.activate()
         self.quant = resolve_quantization(config.quantization, config.model, self.device,
-                                          config.activation_quantization)
+                                          config.activation_quantization, config.dtype)
         self.dtype = resolve_dtype(config.dtype, self.device, self.quant.method != "none")
         check_kv_cache_dtype(config.kv_cache_dtype, self.device)
         self.kv_quant = resolve_kv_cache_dtype(config.kv_cache_dtype)

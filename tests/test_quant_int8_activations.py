@@ -1,6 +1,6 @@
 """`--activation-quantization int8`: the quantized products with x quantized to int8 per block
 of 32 (AVX-512 VNNI): engine/kernels/quant_q8.c at 1-2 rows (and wherever a weight has no
-packed copy, up to 8), quant_q8_wide.c over the copy `CpuKernels.q8_pack` makes from 3 rows on.
+packed copy, up to 8), quant_q8_wide.c over the copy `CpuKernels.q8_pack` makes from 5 rows on.
 
 The reference is llama.cpp's arithmetic, written here in numpy: x rounded as quantize_row_q8_0
 / q8_1 do (d = max|x| / 127, q = round-half-even(x / d)) times gguf-py's dequantized weights in
@@ -107,7 +107,7 @@ def test_packed_weights_take_the_wide_nest_at_any_row_count(native, name):
 def test_products_match_gguf_py_q8_0_activations(native, name):
     """Against the library rather than this file's reading of it: x quantized by gguf-py's
     Q8_0 (`gguf.quants.quantize`, "bit-exact with ggml-quants.c"'s reference) and dequantized
-    by it, times gguf-py's weights, for both nests (1-2 rows and 3 rows up, with the packed
+    by it, times gguf-py's weights, for both nests (1-4 rows and 5 rows up, with the packed
     copy). Marked deviation: the kernels keep each block's d in float32 where ggml stores it as
     float16 (and round ties to even as ggml's AVX path does, where its reference rounds them
     away from zero), so the bound is float16's rounding of d, not float32's."""
@@ -128,6 +128,21 @@ def test_products_match_gguf_py_q8_0_activations(native, name):
         assert err < 1e-3, (name, m, err)         # the float32 path: 4e-3
 
 
+@pytest.mark.parametrize("name", Q8_TYPES)
+def test_up_to_four_rows_equal_the_single_row_bit_for_bit(native, name):
+    """Speculative decoding's contract: verifying 3 drafts (4 rows) gives each row the logits
+    the plain single-row decode gives it, so the packed weight's wide nest starts at 5 rows."""
+    rng = np.random.default_rng(6)
+    w = gguf_weight(name, 48, 576, rng)
+    native.q8_pack(w)
+    x = torch.from_numpy(rng.standard_normal((5, 576)).astype(np.float32)).bfloat16()
+    for m in (2, 3, 4):
+        y = native.quant_linear(x[:m], w, None, torch.float32, int8_x=True)
+        for r in range(m):
+            one = native.quant_linear(x[r:r + 1], w, None, torch.float32, int8_x=True)
+            assert torch.equal(y[r], one[0]), (name, m, r)
+
+
 def test_more_rows_and_k_types_take_the_float_path(native):
     """Past 8 rows without a packed copy, and for Q4_K (no int8 kernel, nothing to pack), the
     result is quant_linear's exactly."""
@@ -145,7 +160,7 @@ def test_more_rows_and_k_types_take_the_float_path(native):
 
 def test_linears_with_the_flag_carry_the_packed_copy(native):
     """An int8-activation `Linear` over Q4_1 blocks packs its weight once (the wide nest reads
-    it from 3 rows on); one without the flag does not."""
+    it from 5 rows on); one without the flag does not."""
     from engine.linear import Linear
 
     rng = np.random.default_rng(4)
@@ -216,6 +231,51 @@ def test_served_model_stays_near_float32(native, model_dir, tokenizer):
           f"max {gap.max():.4f}; greedy = float32's argmax at {agree} of {total} steps")
     assert kl.mean() < 0.01 and kl.quantile(0.99) < 0.1
     assert gap.mean() < 0.1 and gap.max() < 0.5
+
+
+def test_auto_is_int8_where_vnni_has_no_bfloat16_units():
+    """`--activation-quantization auto` (the default) per host class: int8 over quantized
+    weights where the kernels have VNNI and the host no bfloat16 matmul units (an Ice Lake or
+    Cascade Lake Xeon), unless `--dtype float32`; the bfloat16 units' products elsewhere."""
+    from engine.quant import auto_int8_activations
+
+    ice_lake = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
+    zen5 = ice_lake | {"avx512_bf16"}
+    sapphire = zen5 | {"amx_tile", "amx_bf16", "amx_int8"}
+    assert auto_int8_activations(True, "auto", ice_lake)
+    assert auto_int8_activations(True, "bfloat16", ice_lake)
+    assert not auto_int8_activations(True, "float32", ice_lake)    # the exact reference
+    assert not auto_int8_activations(False, "auto", ice_lake)      # a build without VNNI
+    assert not auto_int8_activations(True, "auto", zen5)
+    assert not auto_int8_activations(True, "auto", sapphire)
+
+
+@pytest.mark.extended          # its own server and kernel build; the choice is checked above
+def test_a_host_without_bfloat16_units_serves_int8_activations_by_default(monkeypatch, tmp_path):
+    """`make serve`'s configuration on an AVX-512 VNNI host without BF16 — this host with
+    `CONTINUUM_CPU_HIDE=avx512_bf16` — serves the blocks with int8 activations, says so in the
+    ready log, and answers the README's question as the bfloat16 default does elsewhere."""
+    from engine.kernels.isa import cpu_flags
+    from openai import OpenAI
+
+    from tests.conftest import start_server, stop_server
+
+    if not {"avx512_vnni", "avx512_bf16"} <= cpu_flags():
+        pytest.skip("needs AVX-512 VNNI and BF16 to hide (an EPYC Zen 4 / 5, an AMX Xeon)")
+    monkeypatch.setenv("CONTINUUM_CPU_HIDE", "avx512_bf16")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_VNNI")
+    proc, base = start_server(["--kv-cache-memory", "0.2", "--max-model-len", "512"], "/health",
+                              tmp_path / "server.log")
+    try:
+        client = OpenAI(base_url=f"{base}/v1", api_key="unused")
+        chat = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", temperature=0, max_tokens=12,
+            messages=[{"role": "user", "content": "What is the capital of Japan?"}])
+        assert "Tokyo" in chat.choices[0].message.content
+    finally:
+        stop_server(proc)
+    log = (tmp_path / "server.log").read_text()
+    assert "int8 activations (vnni), cpu isa: avx512 (vnni)" in log
 
 
 def test_flag_needs_quantized_weights(model_dir):

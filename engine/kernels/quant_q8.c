@@ -23,9 +23,12 @@
 #define HAVE_Q8_DOT 1
 #define Q8_MR 8       /* rows of x up to which the int8 path runs */
 #define Q8_NC 16      /* rows of W a thread takes at a time */
-#define Q8_WIDE_ROWS 3 /* rows of x from which quant_q8_wide.c's nest runs where W has its
+#define Q8_WIDE_ROWS 5 /* rows of x from which quant_q8_wide.c's nest runs where W has its
                           packed copy (Zen 5, the model's 121 products: 2 rows even, 3 rows
-                          4.14 -> 3.76 ms, 8 rows 8.90 -> 5.89) */
+                          4.14 -> 3.76 ms, 8 rows 8.90 -> 5.89). Not from 3: up to 4 rows
+                          every row's sums are this nest's, the single-row decode's bit for
+                          bit, so speculative verification of 3 drafts keeps the plain
+                          decode's logits (as PACKED_PANEL_ROWS for bfloat16 x) */
 
 /* x quantized, for one weight family: per row r and block pair p (blocks 2p, 2p + 1, the last
  * padded with a zero block): 64 int8 (nibble types: [b lo16, b+1 lo16, b hi16, b+1 hi16],

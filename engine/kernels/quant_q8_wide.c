@@ -1,5 +1,5 @@
 /*
- * The int8-activation products from Q8_WIDE_ROWS (3) rows on (`--activation-quantization int8`:
+ * The int8-activation products from Q8_WIDE_ROWS (5) rows on (`--activation-quantization int8`:
  * batched decode and prefill), over weights repacked once at load so that each int32 lane of
  * a 512-bit vector is one W row. quant_q8.c's nest keeps a W row's blocks across the lanes and
  * pays a conversion, a scale product and an FMA for every 64 products; here one block (32

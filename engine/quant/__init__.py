@@ -17,7 +17,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 METHODS = ("gguf", "int8", "none")
-ACTIVATION_METHODS = ("none", "int8")
+ACTIVATION_METHODS = ("auto", "none", "int8")
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ def gguf_file(model: str | None) -> Path | None:
 
 
 def resolve_quantization(requested: str | None, model: str | None, device,
-                         activations: str = "none") -> Quantization:
+                         activations: str = "none", dtype: str = "auto") -> Quantization:
     """`--quantization` (None = the default) for `model` on `device` (`engine.device.Device`):
     the block kernels need the CPU and its compiled kernels (built for float32 and bfloat16
     alike, so this comes before `--dtype auto`, which depends on it).
@@ -59,11 +59,17 @@ def resolve_quantization(requested: str | None, model: str | None, device,
     one line naming the flag: an unknown method, "gguf" for a model that is not a GGUF file,
     "gguf" / "int8" off the CPU or without the kernels, `activations` "int8" (the
     `--activation-quantization` flag) without quantized weights. Where the host has no AVX-512
-    VNNI, int8 activations are off with one warning line (float32 activations, same kernels)."""
+    VNNI, int8 activations are off with one warning line (float32 activations, same kernels).
+    `activations` "auto" (the flag's default) is `auto_int8_activations`'s choice; `dtype`:
+    the `--dtype` flag it depends on."""
     if activations not in ACTIVATION_METHODS:
         raise ValueError(f"--activation-quantization must be one of "
                          f"{', '.join(ACTIVATION_METHODS)}, got {activations!r}")
     quant = _weights(requested, model, device)
+    if activations == "auto":
+        on = quant.method != "none" and auto_int8_activations(_kernels(device).q8_available,
+                                                              dtype)
+        return replace(quant, int8_activations=True) if on else quant
     if activations == "none":
         return quant
     if quant.method == "none":
@@ -74,6 +80,21 @@ def resolve_quantization(requested: str | None, model: str | None, device,
                        "activations stay float32")
         return quant
     return replace(quant, int8_activations=True)
+
+
+def auto_int8_activations(q8_available: bool, dtype: str, flags: set[str] | None = None
+                          ) -> bool:
+    """`--activation-quantization auto` over quantized weights: int8 where the kernels have
+    AVX-512 VNNI (`q8_available`) and the engine's level no bfloat16 matmul units
+    (`engine.kernels.isa.bf16_matmul`, for `flags`, default this host's) — an Ice Lake or
+    Cascade Lake Xeon, or an Emerald Rapids whose hypervisor hides AMX and BF16 — and `dtype`
+    (`--dtype`) is "auto" or "bfloat16": there the blocks' products are otherwise float32 FMAs,
+    and VNNI's `vpdpbusd` does four times the multiply-adds an instruction (the measured gain
+    and the accuracy cost: docs/quantization.md). Where bfloat16 units exist their pair
+    products stay (int8 gained only at 2-8 sequences there), and `--dtype float32` keeps float32
+    activations as the exact reference."""
+    from engine.kernels.isa import bf16_matmul
+    return q8_available and dtype in ("auto", "bfloat16") and not bf16_matmul(flags)
 
 
 def _kernels(device):

@@ -1,6 +1,6 @@
 """`--activation-quantization int8`: the quantized products with x quantized to int8 per block
-of 32 (AVX-512 VNNI): engine/kernels/quant_q8.c at 1-2 rows (and wherever a weight has no
-packed copy, up to 8), quant_q8_wide.c over the copy `CpuKernels.q8_pack` makes from 5 rows on.
+of 32 (AVX-512 VNNI): engine/kernels/quant_q8.c where a weight has no packed copy (up to 8
+rows), quant_q8_wide.c over the copy `CpuKernels.q8_pack` makes, at every row count.
 
 The reference is llama.cpp's arithmetic, written here in numpy: x rounded as quantize_row_q8_0
 / q8_1 do (d = max|x| / 127, q = round-half-even(x / d)) times gguf-py's dequantized weights in
@@ -107,8 +107,8 @@ def test_packed_weights_take_the_wide_nest_at_any_row_count(native, name):
 def test_products_match_gguf_py_q8_0_activations(native, name):
     """Against the library rather than this file's reading of it: x quantized by gguf-py's
     Q8_0 (`gguf.quants.quantize`, "bit-exact with ggml-quants.c"'s reference) and dequantized
-    by it, times gguf-py's weights, for both nests (1-4 rows and 5 rows up, with the packed
-    copy). Marked deviation: the kernels keep each block's d in float32 where ggml stores it as
+    by it, times gguf-py's weights, for both nests (the blocks' and, at every row count, the
+    packed copy's). Marked deviation: the kernels keep each block's d in float32 where ggml stores it as
     float16 (and round ties to even as ggml's AVX path does, where its reference rounds them
     away from zero), so the bound is float16's rounding of d, not float32's."""
     from gguf import GGMLQuantizationType, quants
@@ -116,31 +116,36 @@ def test_products_match_gguf_py_q8_0_activations(native, name):
     rng = np.random.default_rng(5)
     k = 576
     w = gguf_weight(name, 37, k, rng)
-    native.q8_pack(w)
     wd = w.dequantize().double()
-    for m in (1, 2, 16, 33):
-        x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
-        q8 = GGMLQuantizationType.Q8_0
-        xq = quants.dequantize(quants.quantize(x.numpy(), q8), q8)
-        want = torch.from_numpy(np.ascontiguousarray(xq, np.float64)) @ wd.T
-        y = native.quant_linear(x, w, None, torch.float32, int8_x=True)
-        err = ((y.double() - want).abs().max() / want.abs().max()).item()
-        assert err < 1e-3, (name, m, err)         # the float32 path: 4e-3
+    for packed, rows in ((False, (1, 2, 8)), (True, (1, 2, 16, 33))):
+        if packed:
+            native.q8_pack(w)
+        for m in rows:
+            x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+            q8 = GGMLQuantizationType.Q8_0
+            xq = quants.dequantize(quants.quantize(x.numpy(), q8), q8)
+            want = torch.from_numpy(np.ascontiguousarray(xq, np.float64)) @ wd.T
+            y = native.quant_linear(x, w, None, torch.float32, int8_x=True)
+            err = ((y.double() - want).abs().max() / want.abs().max()).item()
+            assert err < 1e-3, (name, packed, m, err)     # the float32 path: 4e-3
 
 
 @pytest.mark.parametrize("name", Q8_TYPES)
-def test_up_to_four_rows_equal_the_single_row_bit_for_bit(native, name):
-    """Speculative decoding's contract: verifying 3 drafts (4 rows) gives each row the logits
-    the plain single-row decode gives it, so the packed weight's wide nest starts at 5 rows."""
+def test_each_row_is_the_same_sums_at_every_batch_size(native, name):
+    """A row's int8-activation products do not depend on the rows beside it: seeded sampling
+    alone equals the same request in a batch, and speculative verification keeps the plain
+    decode's logits (int8 x would turn a different float32 summation order into a different
+    rounding of the next layer's x). So the packed weight's nest runs at every row count."""
     rng = np.random.default_rng(6)
     w = gguf_weight(name, 48, 576, rng)
     native.q8_pack(w)
-    x = torch.from_numpy(rng.standard_normal((5, 576)).astype(np.float32)).bfloat16()
-    for m in (2, 3, 4):
+    x = torch.from_numpy(rng.standard_normal((33, 576)).astype(np.float32)).bfloat16()
+    single = [native.quant_linear(x[r:r + 1], w, None, torch.float32, int8_x=True)[0]
+              for r in range(33)]
+    for m in (2, 3, 4, 5, 8, 9, 16, 33):
         y = native.quant_linear(x[:m], w, None, torch.float32, int8_x=True)
         for r in range(m):
-            one = native.quant_linear(x[r:r + 1], w, None, torch.float32, int8_x=True)
-            assert torch.equal(y[r], one[0]), (name, m, r)
+            assert torch.equal(y[r], single[r]), (name, m, r)
 
 
 def test_more_rows_and_k_types_take_the_float_path(native):
@@ -160,7 +165,7 @@ def test_more_rows_and_k_types_take_the_float_path(native):
 
 def test_linears_with_the_flag_carry_the_packed_copy(native):
     """An int8-activation `Linear` over Q4_1 blocks packs its weight once (the wide nest reads
-    it from 5 rows on); one without the flag does not."""
+    it at every row count); one without the flag does not."""
     from engine.linear import Linear
 
     rng = np.random.default_rng(4)

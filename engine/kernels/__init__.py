@@ -311,8 +311,8 @@ class CpuKernels:
 
     def q8_pack(self, weight) -> None:
         """Give `weight` (an `engine.quant.QuantWeight`) the repacked copy the int8-activation
-        nest reads from 5 rows on (quant_q8_wide.c: 16 W rows to a vector's int32 lanes), as
-        `weight.q8_packed` (uint8; 1.2x a Q4_1 weight's bytes, 1.33x Q4_0, 1.06x Q8_0, 1.13x
+        nest reads at every row count (quant_q8_wide.c: 16 W rows to a vector's int32 lanes), as
+        `weight.q8_packed` (uint8; the blocks' own bytes for Q4_0, Q4_1 and Q8_0, 1.13x
         I8, kept beside the blocks); left None where this build has no such nest for the type
         (no AVX-512 VNNI, K-quants)."""
         _, w_ptr, row_bytes, scale_ptr = weight.kernel_args

@@ -28,7 +28,7 @@ typedef struct {
     const float *scale;        /* per-row scale (int8) or NULL */
     const float *bias;         /* float32 [n] or NULL */
     int64_t n, k;
-    const uint8_t *q8_packed;  /* quant_q8_pack's copy (int8 x from 5 rows on) or NULL */
+    const uint8_t *q8_packed;  /* quant_q8_pack's copy (int8 x, every row count) or NULL */
     const uint8_t *panel_packed; /* quant_panel_pack's copy (bfloat16 panels) or NULL */
 } qproj;
 

@@ -420,7 +420,7 @@ int quant_linear_q8(int type, const uint8_t *w, int64_t row_bytes, const float *
                     const float *bias, const void *x, int64_t x_stride, int x_bf16, void *y,
                     int64_t ldy, int y_f32, int64_t m, int64_t n, int64_t k, int num_threads,
                     const uint8_t *packed);
-/* quant_q8_wide.c: W repacked for the int8-activation nest from 5 rows on (see there). */
+/* quant_q8_wide.c: W repacked for the int8-activation nest (see there). */
 int64_t quant_q8_packed_bytes(int type, int64_t n, int64_t k);
 int quant_q8_pack(int type, const uint8_t *w, int64_t row_bytes, const float *row_scale,
                   int64_t n, int64_t k, uint8_t *out);

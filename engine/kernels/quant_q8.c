@@ -23,12 +23,15 @@
 #define HAVE_Q8_DOT 1
 #define Q8_MR 8       /* rows of x up to which the int8 path runs */
 #define Q8_NC 16      /* rows of W a thread takes at a time */
-#define Q8_WIDE_ROWS 5 /* rows of x from which quant_q8_wide.c's nest runs where W has its
-                          packed copy (Zen 5, the model's 121 products: 2 rows even, 3 rows
-                          4.14 -> 3.76 ms, 8 rows 8.90 -> 5.89). Not from 3: up to 4 rows
-                          every row's sums are this nest's, the single-row decode's bit for
-                          bit, so speculative verification of 3 drafts keeps the plain
-                          decode's logits (as PACKED_PANEL_ROWS for bfloat16 x) */
+#define Q8_WIDE_ROWS 1 /* rows of x from which quant_q8_wide.c's nest runs where W has its
+                          packed copy: every row count, so that a row's products are the same
+                          sums whatever the batch (seeded sampling alone equals it in a batch;
+                          speculative verification keeps the plain decode's logits). This nest
+                          is faster at 1-2 rows (Zen 5, the model's 121 products at one row:
+                          2.31 against 2.61 ms, at two 2.78 against 3.05, at four even), but
+                          int8 x turns the float32 noise of a different summation order into a
+                          different rounding of the next layer's x, which moves logits by up to
+                          ~0.1 (a sampled token then differs between batch sizes) */
 
 /* x quantized, for one weight family: per row r and block pair p (blocks 2p, 2p + 1, the last
  * padded with a zero block): 64 int8 (nibble types: [b lo16, b+1 lo16, b hi16, b+1 hi16],

@@ -1,6 +1,6 @@
 /*
- * The int8-activation products from Q8_WIDE_ROWS (5) rows on (`--activation-quantization int8`:
- * batched decode and prefill), over weights repacked once at load so that each int32 lane of
+ * The int8-activation products at every row count (Q8_WIDE_ROWS; `--activation-quantization int8`:
+ * decode, batched decode and prefill), over weights repacked once at load so that each int32 lane of
  * a 512-bit vector is one W row. quant_q8.c's nest keeps a W row's blocks across the lanes and
  * pays a conversion, a scale product and an FMA for every 64 products; here one block (32
  * values along K) of 16 W rows against one row of x is 8 vpdpbusd into int32 lanes, then one
@@ -11,12 +11,16 @@
  * Packed layout (quant_q8_pack): W rows in groups of 16 (N padded to 32 with zero rows), each
  * group all of K's blocks in order; one (group, block) is
  *   Q4_0 / Q4_1: 4 chunks of [16 lanes][4 bytes] (lane i: row i's q[4c .. 4c + 3] — low
- *                nibbles are values 4c..4c+3, high nibbles 16+4c..19+4c), float32 d[16], m[16]
- *                (Q4_0: m = -8 d);                                        256 + 128 bytes
- *   Q8_0 / I8:   8 chunks of [16 lanes][4 bytes] (values 4c..4c+3 as u8 = q + 128), float32
- *                d[16] (I8: the row's scale);                             512 + 64 bytes
- * 1.2 (Q4_1), 1.33 (Q4_0), 1.06 (Q8_0) and 1.13 (I8) times the blocks' own bytes, kept beside
- * them (the nests at 1-2 rows and the embedding read the blocks).
+ *                nibbles are values 4c..4c+3, high nibbles 16+4c..19+4c), the blocks' float16
+ *                d[16] and (Q4_1) m[16] (Q4_0's m = -8 d is made in registers);
+ *                                                              256 + 32 (Q4_0) / 64 bytes
+ *   Q8_0 / I8:   8 chunks of [16 lanes][4 bytes] (values 4c..4c+3 as u8 = q + 128), float16
+ *                d[16] (I8: the rows' float32 scales);         512 + 32 (Q8_0) / 64 bytes
+ * The blocks' own bytes for Q4_0, Q4_1 and Q8_0 (1.13 times I8's), kept beside them (the
+ * embedding and quant_q8.c, for a weight without the copy, read the blocks). The scales were
+ * float32 until session 17 (1.2 times a Q4_1 weight's bytes): float16 converted per (group,
+ * block) measured faster where one row's decode reads W (Zen 5, the model's 121 products,
+ * three alternating builds: one row 2.74-2.81 -> 2.35-2.69 ms, four rows 3.73-4.06 -> 3.28-3.72).
  *
  * x is quantized per block of 32 exactly as quant_q8.c does (d = max|x| / 127, q = round to
  * nearest even, s = d sum(q)), in K order; a 4-value chunk of it is broadcast to the 16 lanes
@@ -37,9 +41,21 @@
 #define XT 4          /* rows of x a tile takes */
 #define XB 64         /* rows of x a pass over W takes (their int8 copy stays in L2) */
 
-/* Bytes of one (group, block): the quantized chunks, then the two 16-lane vectors. */
-INLINE int64_t gb_bytes(int type) { return is_nibble(type) ? 256 + 128 : 512 + 64; }
+/* Bytes of one (group, block): the quantized chunks, then the 16 lanes' scales — the blocks'
+ * own float16 d (and Q4_1's m), or I8's float32 row scales. */
 INLINE int64_t q_bytes(int type) { return is_nibble(type) ? 256 : 512; }
+INLINE int64_t sc_bytes(int type) { return type == T_Q4_1 || type == T_I8 ? 64 : 32; }
+INLINE int64_t gb_bytes(int type) { return q_bytes(type) + sc_bytes(type); }
+/* The 16 lanes' d as float32 (exact, as the blocks' float16) from the scales at `sc`. */
+INLINE __m512 lane_d(int type, const uint8_t *sc) {
+    return type == T_I8 ? _mm512_loadu_ps((const float *)sc)
+                        : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sc));
+}
+/* The Q4 types' 16 lanes' m: Q4_1's own, Q4_0's -8 d (exact in float32). */
+INLINE __m512 lane_m(int type, const uint8_t *sc, __m512 d) {
+    return type == T_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 32)))
+                          : _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
+}
 
 /* x quantized: q [rows][nb][32] int8; d, s = d sum(q) and c = -128 sum(q) (int32) [rows][nb]
  * (rows: m rounded up to XT; the extra rows are zero). */
@@ -154,12 +170,11 @@ INLINE void wide_tile(int type, const uint8_t *const pk[WT], int64_t nb, const x
             const int64_t at = (r0 + r) * nb + b;
             const __m512 dx = _mm512_set1_ps(x->d[at]), sx = _mm512_set1_ps(x->s[at]);
             for (int w = 0; w < WT; w++) {
-                const __m512 dw = _mm512_loadu_ps((const float *)(p[w] + qb));
+                const __m512 dw = lane_d(type, p[w] + qb);
                 acc[w][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[w][r]),
                                             _mm512_mul_ps(dw, dx), acc[w][r]);
                 if (nib)
-                    acc[w][r] = _mm512_fmadd_ps(
-                        _mm512_loadu_ps((const float *)(p[w] + qb + 64)), sx, acc[w][r]);
+                    acc[w][r] = _mm512_fmadd_ps(lane_m(type, p[w] + qb, dw), sx, acc[w][r]);
             }
         }
     }
@@ -222,17 +237,18 @@ static void wide_product(int type, const uint8_t *packed, int64_t nb, const void
 
 /* One W row's block into lane i of its (group, block) of the packed layout. */
 static void pack_block(int type, const uint8_t *blk, float row_scale, int i, uint8_t *dst) {
-    float *dv = (float *)(dst + q_bytes(type));
+    uint8_t *sc = dst + q_bytes(type);
     if (is_nibble(type)) {
         const uint8_t *qs = blk + (type == T_Q4_1 ? 4 : 2);
         for (int c = 0; c < 4; c++) memcpy(dst + (c * GR + i) * 4, qs + 4 * c, 4);
-        dv[i] = f16(blk);
-        dv[GR + i] = type == T_Q4_1 ? f16(blk + 2) : -8.f * dv[i];
+        memcpy(sc + 2 * i, blk, 2);
+        if (type == T_Q4_1) memcpy(sc + 32 + 2 * i, blk + 2, 2);
     } else {
         const uint8_t *q = type == T_I8 ? blk : blk + 2;
         for (int c = 0; c < 8; c++)
             for (int j = 0; j < 4; j++) dst[(c * GR + i) * 4 + j] = q[4 * c + j] ^ 0x80;
-        dv[i] = type == T_I8 ? row_scale : f16(blk);
+        if (type == T_I8) memcpy(sc + 4 * i, &row_scale, 4);
+        else memcpy(sc + 2 * i, blk, 2);
     }
 }
 #else

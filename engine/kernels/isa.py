@@ -140,8 +140,8 @@ def isa_label(flags: set[str] | None = None) -> str:
 def march_flags(isa: str) -> list[str]:
     """`-march` for a kernel build at `isa`: the host's own (`native`) when `isa` is the host's
     level; `native` without the AMX extensions for avx512 on an AMX host (its AVX512-BF16 and
-    VNNI loops stay); `native` less what `CONTINUUM_CPU_HIDE` hides; else the level's baseline (`x86-64-v3` for avx2, `x86-64-v2` for
-    generic on x86)."""
+    VNNI loops stay); `native` less what `CONTINUUM_CPU_HIDE` hides; else the level's baseline
+    (`x86-64-v3` for avx2, `x86-64-v2` for generic on x86)."""
     host = host_isa()
     hide = [switch for name in sorted(hidden_flags()) for switch in HIDEABLE[name]]
     if "amx_tile" in _proc_flags() and isa != "amx":

@@ -1,7 +1,7 @@
 /*
- * The int8-activation products at every row count (Q8_WIDE_ROWS; `--activation-quantization int8`:
- * decode, batched decode and prefill), over weights repacked once at load so that each int32 lane of
- * a 512-bit vector is one W row. quant_q8.c's nest keeps a W row's blocks across the lanes and
+ * The int8-activation products at every row count (quant_q8.c's Q8_WIDE_ROWS; int8 activations:
+ * decode, batched decode and prefill), over weights repacked once at load so that each int32
+ * lane of a 512-bit vector is one W row. quant_q8.c's nest keeps a W row's blocks across the lanes and
  * pays a conversion, a scale product and an FMA for every 64 products; here one block (32
  * values along K) of 16 W rows against one row of x is 8 vpdpbusd into int32 lanes, then one
  * conversion, one product and one or two FMAs: the scales amortize over 512 products. The

@@ -110,8 +110,10 @@ def test_avx512_cap_on_an_amx_host_keeps_its_vector_extensions(capped):
 
 @pytest.fixture
 def hidden(monkeypatch):
-    """Set CONTINUUM_CPU_HIDE for one test (the flags and the level are cached per process)."""
+    """Set CONTINUUM_CPU_HIDE for one test, with no CONTINUUM_CPU_ISA cap (the AVX2 pass sets
+    one; the flags and the level are cached per process)."""
     def hide(names: str) -> None:
+        monkeypatch.delenv(isa.ENV, raising=False)
         monkeypatch.setenv(isa.HIDE_ENV, names)
         isa.hidden_flags.cache_clear()
         isa.cpu_isa.cache_clear()

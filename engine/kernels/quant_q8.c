@@ -11,8 +11,8 @@
  *   I8:    d_x sum(q_w q_x) * row_scale             offset's 128 sum(q_w) taken off exactly)
  *
  * The integer dot is exact; the result differs from the float path by x's rounding to int8
- * (relative error about 1/254 of a block's largest |x|). From Q8_WIDE_ROWS rows a weight with
- * a packed copy goes to quant_q8_wide.c (the same arithmetic, W rows across the lanes). Other
+ * (relative error about 1/254 of a block's largest |x|). A weight with a packed copy goes to
+ * quant_q8_wide.c at every row count (the same arithmetic, W rows across the lanes). Other
  * types (Q4_K, Q6_K), hosts without AVX-512 VNNI and larger M without a packed copy go to
  * quant_linear (quant.c) unchanged.
  */
@@ -23,15 +23,6 @@
 #define HAVE_Q8_DOT 1
 #define Q8_MR 8       /* rows of x up to which the int8 path runs */
 #define Q8_NC 16      /* rows of W a thread takes at a time */
-#define Q8_WIDE_ROWS 1 /* rows of x from which quant_q8_wide.c's nest runs where W has its
-                          packed copy: every row count, so that a row's products are the same
-                          sums whatever the batch (seeded sampling alone equals it in a batch;
-                          speculative verification keeps the plain decode's logits). This nest
-                          is faster at 1-2 rows (Zen 5, the model's 121 products at one row:
-                          2.31 against 2.61 ms, at two 2.78 against 3.05, at four even), but
-                          int8 x turns the float32 noise of a different summation order into a
-                          different rounding of the next layer's x, which moves logits by up to
-                          ~0.1 (a sampled token then differs between batch sizes) */
 
 /* x quantized, for one weight family: per row r and block pair p (blocks 2p, 2p + 1, the last
  * padded with a zero block): 64 int8 (nibble types: [b lo16, b+1 lo16, b hi16, b+1 hi16],
@@ -199,17 +190,22 @@ static void q8_chunk(int type, const uint8_t *w, int64_t row_bytes, int64_t n0, 
 #else
 #define HAVE_Q8_DOT 0
 #define Q8_MR 0
-#define Q8_WIDE_ROWS 0
 #endif
 
 /* 1 where this build has the int8-activation kernels (AVX-512 VNNI), else 0. */
 int quant_q8_available(void) { return HAVE_Q8_DOT; }
 
 /* quant_linear's contract with x quantized to int8 per block of 32 (see the file comment) where
- * the type is Q4_0, Q4_1, Q8_0 or I8 and the host has AVX-512 VNNI: from Q8_WIDE_ROWS rows
- * quant_q8_wide.c's nest over `packed` (W as quant_q8_pack wrote it; NULL: none; bfloat16 x
- * above Q8_MR rows on an AMX host: the tiles), else at m <= Q8_MR this file's;
- * otherwise exactly quant_linear. Returns 0; -1 out of memory; -2 unknown type. */
+ * the type is Q4_0, Q4_1, Q8_0 or I8 and the host has AVX-512 VNNI: quant_q8_wide.c's nest over
+ * `packed` (W as quant_q8_pack wrote it; NULL: none; bfloat16 x above Q8_MR rows on an AMX
+ * host: the tiles) at every row count, else at m <= Q8_MR this file's; otherwise exactly
+ * quant_linear. Returns 0; -1 out of memory; -2 unknown type.
+ *
+ * Every row count, not only where the wide nest is faster (this file's nest was, at 1-2 rows
+ * over float32 scales): a row's sums must not depend on the rows beside it. With int8 x a
+ * different float32 summation order rounds the next layer's x to a neighbouring integer and
+ * moves logits by up to ~0.1, so seeded sampling alone would differ from the same request in a
+ * batch, and speculative verification from the plain decode. */
 int quant_linear_q8(int type, const uint8_t *w, int64_t row_bytes, const float *row_scale,
                     const float *bias, const void *x, int64_t x_stride, int x_bf16, void *y,
                     int64_t ldy, int y_f32, int64_t m, int64_t n, int64_t k, int num_threads,
@@ -219,7 +215,7 @@ int quant_linear_q8(int type, const uint8_t *w, int64_t row_bytes, const float *
      * quant_linear), as before the wide nest: their rate is several times vpdpbusd's (not
      * measured against this nest: no AMX host at hand when it was written). */
     const int amx = x_bf16 && m > Q8_MR && quant_amx_min_rows() > 0;
-    if (HAVE_Q8_DOT && supported && packed && m >= Q8_WIDE_ROWS && !amx)
+    if (HAVE_Q8_DOT && supported && packed && m >= 1 && !amx)
         return quant_q8_wide(type, packed, bias, x, x_stride, x_bf16, y, ldy, y_f32, m, n, k,
                              num_threads);
     if (!HAVE_Q8_DOT || !supported || m > Q8_MR || m < 1)

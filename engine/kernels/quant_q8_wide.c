@@ -1,5 +1,5 @@
 /*
- * The int8-activation products at every row count (quant_q8.c's Q8_WIDE_ROWS; int8 activations:
+ * The int8-activation products at every row count (quant_linear_q8 says why; int8 activations:
  * decode, batched decode and prefill), over weights repacked once at load so that each int32
  * lane of a 512-bit vector is one W row. quant_q8.c's nest keeps a W row's blocks across the lanes and
  * pays a conversion, a scale product and an FMA for every 64 products; here one block (32

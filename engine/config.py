@@ -18,7 +18,7 @@ GIB = 1 << 30
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
-def check_kv_cache_dtype(name: str) -> None:
+def check_kv_cache_dtype_name(name: str) -> None:
     """Raises ValueError (one line, naming the flag) unless `name` is a `--kv-cache-dtype`."""
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
@@ -136,7 +136,7 @@ class EngineConfig:
         if self.activation_quantization not in ACTIVATION_METHODS:
             raise ValueError("--activation-quantization must be one of "
                              f"{', '.join(ACTIVATION_METHODS)}, got {self.activation_quantization!r}")
-        check_kv_cache_dtype(self.kv_cache_dtype)
+        check_kv_cache_dtype_name(self.kv_cache_dtype)
         self._check_lora()
         if self.max_waiting_requests < 1:
             raise ValueError("--max-waiting-requests must be at least 1, "

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import check_kv_cache_dtype
+from engine.config import check_kv_cache_dtype_name
 
 KINDS = {"int8": 1, "fp8_e4m3": 2, "fp8_e5m2": 3}          # kernels' KV_* (common.h)
 FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -94,7 +94,7 @@ class KVQuant:
 def resolve_kv_cache_dtype(name: str) -> KVQuant | None:
     """`--kv-cache-dtype` as a `KVQuant` (None for `auto`: the activation dtype). `fp8` is
     e4m3, as in vLLM. Raises ValueError (one line) for another value."""
-    check_kv_cache_dtype(name)
+    check_kv_cache_dtype_name(name)
     if name == "auto":
         return None
     return KVQuant("fp8_e4m3" if name == "fp8" else name)

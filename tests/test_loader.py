@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -90,3 +92,82 @@ def test_sliding_windows_are_read_as_transformers_reads_them(arch, cfg):
         types = ["sliding_attention" if ref_window else "full_attention"] * 4
     assert layers == tuple(ref_window if t == "sliding_attention" else 0 for t in types)
     assert window == (ref_window if any(layers) else None)
+
+
+def test_a_conversion_shares_one_reader_and_name_map_then_restores_gguf(tmp_path):
+    """Within `_gguf_reads_shared` a file gets one `GGUFReader` and an (architecture, layers)
+    pair one `TensorNameMap` (transformers' GGUF loader builds them per call and per tensor);
+    gguf-py's own names are back afterwards, also when the conversion raises."""
+    import gguf
+
+    from engine.loader import _gguf_reads_shared
+
+    path = tmp_path / "tiny.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("token_embd.weight", torch.zeros(4, 8).numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with pytest.raises(RuntimeError, match="stop"), _gguf_reads_shared():
+        first = gguf.GGUFReader(str(path))
+        assert gguf.GGUFReader(path) is first and isinstance(first, reader_class)
+        assert first.tensors[0].name == "token_embd.weight"
+        arch = gguf.MODEL_ARCH.LLAMA
+        assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
+        assert gguf.get_tensor_name_map(arch, 3) is not gguf.get_tensor_name_map(arch, 2)
+        raise RuntimeError("stop")
+    assert gguf.GGUFReader is reader_class and gguf.get_tensor_name_map is name_map
+    assert gguf.GGUFReader(str(path)) is not first
+
+
+def truncated_gguf(src, dst, layers: int) -> None:
+    """Copy the llama GGUF `src` to `dst` with its first `layers` blocks only (metadata kept,
+    `llama.block_count` set): a small model with the embedded tokenizer."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(src))
+    writer = gguf.GGUFWriter(str(dst), "llama")
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        value = layers if field.name == "llama.block_count" else field.contents()
+        writer.add_key_value(field.name, value, kind, sub_type=sub)
+    for t in reader.tensors:
+        if t.name.startswith("blk.") and int(t.name.split(".")[1]) >= layers:
+            continue
+        writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.extended          # two conversions of a 2-layer GGUF, one without the sharing: ~25 s
+def test_shared_reads_convert_to_the_same_bytes(tmp_path, monkeypatch):
+    """The conversion with one reader and name map per file writes the same files, byte for
+    byte, as transformers' own loader left to build its own (the manifest's sizes and hashes)."""
+    import engine.loader as loader
+
+    src = tmp_path / "two-layers.gguf"
+    truncated_gguf(embedded_gguf_path(), src, 2)
+    monkeypatch.setenv("CONTINUUM_CACHE", str(tmp_path / "shared"))
+    shared = json.loads((convert_gguf(src) / "continuum-manifest.json").read_text())["files"]
+    monkeypatch.setenv("CONTINUUM_CACHE", str(tmp_path / "plain"))
+    monkeypatch.setattr(loader, "_gguf_reads_shared", contextlib.nullcontext)
+    plain = json.loads((convert_gguf(src) / "continuum-manifest.json").read_text())["files"]
+    assert shared == plain and "model.safetensors" in shared
+
+
+@pytest.mark.parametrize("content", [b"hello\n", None])
+def test_an_unreadable_gguf_is_a_load_error_naming_the_file(tmp_path, monkeypatch, content):
+    """Not a GGUF, or one cut short inside its metadata: ModelLoadError, nothing cached."""
+    monkeypatch.setenv("CONTINUUM_CACHE", str(tmp_path / "cache"))
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(content or embedded_gguf_path().read_bytes()[:100_000])
+    with pytest.raises(ModelLoadError, match="bad.gguf: cannot read GGUF tensors"):
+        resolve_model(str(bad))
+    assert not list((tmp_path / "cache").rglob("*.safetensors"))

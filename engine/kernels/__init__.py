@@ -29,6 +29,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
@@ -118,6 +119,9 @@ def build(compiler: str, flags: list[str] | None = None, out_dir: Path | None = 
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("compiling the CPU kernels for this host into %s (once per host and kernel "
+                "source)", target.parent)
+    t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
         objects = _compile_units(compiler, flags, Path(tmp))
@@ -125,6 +129,7 @@ def build(compiler: str, flags: list[str] | None = None, out_dir: Path | None = 
         subprocess.run([compiler, *flags, *map(str, objects), "-o", str(out), *libs],
                        check=True, capture_output=True, text=True, timeout=120)
         os.replace(out, target)            # atomic: a concurrent builder sees all or nothing
+    logger.info("compiled %s in %.1f s", target.name, time.perf_counter() - t0)
     return target
 
 

@@ -154,9 +154,8 @@ def _gguf_reads_shared():
     value, 3.6 s for SmolLM2's 49k-token vocabulary on a 2-core host — and a `TensorNameMap`
     for every tensor (13 ms each, 272 tensors). It imports both names from the `gguf` package
     when called, so they are swapped there for the conversion and put back after; the files
-    written are the same bytes (tests/test_loader.py). The embedded model's conversion, served on
-    a 2-core EPYC: 16.3 s
-    -> 6.0-6.8 s.
+    written are the same bytes (tests/test_loader.py). The embedded model's conversion, served
+    on a 2-core EPYC: 16.3 s -> 6.0-6.8 s.
     """
     import gguf
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
 
@@ -147,19 +146,21 @@ def truncated_gguf(src, dst, layers: int) -> None:
 
 
 @pytest.mark.extended          # two conversions of a 2-layer GGUF, one without the sharing: ~25 s
-def test_shared_reads_convert_to_the_same_bytes(tmp_path, monkeypatch):
+def test_shared_reads_convert_to_the_same_bytes(tmp_path):
     """The conversion with one reader and name map per file writes the same files, byte for
-    byte, as transformers' own loader left to build its own (the manifest's sizes and hashes)."""
-    import engine.loader as loader
+    byte, as transformers' own loader left to build its own."""
+    from engine.loader import _write_hf_directory
 
     src = tmp_path / "two-layers.gguf"
     truncated_gguf(embedded_gguf_path(), src, 2)
-    monkeypatch.setenv("CONTINUUM_CACHE", str(tmp_path / "shared"))
-    shared = json.loads((convert_gguf(src) / "continuum-manifest.json").read_text())["files"]
-    monkeypatch.setenv("CONTINUUM_CACHE", str(tmp_path / "plain"))
-    monkeypatch.setattr(loader, "_gguf_reads_shared", contextlib.nullcontext)
-    plain = json.loads((convert_gguf(src) / "continuum-manifest.json").read_text())["files"]
-    assert shared == plain and "model.safetensors" in shared
+    for name, shared in (("shared", True), ("plain", False)):
+        (tmp_path / name).mkdir()
+        _write_hf_directory(src, tmp_path / name, "LlamaForCausalLM", shared_reads=shared)
+    files = sorted(p.name for p in (tmp_path / "shared").iterdir())
+    assert "model.safetensors" in files
+    assert files == sorted(p.name for p in (tmp_path / "plain").iterdir())
+    for name in files:
+        assert (tmp_path / "shared" / name).read_bytes() == (tmp_path / "plain" / name).read_bytes()
 
 
 @pytest.mark.parametrize("content", [b"hello\n", None])
@@ -171,3 +172,48 @@ def test_an_unreadable_gguf_is_a_load_error_naming_the_file(tmp_path, monkeypatc
     with pytest.raises(ModelLoadError, match="bad.gguf: cannot read GGUF tensors"):
         resolve_model(str(bad))
     assert not list((tmp_path / "cache").rglob("*.safetensors"))
+
+
+def test_a_failed_conversion_names_the_error_and_leaves_no_directories(tmp_path, monkeypatch):
+    """A llama GGUF without tensors: the conversion process's error reaches the caller as a
+    ModelLoadError; its temporary directory, and one a killed conversion left, are gone."""
+    import gguf
+
+    from engine.loader import _cache_key
+
+    monkeypatch.setenv("CONTINUUM_CACHE", str(tmp_path / "cache"))
+    empty = tmp_path / "empty.gguf"
+    w = gguf.GGUFWriter(str(empty), "llama")
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    models = tmp_path / "cache" / "models"
+    abandoned = models / f"{_cache_key(empty)}.tmp-{2**22 + 12345}"    # above pid_max's default
+    abandoned.mkdir(parents=True)
+    with pytest.raises(ModelLoadError, match=r"converting .*empty.gguf failed: \w+Error: "):
+        resolve_model(str(empty))
+    assert list(models.iterdir()) == []
+
+
+@pytest.mark.extended          # a 2-layer GGUF converted in a fresh interpreter: ~15 s
+def test_a_conversion_leaves_the_callers_process_as_it_was(tmp_path):
+    """The conversion runs in a process of its own: the caller imports neither transformers nor
+    torch for it, and exits without warnings (tqdm's semaphore, Triton's nanobind leak report
+    were printed at a converting server's exit)."""
+    import subprocess
+    import sys
+
+    src = tmp_path / "two-layers.gguf"
+    truncated_gguf(embedded_gguf_path(), src, 2)
+    code = ("import sys; from pathlib import Path; from engine.loader import convert_gguf; "
+            f"d = convert_gguf(Path({str(src)!r})); "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules), "
+            "(d / 'model.safetensors').exists())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**__import__("os").environ, "CONTINUUM_CACHE": str(tmp_path)},
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[] True"
+    assert "leaked" not in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]

@@ -32,12 +32,14 @@ test: install
 test-stress: install
 	$(PY) -m pytest -q -m "stress or extended"
 
-# The kernel, model and engine-correctness tests again with every ISA capped at AVX2 + FMA (oneDNN,
-# ATen and Continuum's own switch), as on an AVX2-only host: kernels built for x86-64-v3,
-# bfloat16 through the bfloat16-weight GEMM kernel. Skipped where the CPU has no AVX2 + FMA.
+# The kernel, model, engine-correctness and int8-activation tests again with every ISA capped at
+# AVX2 + FMA (oneDNN, ATen and Continuum's own switch), as on an AVX2-only host: kernels built for
+# x86-64-v3, bfloat16 through the bfloat16-weight GEMM kernel, GGUF blocks with int8 activations
+# (vpmaddubsw). Skipped where the CPU has no AVX2 + FMA.
 # The SLO-option and preemption runs are left out of this pass: they exercise scheduling, which
 # runs the same kernels as the cases kept.
-AVX2_TESTS := tests/test_cpu_kernels.py tests/test_cpu_isa.py tests/test_engine_correctness.py
+AVX2_TESTS := tests/test_cpu_kernels.py tests/test_cpu_isa.py tests/test_engine_correctness.py \
+              tests/test_quant_int8_activations.py
 AVX2_SKIP  := not slo_options and not preemption_is_exact
 test-avx2: install
 	@if grep -qw avx2 /proc/cpuinfo && grep -qw fma /proc/cpuinfo; then \

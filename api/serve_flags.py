@@ -54,9 +54,10 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                         "weights); default: gguf for a .gguf model on the CPU, else none")
     p.add_argument("--activation-quantization", default="auto", choices=ACTIVATION_METHODS,
                    help="int8: quantize the activations of the quantized linears to int8 per "
-                        "block of 32 (AVX-512 VNNI hosts; faster, slightly less exact: "
-                        "docs/quantization.md); auto: int8 where VNNI exists without bfloat16 "
-                        "matmul units, unless --dtype float32; default: auto")
+                        "block of 32 (AVX-512 VNNI and AVX2 hosts; faster, slightly less "
+                        "exact: docs/quantization.md); auto: int8 where there are no bfloat16 "
+                        "matmul units and VNNI exists or the level is AVX2, unless --dtype "
+                        "float32; default: auto")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or npu (default: auto)")
     p.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling (default: 0)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")

@@ -10,8 +10,10 @@ each with the same KV budget (`--kv-cache-memory` GiB):
                          engine/kernels/quant.c; activations in that dtype)
   bf16 / f32             `--quantization none --dtype ...` (the GGUF dequantized at load)
   int8-bf16              `--quantization int8 --dtype bfloat16`
-  gguf-q8-bf16           gguf-bf16 with `--activation-quantization int8` (quant_q8.c; where
-                         the host has AVX-512 VNNI, else the same as gguf-bf16)
+  gguf-q8-bf16           gguf-bf16 with `--activation-quantization int8` (quant_q8.c /
+                         quant_q8_wide.c; where the host has AVX-512 VNNI or AVX2)
+  gguf / gguf-q8         `--quantization gguf` at `--dtype auto` (the host's default dtype:
+                         float32 on an AVX2 host) with activations `none` / `int8`
   llama.cpp              `llama_cpp.server` (llama-cpp-python, built for this host) on the same
                          GGUF, 2 threads, with `--llama-python PATH` (a venv's python)
 With `--rounds R` the Continuum servers run R times, alternating (a 2-core VM drifts by 20% or
@@ -57,7 +59,11 @@ SERVERS = {"gguf-bf16": ["--quantization", "gguf", "--dtype", "bfloat16",
            "int8-bf16": ["--quantization", "int8", "--dtype", "bfloat16",
                          "--activation-quantization", "none"],
            "gguf-q8-bf16": ["--quantization", "gguf", "--activation-quantization", "int8",
-                            "--dtype", "bfloat16"]}
+                            "--dtype", "bfloat16"],
+           "gguf": ["--quantization", "gguf", "--activation-quantization", "none"],
+           "gguf-q8": ["--quantization", "gguf", "--activation-quantization", "int8"]}
+# int8 activations over the same server with activations left alone
+Q8_PAIRS = (("gguf-q8-bf16", "gguf-bf16"), ("gguf-q8", "gguf"))
 
 
 def session_rss_mib(pid: int) -> float:
@@ -211,10 +217,11 @@ def median_run(runs: list[dict]) -> dict:
 def ratios(results: dict) -> dict:
     """Output tokens/s of each quantized server over each baseline, per concurrency."""
     out = {}
-    if "gguf-q8-bf16" in results and "gguf-bf16" in results:
-        out["gguf-q8-bf16 / gguf-bf16"] = {
-            p["concurrency"]: round(p["output_tok_s"] / b["output_tok_s"], 2)
-            for p, b in zip(results["gguf-q8-bf16"]["points"], results["gguf-bf16"]["points"])}
+    for q8, plain in Q8_PAIRS:
+        if q8 in results and plain in results:
+            out[f"{q8} / {plain}"] = {
+                p["concurrency"]: round(p["output_tok_s"] / b["output_tok_s"], 2)
+                for p, b in zip(results[q8]["points"], results[plain]["points"])}
     for q in [n for n in results if n.startswith(("gguf", "int8"))]:
         for base in [n for n in results if not n.startswith(("gguf", "int8"))]:
             out[f"{q} / {base}"] = {

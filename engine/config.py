@@ -50,8 +50,9 @@ class EngineConfig:
         an 8-bit cache: "int8" (a scale per token and head), "fp8" / "fp8_e4m3" / "fp8_e5m2"
         (a scale per tensor, 1.0); the CPU kernels and the torch path read it.
     activation_quantization: `--activation-quantization`: "none" (the activations' dtype),
-        "int8" (per block of 32, in the quantized products; AVX-512 VNNI) or "auto" (int8
-        where VNNI exists without bfloat16 matmul units: `engine.quant.auto_int8_activations`).
+        "int8" (per block of 32, in the quantized products; AVX-512 VNNI or AVX2) or "auto"
+        (int8 without bfloat16 matmul units where VNNI exists or the level is AVX2:
+        `engine.quant.auto_int8_activations`).
     tensor_parallel_size: ranks the model is split over (`engine.distributed`); each rank holds
         `kv_cache_memory` / `swap_space` of its own KV heads (per-device sizes, as in vLLM).
     enable_lora / lora_modules / max_loras / max_lora_rank / max_cpu_loras: vLLM's LoRA flags

@@ -1,12 +1,13 @@
 """`--activation-quantization int8`: the quantized products with x quantized to int8 per block
-of 32 (AVX-512 VNNI): engine/kernels/quant_q8.c where a weight has no packed copy (up to 8
-rows), quant_q8_wide.c over the copy `CpuKernels.q8_pack` makes, at every row count.
+of 32: engine/kernels/quant_q8.c where a weight has no packed copy (up to 8 rows; AVX-512 VNNI),
+quant_q8_wide.c over the copy `CpuKernels.q8_pack` makes, at every row count (AVX-512 VNNI, or
+AVX2's vpmaddubsw in quant_q8_wide_avx2.h).
 
 The reference is llama.cpp's arithmetic, written here in numpy: x rounded as quantize_row_q8_0
 / q8_1 do (d = max|x| / 127, q = round-half-even(x / d)) times gguf-py's dequantized weights in
 float64. The served model is checked against transformers on the GGUF's dequantized weights
-(float32; its KL to the same model with q8-rounded linear inputs is reported). Skipped on hosts without AVX-512 VNNI, where
-the flag leaves activations in float32 with a warning."""
+(float32; its KL to the same model with q8-rounded linear inputs is reported). Skipped on hosts
+without AVX2, where the flag leaves activations in float32 with a warning."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def native():
     from engine import kernels
     lib = kernels.load()
     if lib is None or not lib.q8_available:
-        pytest.skip("int8 activations need AVX-512 VNNI (and a C compiler); this host has none")
+        pytest.skip("int8 activations need AVX-512 VNNI or AVX2 (and a C compiler)")
     return lib
 
 
@@ -83,6 +84,9 @@ def q8_weight(name: str, n: int, k: int, rng) -> QuantWeight:
 def test_int8_activation_products_are_llama_cpp_arithmetic(native, name):
     """Every type, 1..8 rows, K with a lone last block and a partial one, strided float32 and
     bfloat16 x, bias: within float32 rounding of the q8 reference (the integer dot is exact)."""
+    if not native.q8_narrow:
+        pytest.skip("quant_q8.c's nest over the blocks needs AVX-512 VNNI (an AVX2 build has "
+                    "only the packed weights' nest)")
     rng = np.random.default_rng(1)
     for k in (32, 96, 1000):
         check_q8_products(native, q8_weight(name, 37, k, rng), range(1, Q8_ROWS + 1), rng)
@@ -118,6 +122,8 @@ def test_products_match_gguf_py_q8_0_activations(native, name):
     w = gguf_weight(name, 37, k, rng)
     wd = w.dequantize().double()
     for packed, rows in ((False, (1, 2, 8)), (True, (1, 2, 16, 33))):
+        if not packed and not native.q8_narrow:     # an AVX2 build: float32 products there
+            continue
         if packed:
             native.q8_pack(w)
         for m in rows:
@@ -146,6 +152,52 @@ def test_each_row_is_the_same_sums_at_every_batch_size(native, name):
         y = native.quant_linear(x[:m], w, None, torch.float32, int8_x=True)
         for r in range(m):
             assert torch.equal(y[r], single[r]), (name, m, r)
+
+
+@pytest.fixture(scope="module")
+def avx2():
+    """The kernels built for an AVX2 host (-march=x86-64-v3: no AVX-512, no VNNI), whose int8
+    nest is quant_q8_wide_avx2.h's; skipped without AVX2 + FMA or a C compiler."""
+    import ctypes
+
+    from engine import kernels
+    from engine.kernels.isa import LEVELS, host_isa, march_flags
+
+    compiler = kernels.find_compiler()
+    if compiler is None or LEVELS.index(host_isa()) < LEVELS.index("avx2"):
+        pytest.skip("needs AVX2 + FMA and a C compiler")
+    path = kernels.build(compiler, kernels.BASE_CFLAGS + march_flags("avx2"))
+    lib = kernels.CpuKernels(ctypes.CDLL(str(path)))
+    assert lib.isa == "avx2" and lib.q8_available and not lib.q8_narrow
+    return lib
+
+
+@pytest.mark.parametrize("name", Q8_TYPES + ["I8"])
+def test_the_avx2_nest_is_the_reference_and_the_avx512_nest_bit_for_bit(avx2, name):
+    """An AVX2 host's wide nest (vpmaddubsw / vpmaddwd, no VNNI): the reference's arithmetic at
+    1-9, 16, 33 and 70 rows (N and K with partial groups and blocks), and — where this host also
+    runs the AVX-512 VNNI nest — the same bits as that nest, so a model gives the same tokens on
+    both kinds of host. Without the packed copy it keeps float32 products."""
+    from engine import kernels
+
+    rng = np.random.default_rng(7)
+    native = kernels.load()
+    for n, k in ((1, 32), (37, 96), (64, 1000), (37, 576)):
+        w = q8_weight(name, n, k, rng)
+        x = torch.from_numpy(rng.standard_normal((5, k)).astype(np.float32))
+        assert torch.equal(avx2.quant_linear(x, w, int8_x=True), avx2.quant_linear(x, w))
+        avx2.q8_pack(w)
+        assert w.q8_packed is not None
+        check_q8_products(avx2, w, [*range(1, 10), 16, 33, 70], rng,
+                          (torch.float32, torch.bfloat16))
+        if native is None or not native.q8_narrow:
+            continue
+        mine = QuantWeight(w.qtype, w.data, w.shape, w.scale)      # the native build's copy
+        native.q8_pack(mine)
+        for m in (1, 2, 3, 4, 16, 33):
+            x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).bfloat16()
+            assert torch.equal(avx2.quant_linear(x, w, None, torch.float32, int8_x=True),
+                               native.quant_linear(x, mine, None, torch.float32, int8_x=True))
 
 
 def test_more_rows_and_k_types_take_the_float_path(native):
@@ -238,21 +290,44 @@ def test_served_model_stays_near_float32(native, model_dir, tokenizer):
     assert gap.mean() < 0.1 and gap.max() < 0.5
 
 
-def test_auto_is_int8_where_vnni_has_no_bfloat16_units():
+def test_auto_is_int8_where_int8_products_have_no_bfloat16_rival():
     """`--activation-quantization auto` (the default) per host class: int8 over quantized
     weights where the kernels have VNNI and the host no bfloat16 matmul units (an Ice Lake or
-    Cascade Lake Xeon), unless `--dtype float32`; the bfloat16 units' products elsewhere."""
+    Cascade Lake Xeon) and on AVX2-only hosts (EPYC Milan), unless `--dtype float32`; the
+    bfloat16 units' products elsewhere; float32 products on AVX-512 without VNNI (Skylake)."""
     from engine.quant import auto_int8_activations
 
-    ice_lake = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
+    milan = {"avx2", "fma", "f16c"}
+    skylake = milan | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+    ice_lake = skylake | {"avx512_vnni"}
     zen5 = ice_lake | {"avx512_bf16"}
     sapphire = zen5 | {"amx_tile", "amx_bf16", "amx_int8"}
-    assert auto_int8_activations(True, "auto", ice_lake)
-    assert auto_int8_activations(True, "bfloat16", ice_lake)
-    assert not auto_int8_activations(True, "float32", ice_lake)    # the exact reference
-    assert not auto_int8_activations(False, "auto", ice_lake)      # a build without VNNI
+    for host in (ice_lake, milan):
+        assert auto_int8_activations(True, "auto", host)
+        assert auto_int8_activations(True, "bfloat16", host)
+        assert not auto_int8_activations(True, "float32", host)    # the exact reference
+        assert not auto_int8_activations(False, "auto", host)      # a build without them
+    assert not auto_int8_activations(True, "auto", skylake)
     assert not auto_int8_activations(True, "auto", zen5)
     assert not auto_int8_activations(True, "auto", sapphire)
+
+
+def test_auto_follows_a_cap_to_avx2(monkeypatch):
+    """On this host capped at AVX2 (`CONTINUUM_CPU_ISA=avx2`, as `make test`'s second pass) the
+    default is int8 — an AVX2 host's — whatever the host's own bfloat16 units."""
+    from engine.kernels.isa import LEVELS, cpu_isa, host_isa
+    from engine.quant import auto_int8_activations
+
+    if LEVELS.index(host_isa()) < LEVELS.index("avx2"):
+        pytest.skip("needs AVX2 + FMA")
+    monkeypatch.setenv("CONTINUUM_CPU_ISA", "avx2")
+    cpu_isa.cache_clear()
+    try:
+        assert auto_int8_activations(True, "auto")
+        assert not auto_int8_activations(True, "float32")
+    finally:
+        monkeypatch.undo()
+        cpu_isa.cache_clear()
 
 
 @pytest.mark.extended          # its own server and kernel build; the choice is checked above

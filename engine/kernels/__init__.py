@@ -43,7 +43,8 @@ SOURCES = [HERE / name for name in (
     "cpu_kernels.c", "gemm.c", "quant.c", "quant_panel.c", "quant_q8.c", "quant_q8_wide.c",
     "quant_amx.c", "attention_amx.c", "lora.c", "lora_amx.c", "layer_stack.c", "kv_cache.c",
     "sample.c")]
-HEADERS = [HERE / "common.h", HERE / "vec.h", HERE / "quant_blocks.h", HERE / "amx.h"]
+HEADERS = [HERE / "common.h", HERE / "vec.h", HERE / "quant_blocks.h", HERE / "amx.h",
+           HERE / "quant_q8_wide_avx2.h"]
 # Compile units, longest first: (source, its extra flags). cpu_kernels.c's attention instances
 # are most of the compile (~17 of ~24 s on one core), so it is built as two halves.
 UNITS = [(HERE / "cpu_kernels.c", ["-DCPU_KERNELS_PART=0"]),
@@ -348,8 +349,17 @@ class CpuKernels:
 
     @property
     def q8_available(self) -> bool:
-        """Whether the int8-activation kernels exist in this build (AVX-512 VNNI)."""
+        """Whether this build has int8-activation kernels: AVX-512 VNNI (quant_q8.c up to 8
+        rows and the wide nest over `q8_pack`'s copy), or AVX2 (the wide nest only,
+        quant_q8_wide_avx2.h)."""
         return bool(self._fn["quant_q8_available"]())
+
+    @property
+    def q8_narrow(self) -> bool:
+        """Whether quant_q8.c's nest (int8 x over the blocks themselves, up to 8 rows) is in
+        this build (AVX-512 VNNI); elsewhere a weight without `q8_pack`'s copy keeps float32
+        products."""
+        return self._fn["quant_q8_available"]() == 1
 
     def quant_embed(self, weight, ids: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids [T] int64` of the quantized table `weight` (`engine.quant.QuantWeight`

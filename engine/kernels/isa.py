@@ -12,8 +12,8 @@ Levels: `amx` is `avx512` with AMX tiles for bfloat16 (`amx_tile`, `amx_bf16`) a
 (Intel Sapphire, Emerald and Granite Rapids Xeons); `avx512` needs AVX-512 F, BW, VL and DQ;
 `avx2` needs AVX2 and FMA (x86-64-v3); `generic` is anything else, non-x86 hosts included.
 In: /proc/cpuinfo and the environment. Out: `cpu_isa()`, `host_isa()`, `at_least(floor)`,
-`march_flags(isa)`, `bf16_matmul()` (whether `--dtype auto` is bfloat16 here) and
-`isa_label()` (the ready log's `cpu isa: ...`).
+`march_flags(isa)`, `flags_and_level()`, `bf16_matmul()` (whether `--dtype auto` is bfloat16
+here) and `isa_label()` (the ready log's `cpu isa: ...`).
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def at_least(floor: str, level: str | None = None) -> bool:
 BF16_MATMUL_FLAGS = ("amx_bf16", "avx512_bf16")     # bfloat16 dot products in hardware
 
 
-def _flags_and_level(flags: set[str] | None) -> tuple[set[str], str]:
+def flags_and_level(flags: set[str] | None = None) -> tuple[set[str], str]:
     """(flags, level): this host's flags at the engine's level (`cpu_isa`, capped), or the
     given flags at the level they support."""
     return (cpu_flags(), cpu_isa()) if flags is None else (flags, host_isa(flags))
@@ -121,14 +121,14 @@ def bf16_matmul(flags: set[str] | None = None) -> bool:
     host's. `--dtype auto` is bfloat16 where this holds (vLLM takes the checkpoint's bfloat16
     on such CPUs), float32 elsewhere, where bfloat16 would be converted to float32 for every
     product."""
-    flags, level = _flags_and_level(flags)
+    flags, level = flags_and_level(flags)
     return at_least("avx512", level) and any(f in flags for f in BF16_MATMUL_FLAGS)
 
 
 def isa_label(flags: set[str] | None = None) -> str:
     """The level as the ready log names it, with the vector extensions the kernels and oneDNN
     use: e.g. "amx (avx512, vnni, bf16)", "avx512 (vnni, bf16)", "avx512 (vnni)", "avx2"."""
-    flags, level = _flags_and_level(flags)
+    flags, level = flags_and_level(flags)
     if not at_least("avx512", level):
         return level
     extras = ["avx512"] if level == "amx" else []

@@ -12,9 +12,10 @@
  *
  * The integer dot is exact; the result differs from the float path by x's rounding to int8
  * (relative error about 1/254 of a block's largest |x|). A weight with a packed copy goes to
- * quant_q8_wide.c at every row count (the same arithmetic, W rows across the lanes). Other
- * types (Q4_K, Q6_K), hosts without AVX-512 VNNI and larger M without a packed copy go to
- * quant_linear (quant.c) unchanged.
+ * quant_q8_wide.c at every row count (the same arithmetic, W rows across the lanes; it also has
+ * an AVX2 build, quant_q8_wide_avx2.h). Other types (Q4_K, Q6_K), builds without AVX-512 VNNI
+ * for a weight without the packed copy, and larger M without it go to quant_linear (quant.c)
+ * unchanged.
  */
 #include "quant_blocks.h"
 
@@ -192,11 +193,14 @@ static void q8_chunk(int type, const uint8_t *w, int64_t row_bytes, int64_t n0, 
 #define Q8_MR 0
 #endif
 
-/* 1 where this build has the int8-activation kernels (AVX-512 VNNI), else 0. */
-int quant_q8_available(void) { return HAVE_Q8_DOT; }
+/* The int8-activation kernels this build has: 1 both nests (AVX-512 VNNI), 2 only
+ * quant_q8_wide.c's over packed weights (AVX2: quant_q8_wide_avx2.h), 0 none. */
+int quant_q8_available(void) {
+    return HAVE_Q8_DOT ? 1 : quant_q8_packed_bytes(T_Q4_0, 16, QK) > 0 ? 2 : 0;
+}
 
 /* quant_linear's contract with x quantized to int8 per block of 32 (see the file comment) where
- * the type is Q4_0, Q4_1, Q8_0 or I8 and the host has AVX-512 VNNI: quant_q8_wide.c's nest over
+ * the type is Q4_0, Q4_1, Q8_0 or I8: quant_q8_wide.c's nest (AVX-512 VNNI or AVX2) over
  * `packed` (W as quant_q8_pack wrote it; NULL: none; bfloat16 x above Q8_MR rows on an AMX
  * host: the tiles) at every row count, else at m <= Q8_MR this file's; otherwise exactly
  * quant_linear. Returns 0; -1 out of memory; -2 unknown type.
@@ -215,7 +219,7 @@ int quant_linear_q8(int type, const uint8_t *w, int64_t row_bytes, const float *
      * quant_linear), as before the wide nest: their rate is several times vpdpbusd's (not
      * measured against this nest: no AMX host at hand when it was written). */
     const int amx = x_bf16 && m > Q8_MR && quant_amx_min_rows() > 0;
-    if (HAVE_Q8_DOT && supported && packed && m >= 1 && !amx)
+    if (supported && packed && m >= 1 && !amx)     /* packed: only where the wide nest is */
         return quant_q8_wide(type, packed, bias, x, x_stride, x_bf16, y, ldy, y_f32, m, n, k,
                              num_threads);
     if (!HAVE_Q8_DOT || !supported || m > Q8_MR || m < 1)

@@ -25,7 +25,8 @@ class Quantization:
     """How the model's weights are served: `method` "gguf" (the GGUF file's blocks, read by
     the kernels), "int8" (per-channel int8 made at load) or "none" (the model dtype); `gguf` the
     GGUF file for "gguf"; `int8_activations`: x quantized to int8 per block of 32 in the
-    decode-sized products (`engine/kernels/quant_q8.c`, AVX-512 VNNI hosts)."""
+    quantized products (`engine/kernels/quant_q8.c`, `quant_q8_wide.c`: AVX-512 VNNI or
+    AVX2)."""
 
     method: str = "none"
     gguf: str | None = None
@@ -33,8 +34,9 @@ class Quantization:
 
     def describe(self, types: list[str], isa: str | None) -> str:
         """The ready log's linear path, e.g. `gguf Q4_1/Q8_0 kernels (avx512)`, with
-        `, int8 activations (vnni)` when they are on."""
-        extra = ", int8 activations (vnni)" if self.int8_activations else ""
+        `, int8 activations (vnni)` when they are on (`(avx2)` on an AVX2 level: vpmaddubsw)."""
+        how = "avx2" if isa == "avx2" else "vnni"
+        extra = f", int8 activations ({how})" if self.int8_activations else ""
         return f"{self.method} {'/'.join(types)} kernels ({isa}){extra}"
 
 
@@ -59,7 +61,8 @@ def resolve_quantization(requested: str | None, model: str | None, device,
     one line naming the flag: an unknown method, "gguf" for a model that is not a GGUF file,
     "gguf" / "int8" off the CPU or without the kernels, `activations` "int8" (the
     `--activation-quantization` flag) without quantized weights. Where the host has no AVX-512
-    VNNI, int8 activations are off with one warning line (float32 activations, same kernels).
+    VNNI or AVX2, int8 activations are off with one warning line (float32 activations, same
+    kernels).
     `activations` "auto" (the flag's default) is `auto_int8_activations`'s choice; `dtype`:
     the `--dtype` flag it depends on."""
     if activations not in ACTIVATION_METHODS:
@@ -76,8 +79,8 @@ def resolve_quantization(requested: str | None, model: str | None, device,
         raise ValueError("--activation-quantization int8 needs quantized weights "
                          "(--quantization gguf or int8)")
     if not _kernels(device).q8_available:
-        logger.warning("--activation-quantization int8: this CPU has no AVX-512 VNNI; "
-                       "activations stay float32")
+        logger.warning("--activation-quantization int8: the kernels have no int8 products "
+                       "here (AVX-512 VNNI or AVX2); activations stay float32")
         return quant
     return replace(quant, int8_activations=True)
 
@@ -85,16 +88,21 @@ def resolve_quantization(requested: str | None, model: str | None, device,
 def auto_int8_activations(q8_available: bool, dtype: str, flags: set[str] | None = None
                           ) -> bool:
     """`--activation-quantization auto` over quantized weights: int8 where the kernels have
-    AVX-512 VNNI (`q8_available`) and the engine's level no bfloat16 matmul units
-    (`engine.kernels.isa.bf16_matmul`, for `flags`, default this host's) — an Ice Lake or
-    Cascade Lake Xeon, or an Emerald Rapids whose hypervisor hides AMX and BF16 — and `dtype`
-    (`--dtype`) is "auto" or "bfloat16": there the blocks' products are otherwise float32 FMAs,
-    and VNNI's `vpdpbusd` does four times the multiply-adds an instruction (the measured gain
-    and the accuracy cost: docs/quantization.md). Where bfloat16 units exist their pair
-    products stay (int8 gained only at 2-8 sequences there), and `--dtype float32` keeps float32
-    activations as the exact reference."""
-    from engine.kernels.isa import bf16_matmul
-    return q8_available and dtype in ("auto", "bfloat16") and not bf16_matmul(flags)
+    int8 products (`q8_available`) and the engine's level (`flags`, default this host's, with
+    `CONTINUUM_CPU_ISA`'s cap) has no bfloat16 matmul units (`engine.kernels.isa.bf16_matmul`)
+    and either AVX-512 VNNI — an Ice Lake or Cascade Lake Xeon, or an Emerald Rapids whose
+    hypervisor hides AMX and BF16: VNNI's `vpdpbusd` does four times float32's multiply-adds an
+    instruction — or only AVX2 (EPYC Rome / Milan, Haswell / Broadwell Xeons: `vpmaddubsw`, and
+    4-bit weights unpacked without conversions), and `dtype` (`--dtype`) is "auto" or
+    "bfloat16". Measured gains and the accuracy cost: docs/quantization.md. Where bfloat16
+    units exist their pair products stay (int8 gained only at 2-8 sequences there); AVX-512
+    without VNNI (Skylake) keeps float32 products (emulated on Zen 5: 0.90-1.33x, unmeasured on
+    a Skylake); `--dtype float32` keeps float32 activations as the exact reference."""
+    from engine.kernels.isa import bf16_matmul, flags_and_level
+    have, level = flags_and_level(flags)            # None: this host at the engine's level
+    int8_units = level == "avx2" or (level in ("avx512", "amx") and "avx512_vnni" in have)
+    return (q8_available and dtype in ("auto", "bfloat16") and not bf16_matmul(flags)
+            and int8_units)
 
 
 def _kernels(device):

@@ -118,21 +118,26 @@ def weight_bytes() -> dict:
                              for i in range(30) for n in ("gate", "up")])
     big_y = torch.empty(1, big_w.shape[0])
     for name, int8_x in (("gguf", False), ("gguf_q8", True)):
+        # int8: over the packed copies the served model reads (`q8_pack`, quant_q8_wide.c)
+        ws, big = (([_q8_packed(lib, w) for w in linears], _q8_packed(lib, big_w)) if int8_x
+                   else (linears, big_w))
         # through CpuKernels.quant_linear (as the model calls it: Python wrapper, new output)
         # and the C entry point alone with its arguments made beforehand (the kernel's rate)
         t_py = min(_timed(lambda: [lib.quant_linear(xs[w.shape[1]], w, int8_x=int8_x)
-                                   for w in linears]) for _ in range(20))
+                                   for w in ws]) for _ in range(20))
         fn = lib._fn["quant_linear_q8" if int8_x else "quant_linear"]
-        packed = (None,) if int8_x else ()       # quant_linear_q8's packed copy: one row here
+
+        def packed(w):
+            return (_ptr(w.q8_packed),) if int8_x else ()
         calls = [(*w.kernel_args, None, xs[w.shape[1]].data_ptr(), w.shape[1], 0,
                   ys[w.shape[0]].data_ptr(), w.shape[0], 1, 1, w.shape[0], w.shape[1],
-                  torch.get_num_threads(), *packed) for w in linears]
+                  torch.get_num_threads(), *packed(w)) for w in ws]
         t_c = min(_timed(lambda: [fn(*a) for a in calls]) for _ in range(20))
         # one call over the 30 layers' gate / up rows stacked (33 MB): the inner loop's rate
         # without the ~2 us of call and fork / join that each of the 120 calls pays
-        n, k = big_w.shape
-        args = (*big_w.kernel_args, None, xs[k].data_ptr(), k, 0, big_y.data_ptr(), n, 1, 1, n,
-                k, torch.get_num_threads(), *packed)
+        n, k = big.shape
+        args = (*big.kernel_args, None, xs[k].data_ptr(), k, 0, big_y.data_ptr(), n, 1, 1, n,
+                k, torch.get_num_threads(), *packed(big))
         t_loop = min(_timed(lambda: fn(*args)) for _ in range(20))
         out[f"{name}_one_call_gbs"] = round(big_w.nbytes / t_loop / 1e9, 1)
         out[f"{name}_one_call_fraction_of_bound"] = round(big_w.nbytes / t_loop / 1e9 / read_gbs,
@@ -143,6 +148,20 @@ def weight_bytes() -> dict:
             out[f"{name}_linears{sfx}_fraction_of_bound"] = round(lin_bytes / t / 1e9 / read_gbs,
                                                                    2)
     return out
+
+
+def _q8_packed(lib, w):
+    """A copy of the QuantWeight `w` with the int8 nest's packed weights (None where the
+    build has no int8 kernels: the products then stay float32)."""
+    from engine.quant.formats import QuantWeight
+    copy = QuantWeight(w.qtype, w.data, w.shape, w.scale)
+    if lib.q8_available:
+        lib.q8_pack(copy)
+    return copy
+
+
+def _ptr(t):
+    return None if t is None else t.data_ptr()
 
 
 def _timed(fn) -> float:

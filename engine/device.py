@@ -185,19 +185,20 @@ def resolve_dtype(name: str, device: Device, quantized: bool = False) -> torch.d
 
     "auto" is bfloat16 on an accelerator; on the CPU, bfloat16 where the engine's level has
     bfloat16 matmul units (`engine.kernels.isa.bf16_matmul`: AMX-BF16 or AVX512-BF16, as
-    vLLM's `auto` takes the checkpoint's bfloat16 there) and, on any AVX-512 host, for a
-    quantized model, whose products the block kernels compute in float32 whatever the
+    vLLM's `auto` takes the checkpoint's bfloat16 there) and, on any AVX-512 or AVX2 host, for
+    a quantized model, whose products the block kernels compute in float32 or int8 whatever the
     activations: there a bfloat16 KV cache and activations measured 1.0 / 1.16 / 1.28x float32's
-    throughput at concurrency 1 / 16 / 64 on an AVX-512 host without BF16 (docs/cpu.md).
+    throughput at concurrency 1 / 16 / 64 on an AVX-512 host without BF16, and 1.13 / 1.26 /
+    1.64 / 1.78x at 1 / 4 / 16 / 64 at the AVX2 level with int8 activations (docs/cpu.md).
     float32 elsewhere (dense weights without bfloat16 units, whose bfloat16 products would be
-    converted to float32; AVX2 hosts). `--dtype float32` is the exact reference everywhere.
+    converted to float32). `--dtype float32` is the exact reference everywhere.
     Raises: ValueError for an unknown name.
     """
     if name == "auto":
         if device.kind != "cpu":
             return torch.bfloat16
         from engine.kernels.isa import at_least, bf16_matmul
-        fast = bf16_matmul() or (quantized and at_least("avx512"))
+        fast = bf16_matmul() or (quantized and at_least("avx2"))
         return torch.bfloat16 if fast else torch.float32
     if name not in DTYPES:
         raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {name!r}")

@@ -56,19 +56,21 @@ def test_auto_dtype_follows_the_hosts_matmul_units():
 
 def test_auto_dtype_on_this_host(capped):
     """What `--dtype auto` resolves to here: bfloat16 with bfloat16 units, and for quantized
-    weights on any AVX-512 host (the block kernels multiply in float32 either way); a cap to
-    avx2 makes both float32."""
+    weights on any AVX-512 or AVX2 host (the block kernels multiply in float32 or int8 either
+    way); a cap to avx2 makes dense weights float32, and the generic level both."""
     from engine.device import resolve_device, resolve_dtype
     cpu = resolve_device("cpu")
     units = isa.bf16_matmul()
     assert resolve_dtype("auto", cpu) == (torch.bfloat16 if units else torch.float32)
-    quantized = units or isa.at_least("avx512")
+    quantized = units or isa.at_least("avx2")
     assert resolve_dtype("auto", cpu, quantized=True) == (torch.bfloat16 if quantized
                                                           else torch.float32)
     assert resolve_dtype("float32", cpu, quantized=True) == torch.float32
     if X86 and isa.host_isa() != "generic":
         capped("avx2")
         assert resolve_dtype("auto", cpu) == torch.float32
+        assert resolve_dtype("auto", cpu, quantized=True) == torch.bfloat16
+        capped("generic")
         assert resolve_dtype("auto", cpu, quantized=True) == torch.float32
 
 

@@ -189,7 +189,7 @@ def resolve_dtype(name: str, device: Device, quantized: bool = False) -> torch.d
     a quantized model, whose products the block kernels compute in float32 or int8 whatever the
     activations: there a bfloat16 KV cache and activations measured 1.0 / 1.16 / 1.28x float32's
     throughput at concurrency 1 / 16 / 64 on an AVX-512 host without BF16, and 1.13 / 1.26 /
-    1.64 / 1.78x at 1 / 4 / 16 / 64 at the AVX2 level with int8 activations (docs/cpu.md).
+    1.64x at 1 / 4 / 16 at the AVX2 level with int8 activations (docs/cpu.md).
     float32 elsewhere (dense weights without bfloat16 units, whose bfloat16 products would be
     converted to float32). `--dtype float32` is the exact reference everywhere.
     Raises: ValueError for an unknown name.

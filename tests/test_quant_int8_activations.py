@@ -359,6 +359,36 @@ def test_a_host_without_bfloat16_units_serves_int8_activations_by_default(monkey
     assert "int8 activations (vnni), cpu isa: avx512 (vnni)" in log
 
 
+@pytest.mark.extended          # its own server and kernel build; the choice is checked above
+def test_an_avx2_host_serves_bfloat16_over_int8_products_by_default(monkeypatch, tmp_path):
+    """`make serve`'s configuration at the AVX2 level — this host capped as `make test`'s second
+    pass caps it — serves the blocks with int8 activations (`vpmaddubsw`) and a bfloat16 KV
+    cache, says so in the ready log, and answers the README's question."""
+    from engine.kernels.isa import LEVELS, host_isa
+    from openai import OpenAI
+
+    from tests.conftest import start_server, stop_server
+
+    if LEVELS.index(host_isa()) < LEVELS.index("avx2"):
+        pytest.skip("needs AVX2 + FMA")
+    for name, value in (("CONTINUUM_CPU_ISA", "avx2"), ("ONEDNN_MAX_CPU_ISA", "AVX2"),
+                        ("ATEN_CPU_CAPABILITY", "avx2")):
+        monkeypatch.setenv(name, value)
+    proc, base = start_server(["--kv-cache-memory", "0.2", "--max-model-len", "512"], "/health",
+                              tmp_path / "server.log")
+    try:
+        client = OpenAI(base_url=f"{base}/v1", api_key="unused")
+        chat = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", temperature=0, max_tokens=12,
+            messages=[{"role": "user", "content": "What is the capital of Japan?"}])
+        assert "Tokyo" in chat.choices[0].message.content
+    finally:
+        stop_server(proc)
+    log = (tmp_path / "server.log").read_text()
+    assert "on cpu (bfloat16)" in log
+    assert "int8 activations (avx2), cpu isa: avx2" in log
+
+
 def test_flag_needs_quantized_weights(model_dir):
     """int8 activations over float weights is a one-line start error naming the flag."""
     from engine.device import resolve_device

@@ -330,21 +330,13 @@ def test_auto_follows_a_cap_to_avx2(monkeypatch):
         cpu_isa.cache_clear()
 
 
-@pytest.mark.extended          # its own server and kernel build; the choice is checked above
-def test_a_host_without_bfloat16_units_serves_int8_activations_by_default(monkeypatch, tmp_path):
-    """`make serve`'s configuration on an AVX-512 VNNI host without BF16 — this host with
-    `CONTINUUM_CPU_HIDE=avx512_bf16` — serves the blocks with int8 activations, says so in the
-    ready log, and answers the README's question as the bfloat16 default does elsewhere."""
-    from engine.kernels.isa import cpu_flags
+def serve_the_readme_question(tmp_path) -> str:
+    """`make serve`'s configuration (a small KV budget) in this process's environment, asked the
+    README's question through the OpenAI SDK: the answer names Tokyo. Returns the server log."""
     from openai import OpenAI
 
     from tests.conftest import start_server, stop_server
 
-    if not {"avx512_vnni", "avx512_bf16"} <= cpu_flags():
-        pytest.skip("needs AVX-512 VNNI and BF16 to hide (an EPYC Zen 4 / 5, an AMX Xeon)")
-    monkeypatch.delenv("CONTINUUM_CPU_ISA", raising=False)     # a cap below avx512 has no VNNI
-    monkeypatch.setenv("CONTINUUM_CPU_HIDE", "avx512_bf16")
-    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_VNNI")
     proc, base = start_server(["--kv-cache-memory", "0.2", "--max-model-len", "512"], "/health",
                               tmp_path / "server.log")
     try:
@@ -355,7 +347,22 @@ def test_a_host_without_bfloat16_units_serves_int8_activations_by_default(monkey
         assert "Tokyo" in chat.choices[0].message.content
     finally:
         stop_server(proc)
-    log = (tmp_path / "server.log").read_text()
+    return (tmp_path / "server.log").read_text()
+
+
+@pytest.mark.extended          # its own server and kernel build; the choice is checked above
+def test_a_host_without_bfloat16_units_serves_int8_activations_by_default(monkeypatch, tmp_path):
+    """`make serve`'s configuration on an AVX-512 VNNI host without BF16 — this host with
+    `CONTINUUM_CPU_HIDE=avx512_bf16` — serves the blocks with int8 activations, says so in the
+    ready log, and answers the README's question as the bfloat16 default does elsewhere."""
+    from engine.kernels.isa import cpu_flags
+
+    if not {"avx512_vnni", "avx512_bf16"} <= cpu_flags():
+        pytest.skip("needs AVX-512 VNNI and BF16 to hide (an EPYC Zen 4 / 5, an AMX Xeon)")
+    monkeypatch.delenv("CONTINUUM_CPU_ISA", raising=False)     # a cap below avx512 has no VNNI
+    monkeypatch.setenv("CONTINUUM_CPU_HIDE", "avx512_bf16")
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_VNNI")
+    log = serve_the_readme_question(tmp_path)
     assert "int8 activations (vnni), cpu isa: avx512 (vnni)" in log
 
 
@@ -365,26 +372,13 @@ def test_an_avx2_host_serves_bfloat16_over_int8_products_by_default(monkeypatch,
     pass caps it — serves the blocks with int8 activations (`vpmaddubsw`) and a bfloat16 KV
     cache, says so in the ready log, and answers the README's question."""
     from engine.kernels.isa import LEVELS, host_isa
-    from openai import OpenAI
-
-    from tests.conftest import start_server, stop_server
 
     if LEVELS.index(host_isa()) < LEVELS.index("avx2"):
         pytest.skip("needs AVX2 + FMA")
     for name, value in (("CONTINUUM_CPU_ISA", "avx2"), ("ONEDNN_MAX_CPU_ISA", "AVX2"),
                         ("ATEN_CPU_CAPABILITY", "avx2")):
         monkeypatch.setenv(name, value)
-    proc, base = start_server(["--kv-cache-memory", "0.2", "--max-model-len", "512"], "/health",
-                              tmp_path / "server.log")
-    try:
-        client = OpenAI(base_url=f"{base}/v1", api_key="unused")
-        chat = client.chat.completions.create(
-            model="SmolLM2-135M-Instruct", temperature=0, max_tokens=12,
-            messages=[{"role": "user", "content": "What is the capital of Japan?"}])
-        assert "Tokyo" in chat.choices[0].message.content
-    finally:
-        stop_server(proc)
-    log = (tmp_path / "server.log").read_text()
+    log = serve_the_readme_question(tmp_path)
     assert "on cpu (bfloat16)" in log
     assert "int8 activations (avx2), cpu isa: avx2" in log
 
@@ -427,7 +421,7 @@ def test_served_over_openai_with_the_flag(native, tmp_path):
         assert whole.usage.completion_tokens == 12 and streamed == whole.choices[0].text
     finally:
         stop_server(proc)
-    assert "int8 activations (vnni)" in log.read_text()
+    assert f"int8 activations ({'avx2' if native.isa == 'avx2' else 'vnni'})" in log.read_text()
     bad = subprocess.run([sys.executable, "-m", "api", "serve", "--activation-quantization",
                           "fp8"], capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--activation-quantization" in bad.stderr

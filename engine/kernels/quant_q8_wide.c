@@ -107,17 +107,11 @@ INLINE __m512 load16(const void *x, int x_bf16, int64_t i, int cnt) {
     return _mm512_maskz_loadu_ps(mask, (const float *)x + i);
 }
 
-/* Row r of x [m, k] (r >= m: zeros) quantized into xq's row r (nb blocks). */
-static void quantize_row_wide(const void *x, int64_t x_stride, int x_bf16, int64_t m,
-                              int64_t k, int64_t nb, const xwide *xq, int64_t r) {
-    const char *row = (const char *)x + r * x_stride * (x_bf16 ? 2 : 4);
-    for (int64_t b = 0; b < nb; b++) {
-        const int64_t i = b * QK;
-        const int cnt = r >= m ? 0 : (k - i < QK ? (int)(k - i) : QK);
-        quantize_block_wide(load16(row, x_bf16, i, cnt), load16(row, x_bf16, i + 16, cnt - 16),
-                            xq->q + (r * nb + b) * QK, xq->d + r * nb + b,
-                            xq->s + r * nb + b, xq->c + r * nb + b);
-    }
+/* The block of x at element i of `row` (its first `cnt` values; the rest 0) quantized. */
+INLINE void quantize_block_at(const char *row, int x_bf16, int64_t i, int cnt, int8_t *q,
+                              float *d, float *s, int32_t *c) {
+    quantize_block_wide(load16(row, x_bf16, i, cnt), load16(row, x_bf16, i + 16, cnt - 16), q,
+                        d, s, c);
 }
 
 INLINE __m512i bcast4(const int8_t *p) {
@@ -227,6 +221,18 @@ INLINE void wide_tile_store(int type, const uint8_t *packed, int64_t t, int64_t 
 #endif
 
 #if HAVE_WIDE
+/* Row r of x [m, k] (r >= m: zeros) quantized into xq's row r (nb blocks). */
+static void quantize_row_wide(const void *x, int64_t x_stride, int x_bf16, int64_t m,
+                              int64_t k, int64_t nb, const xwide *xq, int64_t r) {
+    const char *row = (const char *)x + r * x_stride * (x_bf16 ? 2 : 4);
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t i = b * QK;
+        const int cnt = r >= m ? 0 : (k - i < QK ? (int)(k - i) : QK);
+        quantize_block_at(row, x_bf16, i, cnt, xq->q + (r * nb + b) * QK, xq->d + r * nb + b,
+                          xq->s + r * nb + b, xq->c + r * nb + b);
+    }
+}
+
 /* x quantized into `x` (rows rounded up to XT), then y = x W^T: one parallel region. */
 static void wide_product(int type, const uint8_t *packed, int64_t nb, const void *xin,
                          int64_t x_stride, int x_bf16, int64_t k, const xwide *x, int64_t m,

@@ -58,26 +58,20 @@ INLINE void quantize_block_avx2(const __m256 v[4], int8_t *q, float *d_out, floa
     *c_out = -128 * total;
 }
 
-/* Row r of x [m, k] (r >= m: zeros) quantized into xq's row r (nb blocks). */
-static void quantize_row_wide(const void *x, int64_t x_stride, int x_bf16, int64_t m,
-                              int64_t k, int64_t nb, const xwide *xq, int64_t r) {
-    const char *row = (const char *)x + r * x_stride * (x_bf16 ? 2 : 4);
-    for (int64_t b = 0; b < nb; b++) {
-        const int64_t i = b * QK;
-        const int cnt = r >= m ? 0 : (k - i < QK ? (int)(k - i) : QK);
-        __m256 v[4];
-        if (cnt == QK) {
-            for (int j = 0; j < 4; j++) v[j] = load8(row, x_bf16, i + 8 * j);
-        } else {          /* the last block of a K that is not a multiple of 32, or padding */
-            float tail[QK] = {0};
-            for (int j = 0; j < cnt; j++)
-                tail[j] = x_bf16 ? load_bf16(((const uint16_t *)row)[i + j])
-                                 : ((const float *)row)[i + j];
-            for (int j = 0; j < 4; j++) v[j] = _mm256_loadu_ps(tail + 8 * j);
-        }
-        quantize_block_avx2(v, xq->q + (r * nb + b) * QK, xq->d + r * nb + b,
-                            xq->s + r * nb + b, xq->c + r * nb + b);
+/* The block of x at element i of `row` (its first `cnt` values; the rest 0) quantized. */
+INLINE void quantize_block_at(const char *row, int x_bf16, int64_t i, int cnt, int8_t *q,
+                              float *d, float *s, int32_t *c) {
+    __m256 v[4];
+    if (cnt == QK) {
+        for (int j = 0; j < 4; j++) v[j] = load8(row, x_bf16, i + 8 * j);
+    } else {              /* the last block of a K that is not a multiple of 32, or padding */
+        float tail[QK] = {0};
+        for (int j = 0; j < cnt; j++)
+            tail[j] = x_bf16 ? load_bf16(((const uint16_t *)row)[i + j])
+                             : ((const float *)row)[i + j];
+        for (int j = 0; j < 4; j++) v[j] = _mm256_loadu_ps(tail + 8 * j);
     }
+    quantize_block_avx2(v, q, d, s, c);
 }
 
 INLINE __m256i bcast4_256(const int8_t *p) {

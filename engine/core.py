@@ -225,8 +225,10 @@ class EngineCore:
         """The ready log's linear path: e.g. `gguf Q4_1/Q8_0 kernels (avx512)` quantized."""
         if self.model.quant_types:
             kernels = self.runner.kernels
-            return self.quant.describe(self.model.quant_types, kernels.quant_label if kernels
-                                       else self.device.cpu_isa())
+            if kernels is None:
+                return self.quant.describe(self.model.quant_types, self.device.cpu_isa())
+            return self.quant.describe(self.model.quant_types, kernels.quant_label,
+                                       kernels.q8_label)
         return LINEAR_PATH_NAMES[self.model.linear_path]
 
     def _proposer(self) -> NgramProposer | None:

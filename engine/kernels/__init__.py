@@ -361,6 +361,12 @@ class CpuKernels:
         products."""
         return self._fn["quant_q8_available"]() == 1
 
+    @property
+    def q8_label(self) -> str:
+        """The int8 products' instructions as the ready log names them: `vnni` (vpdpbusd) or
+        `avx2` (vpmaddubsw: an AVX2 build, or an AVX-512 one without VNNI)."""
+        return "vnni" if self.q8_narrow else "avx2"
+
     def quant_embed(self, weight, ids: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids [T] int64` of the quantized table `weight` (`engine.quant.QuantWeight`
         `[N, K]`), dequantized: a new `[T, K]` of `out_dtype` (float32 or bfloat16). Raises

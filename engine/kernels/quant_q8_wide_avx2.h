@@ -16,7 +16,8 @@
  * by 1/d, round to nearest even), with 8-lane vectors.
  */
 
-/* 8 values of x from element i of a row (bfloat16 or float32). */
+/* 8 values of x from element i of a row (bfloat16 or float32): vec.h's AVX2 vload_bf16 /
+ * vload_f32, which an AVX-512 build (a Skylake, no VNNI, also runs this file) defines 16 wide. */
 INLINE __m256 load8(const void *x, int x_bf16, int64_t i) {
     if (x_bf16) {
         const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + i));

@@ -32,11 +32,11 @@ class Quantization:
     gguf: str | None = None
     int8_activations: bool = False
 
-    def describe(self, types: list[str], isa: str | None) -> str:
+    def describe(self, types: list[str], isa: str | None, int8_nest: str = "vnni") -> str:
         """The ready log's linear path, e.g. `gguf Q4_1/Q8_0 kernels (avx512)`, with
-        `, int8 activations (vnni)` when they are on (`(avx2)` on an AVX2 level: vpmaddubsw)."""
-        how = "avx2" if isa == "avx2" else "vnni"
-        extra = f", int8 activations ({how})" if self.int8_activations else ""
+        `, int8 activations (vnni)` when they are on (`int8_nest`: `CpuKernels.q8_label`,
+        `avx2` where the products are vpmaddubsw's)."""
+        extra = f", int8 activations ({int8_nest})" if self.int8_activations else ""
         return f"{self.method} {'/'.join(types)} kernels ({isa}){extra}"
 
 

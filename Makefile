@@ -35,18 +35,23 @@ test-stress: install
 # The kernel, model, engine-correctness and int8-activation tests again with every ISA capped at
 # AVX2 + FMA (oneDNN, ATen and Continuum's own switch), as on an AVX2-only host: kernels built for
 # x86-64-v3, bfloat16 through the bfloat16-weight GEMM kernel, GGUF blocks with int8 activations
-# (vpmaddubsw). Skipped where the CPU has no AVX2 + FMA.
+# (vpmaddubsw). Skipped where the CPU has no AVX2 + FMA, and on an AVX2-only host (no AVX-512 or
+# AMX), where the first pass already ran these at that level.
 # The SLO-option and preemption runs are left out of this pass: they exercise scheduling, which
 # runs the same kernels as the cases kept.
 AVX2_TESTS := tests/test_cpu_kernels.py tests/test_cpu_isa.py tests/test_engine_correctness.py \
               tests/test_quant_int8_activations.py
 AVX2_SKIP  := not slo_options and not preemption_is_exact
 test-avx2: install
-	@if grep -qw avx2 /proc/cpuinfo && grep -qw fma /proc/cpuinfo; then \
+	@if ! grep -qw avx2 /proc/cpuinfo || ! grep -qw fma /proc/cpuinfo; then \
+	  echo "test-avx2: skipped, this CPU has no AVX2 + FMA"; \
+	elif ! grep -qwE 'avx512f|amx_tile' /proc/cpuinfo; then \
+	  echo "test-avx2: skipped, this CPU's own level is AVX2 (the first pass ran these there)"; \
+	else \
 	  echo "== again with ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 CONTINUUM_CPU_ISA=avx2"; \
 	  ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 CONTINUUM_CPU_ISA=avx2 \
 	    $(PY) -m pytest -q -m "$(TEST_MARKS)" -k "$(AVX2_SKIP)" $(AVX2_TESTS); \
-	else echo "test-avx2: skipped, this CPU has no AVX2 + FMA"; fi
+	fi
 
 # The two reference venvs below take torch 2.13.0+cpu (and triton, which vLLM's xgrammar needs)
 # from .venv rather than installing their own copies (0.75 + 1 GB each; a CI run once ran out of

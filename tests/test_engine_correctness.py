@@ -235,8 +235,12 @@ def test_bfloat16_engine_follows_float32_greedy(prompts, reference, quantization
     bfloat16 activations): its greedy tokens follow the float32 reference until
     rounding tips a near tie (the "capital" prompt's top two float32 logits are 0.08 apart; a
     bfloat16 logit near 25 has a step of 0.125). Counted over all prompts: the tokens before each
-    prompt's first difference are at least half of all tokens, and most first tokens agree."""
-    eng = engine(dtype="bfloat16", quantization=quantization)
+    prompt's first difference are at least half of all tokens, and most first tokens agree.
+    Activations stay bfloat16 (`--activation-quantization none`): where int8 activations are
+    the default (AVX2, AVX-512 VNNI without bfloat16 units) they are a third rounding, checked
+    by tests/test_quant_int8_activations.py (on an AVX2 EPYC Zen 3 they kept 87 of these 192
+    tokens before a first difference)."""
+    eng = engine(dtype="bfloat16", quantization=quantization, activation_quantization="none")
     outs = run(eng, prompts.values())
     same = [next((i for i, (a, b) in enumerate(zip(out, reference[name])) if a != b),
                  len(reference[name])) for name, out in zip(prompts, outs)]

@@ -248,15 +248,44 @@ def alone8(tokenizer):
     return prompts, [engine(kv_cache_dtype="int8").generate([p], GREEDY8)[0][0] for p in prompts]
 
 
+# An 8-bit cache turns float32's order-of-sums noise (1e-6) into whole rounding steps: where
+# the ranks' all-reduce or another ISA's kernels round a K/V element the other way, the steps
+# cascade through the layers and move a logprob by up to ~0.03 (measured, AMD EPYC Zen 3, AVX2:
+# one rank against three, and the AVX2 against the generic kernels, where the full-precision
+# cache agrees to 1e-5). Greedy tokens may part there only at a near tie of the one-rank cache.
+KV8_NEAR_TIE = 0.1       # nats: a top-2 logprob gap under which an 8-bit cache may flip
+
+
+def top2(eng: LLMEngine, ids: list[int]) -> list[tuple[int, float]]:
+    """`eng`'s two most likely next tokens after `ids`, with their logprobs."""
+    eng.add_request("top2", ids, SamplingParams(max_tokens=1, temperature=0, logprobs=2))
+    top = None
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            top = next((c.logprobs[0].top for c in out.outputs if c.logprobs), top)
+    return top
+
+
 @pytest.mark.extended          # ~12 s: three rank processes
 def test_tensor_parallel_ranks_share_an_int8_cache(alone8):
-    """Three ranks (one KV head each, their own int8 cache) give the one-rank int8 tokens."""
+    """Three ranks (one KV head each, their own int8 cache) give the one-rank int8 tokens, or
+    part from them only where the one-rank cache's top two are within KV8_NEAR_TIE (the
+    token taken then its second)."""
     prompts, alone = alone8
     eng = engine(kv_cache_dtype="int8", tensor_parallel_size=3)
     try:
-        assert [c[0] for c in eng.generate(prompts, GREEDY8)] == alone
+        got = [c[0] for c in eng.generate(prompts, GREEDY8)]
     finally:
         eng.shutdown()
+    one = engine(kv_cache_dtype="int8")
+    for prompt, want, out in zip(prompts, alone, got):
+        i = next((i for i, (a, b) in enumerate(zip(out, want)) if a != b), None)
+        if i is None:
+            assert out == want
+            continue
+        (first, lp1), (second, lp2) = top2(one, prompt + want[:i])
+        assert (first, second) == (want[i], out[i]) and lp1 - lp2 < KV8_NEAR_TIE, \
+            (i, want, out, (first, lp1), (second, lp2))
 
 
 def test_a_draft_model_speculates_over_int8_caches(alone8):

@@ -148,15 +148,17 @@ def _worker_pids() -> list[int]:
 @pytest.mark.slow
 @pytest.mark.extended      # ~30 s; TP parity and the TP server start stay in make test
 def test_server_streams_then_a_dead_rank_ends_it(tmp_path, single_rank, tokenizer):
-    """The OpenAI SDK streams from a 3-rank server (the single rank's greedy text); then a
-    worker is killed mid-stream: that stream fails, the server exits non-zero within seconds
-    naming the rank, and no worker is left behind."""
+    """The OpenAI SDK streams from a 3-rank server (the single rank's greedy text: float32 as
+    `single_rank`, whose tokens `--dtype auto`'s bfloat16 and, on AVX2, int8 activations need
+    not keep); then a worker is killed mid-stream: that stream fails, the server exits non-zero
+    within seconds naming the rank, and no worker is left behind."""
     from openai import OpenAI, APIError
 
     before = set(_worker_pids())
     log = tmp_path / "server.log"
     proc, base = start_server(["--tensor-parallel-size", "3", "--max-model-len", "2048",
-                               "--kv-cache-memory", "0.25"], "/health/ready", log)
+                               "--kv-cache-memory", "0.25", "--dtype", "float32"],
+                              "/health/ready", log)
     try:
         client = OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
         everything, expected = single_rank

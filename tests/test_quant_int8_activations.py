@@ -337,8 +337,9 @@ def serve_the_readme_question(tmp_path) -> str:
 
     from tests.conftest import start_server, stop_server
 
-    proc, base = start_server(["--kv-cache-memory", "0.2", "--max-model-len", "512"], "/health",
-                              tmp_path / "server.log")
+    # ready, not just live: a kernel build for the cap may outlast the SDK's retries of a 503
+    proc, base = start_server(["--kv-cache-memory", "0.2", "--max-model-len", "512"],
+                              "/health/ready", tmp_path / "server.log")
     try:
         client = OpenAI(base_url=f"{base}/v1", api_key="unused")
         chat = client.chat.completions.create(

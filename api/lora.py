@@ -19,7 +19,7 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel
 
 from api.errors import APIError
-from engine.lora.adapter import LoraError
+from engine.lora.errors import LoraError
 
 logger = logging.getLogger("continuum.api")
 

@@ -3,20 +3,19 @@
 Owns: the choice among `cpu`, `cuda` and `npu` (Ascend, through `torch_npu`, imported lazily),
 dtype resolution (`--dtype auto`: bfloat16 on an accelerator, on a CPU with bfloat16 matmul
 units (AMX, AVX512-BF16) and for quantized weights on AVX-512; float32 on other CPUs),
-memory figures used to size the KV cache, synchronisation for timing, and the process's heap
-(`freeze_heap` after a load, `trim_heap` when idle). Every other module in the engine talks to
+memory figures used to size the KV cache and synchronisation for timing (the process's heap:
+`engine.heap`, re-exported here). Every other module in the engine talks to
 the device through torch with the `torch.device` returned here.
 """
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import importlib
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
+
+from engine.heap import freeze_heap, trim_heap  # noqa: F401 (the engine's callers)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -203,33 +202,3 @@ def resolve_dtype(name: str, device: Device, quantized: bool = False) -> torch.d
     if name not in DTYPES:
         raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {name!r}")
     return DTYPES[name]
-
-
-def freeze_heap() -> None:
-    """Collect, then move every object alive (imports, models, tokenizer: ~0.4-0.5 M objects
-    with torch) to the collector's permanent generation (`gc.freeze`): a full collection then
-    scans only what requests allocate. Measured: one over a built engine's heap took 226 ms
-    (0 ms after the freeze), a stall of every running request. Called by the API server when a
-    load finishes and by the engine core process once its engine is built."""
-    gc.collect()
-    gc.freeze()
-
-
-def trim_heap() -> None:
-    """Give the heap's free memory back to the operating system (glibc's `malloc_trim(0)`;
-    nothing elsewhere). Freed activations of a burst otherwise stay resident: glibc raises its
-    mmap threshold as large blocks are freed, so later ones come from the heap and keep it
-    grown (measured: 270-550 MiB of heap left in an idle engine after 64 concurrent requests).
-    The engine core calls it when it goes idle."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-@lru_cache(maxsize=1)
-def _malloc_trim():
-    """glibc's malloc_trim from this process's own symbols, or None (another C library)."""
-    try:
-        return ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return None

@@ -22,14 +22,14 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from engine.lora.errors import LoraError  # noqa: F401 (raised here; callers import it here)
+
 # The projections an adapter may target, with their (in, out) sizes from the model config.
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?"
                   r"\.weight$")
 
 
-class LoraError(ValueError):
-    """An adapter that cannot be served: the message names the adapter and the reason."""
 
 
 @dataclass

@@ -61,12 +61,16 @@ def check_port(host: str, port: int) -> None:
             sys.exit(1)
 
 
-def serve(config) -> None:
+def serve(config, started: tuple | None = None) -> None:
     """Run the server of `config` (a `ServeConfig`) until it stops; exits with the lifecycle's
     status (0 after a drain, 1 if the engine died or failed to start, or the port is taken).
-    One API process; api/api_servers.py runs --api-server-count N > 1 of them."""
-    check_port(config.host, config.port)
+    One API process; api/api_servers.py runs --api-server-count N > 1 of them. `started`: its
+    engine core's process already started (`engine.async_llm.spawn_engine_core`, after the
+    port's check)."""
+    if started is None:
+        check_port(config.host, config.port)
     server, state = build_server(config)
+    state.engine_started = started
     server.run()
     _exit(server, state)
 

@@ -55,8 +55,10 @@ class ServeConfig:
     api_server_count: int = 1                 # API processes over one engine core
 
 
-def serve_config(args: argparse.Namespace) -> ServeConfig:
-    """The `ServeConfig` of parsed `serve` flags. Raises ValueError naming the bad flag."""
+def serve_config(args: argparse.Namespace, model_checks: bool = True) -> ServeConfig:
+    """The `ServeConfig` of parsed `serve` flags. Raises ValueError naming the bad flag.
+    `model_checks` False leaves out `check_model` (the checks that import torch), for a caller
+    that runs them itself after starting the engine's process."""
     from triton_compat.frontend.restricted import parse_restrictions
     from triton_compat.trace import parse_trace_config
 
@@ -102,8 +104,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         allow_client_shm=bool_flag("--allow-client-shm", args.allow_client_shm),
         metrics_port=args.metrics_port, log=log_settings(args),
         trace=parse_trace_config(args.trace_config), api_server_count=getattr(args, "api_server_count", 1))
-    if not args.no_llm:              # last: it loads torch (a bad flag above is refused sooner)
-        _check_model(args, config)
+    if model_checks:
+        check_model(args, serve)
     return serve
 
 
@@ -145,8 +147,13 @@ def _check_numbers(args: argparse.Namespace) -> None:
                          f"{args.http_max_input_size}")
 
 
-def _check_model(args: argparse.Namespace, config: EngineConfig) -> None:
-    """The LLM's device, dtype, weights and tensor-parallel split."""
+def check_model(args: argparse.Namespace, serve: ServeConfig) -> None:
+    """The LLM's device, dtype, weights and tensor-parallel split (none with --no-llm); last,
+    as they import torch (seconds: a bad flag checked before is refused sooner). Raises
+    ValueError naming the bad flag."""
+    if args.no_llm:
+        return
+    config = serve.engine
     from engine.device import DeviceUnavailableError, check_device_dtype
     try:
         check_device_dtype(args.device, args.dtype, args.kv_cache_dtype)

@@ -37,7 +37,7 @@ from api.network import grpc_credentials, log_request
 from api.openai_serving import ResponseContext, merge, sse_events
 from api.protocol import ChatCompletionRequest, CompletionRequest, split_unknown
 from engine.async_llm import ProcessAsyncLLM, RequestFailedError
-from engine.device import freeze_heap
+from engine.heap import freeze_heap
 from api.serve_config import ServeConfig
 from triton_compat.frontend.http_infer import read_body
 from engine.config import EngineConfig
@@ -70,6 +70,7 @@ class ServerState:
     lora_paths: dict[str, str] = field(default_factory=dict)    # served LoRA adapters (api.lora)
     tracer: object = None                     # api.tracing.RequestTracer (--otlp-traces-endpoint)
     engine_conn: object = None                # --api-server-count: this process's engine pipe
+    engine_started: tuple | None = None       # engine.async_llm.spawn_engine_core's, if early
     api_server_index: int = 0                 # which of --api-server-count's processes
 
     @property
@@ -156,7 +157,7 @@ class ServerState:
             t0 = time.perf_counter()
             llm = ProcessAsyncLLM(self.engine_config, on_stats=self.metrics.on_engine_stats,
                                   on_dead=self.engine_died, on_lora=self.on_lora,
-                                  conn=self.engine_conn)
+                                  conn=self.engine_conn, started=self.engine_started)
             self.tokenizer = llm.tokenizer          # the one its output processor uses
             from engine.structured.grammar import GrammarCompiler
             self.grammars = GrammarCompiler(self.tokenizer, llm.info.get("vocab_size"))

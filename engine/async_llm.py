@@ -32,15 +32,18 @@ import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
 
+from typing import TYPE_CHECKING
+
 from engine.config import EngineConfig
-from engine.core_proc import EngineCoreProc, QueueCommands, engine_core_main
-from engine.llm_engine import LLMEngine
 from engine.messages import (AbortAll, AbortRequests, Acknowledged, AddRequest, Dead,
                              FinishSequences, LoraAdapters, LoraCall, Ready, Stop)
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineCoreOutputs, RequestOutput
 from scheduler.futures import settle
 from scheduler.request import QueueFullError, SamplingParams
+
+if TYPE_CHECKING:       # the engine's modules (torch) load where an engine runs, not here
+    from engine.llm_engine import LLMEngine
 
 logger = logging.getLogger("continuum.async")
 
@@ -224,6 +227,7 @@ class AsyncLLM(_StreamRouter):
     here (see the module docstring); `engine` is then driven by this object alone."""
 
     def __init__(self, engine: LLMEngine, on_stats=None) -> None:
+        from engine.core_proc import QueueCommands
         super().__init__(engine.config, engine.output_processor, on_stats)
         self.engine = engine
         self._commands = QueueCommands()
@@ -234,6 +238,7 @@ class AsyncLLM(_StreamRouter):
         self._commands.inbox.put(command)
 
     def _run(self) -> None:
+        from engine.core_proc import EngineCoreProc
         try:
             EngineCoreProc(self.engine.core, self._on_message).run(self._commands)
         except BaseException as e:      # a bug: report it to every waiting stream
@@ -251,15 +256,46 @@ class AsyncLLM(_StreamRouter):
         self._thread.join(timeout)
 
 
+def _engine_core_main(config: EngineConfig, conn) -> None:
+    """The child's entry (`engine.core_proc.engine_core_main`), named here so that the parent
+    spawns it before importing the engine's modules (torch: seconds of a cold start that the
+    child's own imports then overlap)."""
+    from engine.core_proc import engine_core_main
+    engine_core_main(config, conn)
+
+
+def spawn_engine_core(config: EngineConfig) -> tuple:
+    """Start the engine core's child process now (spawned: it imports and builds the engine
+    itself) and return (process, this end of its pipe) for `ProcessAsyncLLM(started=...)`.
+    `continuum serve` calls it before its own slower checks and imports, which the child's
+    start then overlaps; `stop_engine_core` ends one that will not be used."""
+    ctx = multiprocessing.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=_engine_core_main, args=(config, child),
+                       name="continuum-engine-core", daemon=True)
+    proc.start()
+    return proc, conn
+
+
+def stop_engine_core(started: tuple) -> None:
+    """End a child from `spawn_engine_core` that will not serve (the server refused a flag)."""
+    proc, conn = started
+    conn.close()
+    proc.kill()
+    proc.join(5)
+
+
 class ProcessAsyncLLM(_StreamRouter):
     """The engine core in a child process (spawned; it loads the model itself); the output
     processor, over the model's tokenizer (`tokenizer`), here."""
 
     def __init__(self, config: EngineConfig, start_timeout: float = 600.0,
-                 on_stats=None, on_dead=None, on_lora=None, conn=None) -> None:
-        """Starts the child, waits until its engine is loaded, then loads the tokenizer. With
-        `conn`, this front end's pipe to an engine core another process started (one of
-        `--api-server-count`'s API processes, `engine.core_clients`), no child is started.
+                 on_stats=None, on_dead=None, on_lora=None, conn=None,
+                 started: tuple | None = None) -> None:
+        """Starts the child (or takes `started`, `spawn_engine_core`'s), waits until its engine
+        is loaded, then loads the tokenizer. With `conn`, this front end's pipe to an engine
+        core another process started (one of `--api-server-count`'s API processes,
+        `engine.core_clients`), no child is started.
 
         `on_stats(step_stats, snapshot)` is called from the reader thread after every step and
         after aborts (snapshot None: only this front end's requests' stats); `on_dead(message)`
@@ -271,14 +307,15 @@ class ProcessAsyncLLM(_StreamRouter):
         self._send_lock = threading.Lock()
         self._stopping = False           # set by shutdown(): the pipe closing is then expected
         self._proc = None
-        if conn is None:
-            ctx = multiprocessing.get_context("spawn")
-            self._conn, child = ctx.Pipe()
-            self._proc = ctx.Process(target=engine_core_main, args=(config, child),
-                                     name="continuum-engine-core", daemon=True)
-            self._proc.start()
-        else:
+        if conn is not None:
             self._conn = conn
+        else:
+            self._proc, self._conn = started if started is not None else \
+                spawn_engine_core(config)
+        # transformers' modules while the engine core starts (seconds on a slow host, and
+        # type_validators is what AutoTokenizer.from_pretrained would import later: 1.7 s)
+        import transformers.utils.type_validators  # noqa: F401
+        from transformers import AutoTokenizer
         if not self._conn.poll(start_timeout):
             raise EngineDeadError("engine process did not start in time")
         try:
@@ -290,7 +327,6 @@ class ProcessAsyncLLM(_StreamRouter):
             self._exit_code()              # reap the child that stopped itself
             raise EngineDeadError(f"engine process failed to start: {first.reason}")
         self.info: dict = first.info
-        from transformers import AutoTokenizer
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(self.info["model_dir"])
         except Exception as e:

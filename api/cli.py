@@ -66,10 +66,14 @@ def main(argv: list[str] | None = None) -> None:
         configure(config.log)
         started = _start_engine_early(config, data_parallel)
         check_model(args, config)
-    except (ValueError, OSError) as e:   # a bad flag; a --log-file that cannot be opened
+    except (ValueError, OSError, KeyboardInterrupt) as e:
+        # a bad flag; a --log-file that cannot be opened; Ctrl-C before the server is up (its
+        # handlers take over from there): the early child goes too, without a traceback
         if started is not None:
             from engine.async_llm import stop_engine_core
             stop_engine_core(started)
+        if isinstance(e, KeyboardInterrupt):
+            sys.exit(130)
         print(f"continuum: error: {e}", file=sys.stderr)
         sys.exit(2)
     if data_parallel is not None:        # N replicas of this server behind Ray Serve

@@ -259,7 +259,10 @@ class AsyncLLM(_StreamRouter):
 def _engine_core_main(config: EngineConfig, conn) -> None:
     """The child's entry (`engine.core_proc.engine_core_main`), named here so that the parent
     spawns it before importing the engine's modules (torch: seconds of a cold start that the
-    child's own imports then overlap)."""
+    child's own imports then overlap). SIGINT is ignored from here, before those imports: a
+    terminal's Ctrl-C during a start reaches the child too, and the parent owns shutdown."""
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     from engine.core_proc import engine_core_main
     engine_core_main(config, conn)
 

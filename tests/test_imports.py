@@ -116,3 +116,16 @@ def test_the_triton_core_never_imports_its_front_end():
         if name.startswith(("triton_compat.core", "triton_compat.errors", "triton_compat.trace")):
             up = {t for t in _imports(path) if t.startswith("triton_compat.frontend")}
             assert not up, f"{path.relative_to(ROOT)} imports {sorted(up)}"
+
+
+def test_the_api_process_loads_without_torch():
+    """`continuum serve`'s app module imports neither torch, transformers nor the engine core
+    (docs/architecture.md, start-up): the engine's process starts first and imports them, and
+    the API process's own start would otherwise pay seconds for them before it."""
+    import subprocess
+    code = ("import sys, api.server; print(sorted(m for m in ('torch', 'transformers', "
+            "'engine.core', 'engine.core_proc') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout

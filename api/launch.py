@@ -11,13 +11,14 @@ import os
 import sys
 
 
-def build_server(config, engine_conn=None, index: int = 0):
+def build_server(config, engine_conn=None, index: int = 0, started: tuple | None = None):
     """(uvicorn-based `Server`, `ServerState`) of `continuum serve` from its `ServeConfig`
     (api/serve_config.py), for config.host:config.port (the server binds there unless given
     sockets), with KServe v2 gRPC on config.grpc_host:grpc_port (port 0: none). The v2 layer
     always serves the LLM as a model, and the model repository when there is one. With
     `engine_conn`, API process `index` of --api-server-count over an engine core already
-    started (api/api_servers.py)."""
+    started (api/api_servers.py); with `started`, this process's own engine core already
+    spawned (`engine.async_llm.spawn_engine_core`)."""
     import uvicorn
 
     from api.http_protocol import HttpToolsProtocol
@@ -28,7 +29,7 @@ def build_server(config, engine_conn=None, index: int = 0):
 
     lifecycle = Lifecycle(config.shutdown_timeout)
     state = ServerState(config, lifecycle=lifecycle, engine_conn=engine_conn,
-                        api_server_index=index)
+                        engine_started=started, api_server_index=index)
     net = config.network
     app = with_cors(build_app(state), net)
     route = protocol_route(state)
@@ -69,8 +70,7 @@ def serve(config, started: tuple | None = None) -> None:
     port's check)."""
     if started is None:
         check_port(config.host, config.port)
-    server, state = build_server(config)
-    state.engine_started = started
+    server, state = build_server(config, started=started)
     server.run()
     _exit(server, state)
 

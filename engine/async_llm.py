@@ -31,7 +31,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
-
 from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig

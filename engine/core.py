@@ -36,7 +36,7 @@ from engine.distributed.executor import TensorParallelRunner, start_tensor_paral
 from engine.distributed.parallel import TensorParallelError, check_tensor_parallel
 from engine.kv_quant import resolve_kv_cache_dtype
 from engine.linear import LINEAR_PATH_NAMES
-from engine.lora.adapter import LoraError
+from engine.lora.errors import LoraError
 from engine.lora.manager import LoraSpec, LoraUpdate
 from engine.loader import resolve_model
 from engine.model_runner import ModelRunner

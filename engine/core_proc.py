@@ -19,7 +19,7 @@ import time
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.device import freeze_heap, trim_heap
+from engine.heap import freeze_heap, trim_heap
 from engine.distributed.parallel import TensorParallelError
 from engine.log_config import configure
 from engine.messages import (AbortAll, AbortRequests, Acknowledged, AddRequest, Dead,

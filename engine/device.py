@@ -4,7 +4,7 @@ Owns: the choice among `cpu`, `cuda` and `npu` (Ascend, through `torch_npu`, imp
 dtype resolution (`--dtype auto`: bfloat16 on an accelerator, on a CPU with bfloat16 matmul
 units (AMX, AVX512-BF16) and for quantized weights on AVX-512; float32 on other CPUs),
 memory figures used to size the KV cache and synchronisation for timing (the process's heap:
-`engine.heap`, re-exported here). Every other module in the engine talks to
+`engine.heap`). Every other module in the engine talks to
 the device through torch with the `torch.device` returned here.
 """
 
@@ -14,8 +14,6 @@ import importlib
 from dataclasses import dataclass
 
 import torch
-
-from engine.heap import freeze_heap, trim_heap  # noqa: F401 (the engine's callers)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.lora.errors import LoraError  # noqa: F401 (raised here; callers import it here)
+from engine.lora.errors import LoraError
 
 # The projections an adapter may target, with their (in, out) sizes from the model config.
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

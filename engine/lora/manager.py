@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.lora.adapter import LoraAdapter, LoraError, load_adapter
+from engine.lora.adapter import LoraAdapter, load_adapter
+from engine.lora.errors import LoraError
 from engine.lora.slots import LoraBatch, LoraSlots
 
 

@@ -96,8 +96,8 @@ def serve(kind: str, servicer: Canned, workers: int):
         server = grpc.server(ThreadPoolExecutor(workers))
         service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
     else:
-        fast = {"ModelInfer": lambda request, metadata, reply:
-                reply(servicer.ModelInfer(request, None))}
+        fast = {"ModelInfer": lambda data, metadata, reply:
+                reply(servicer.ModelInfer(pb.ModelInferRequest.FromString(data), None))}
         server = Server(servicer, service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server,
                         fast, options=[], workers=workers)
     server.add_insecure_port(f"127.0.0.1:{port}")

@@ -11,9 +11,11 @@ Owns: `Server` (listen, start, stop with a grace period) and the per-call state 
 Data flow: one thread polls the completion queue. A new call is answered from the method
 table that grpcio's generated `add_GRPCInferenceServiceServicer_to_server` fills in (names,
 (de)serializers, streaming kinds):
-- a method in `fast` (ModelInfer) is received, decoded and started on the loop thread:
-  `fast[name](request, metadata, reply)` must not block; `reply` may be called from any thread
-  (the one that finished the inference) and starts the final batch there;
+- a method in `fast` (ModelInfer) is received and started on the loop thread, its message
+  still serialized (the handler decodes it, or answers `PARSE_ERROR`):
+  `fast[name](data, metadata, reply)` must not block; `reply` (a message, or its bytes
+  already serialized) may be called from any thread (the one that finished the inference) and
+  starts the final batch there;
 - other unary methods run on a worker pool as grpcio runs them, `handler(request, context)`,
   since they may block (repository load, region mapping);
 - a streaming method (ModelStreamInfer) gets a worker that iterates its response generator
@@ -44,6 +46,7 @@ OK = grpc.StatusCode.OK
 _REQUEST, _SHUTDOWN, _DONE = object(), object(), object()
 OUTSTANDING_REQUESTS = 16      # calls C-core may accept before the loop asks for more
 PASS_EVENTS = 64               # events handled at most before `call_soon` callbacks run
+PARSE_ERROR = "Unable to parse request"   # gRPC C++'s text, as tritonserver answers it
 
 
 class _Abort(Exception):
@@ -165,8 +168,9 @@ class _Collector:
 class Server:
     """Serve `register(servicer, collector)`'s methods (grpcio generated code's
     `add_..._to_server`) on one completion-queue thread. `fast`: {method name: callable
-    (request, metadata, reply)} answered without a worker; `reply(message, code=OK,
-    details="")` ends the call. `options`: grpcio channel arguments ((name, value) pairs);
+    (data, metadata, reply)} answered without a worker, `data` the request's serialized
+    message; `reply(message, code=OK, details="")` ends the call (`message`: the response, its
+    serialized bytes, or None). `options`: grpcio channel arguments ((name, value) pairs);
     `workers`: threads for the other methods. Raises RuntimeError from `add_insecure_port`
     when the address cannot be bound."""
 
@@ -304,25 +308,25 @@ class Server:
             rpc.finish(None, grpc.StatusCode.UNIMPLEMENTED,
                        f'"{method.decode()}" requires exactly one request message.')
             return
-        try:
-            request = handler.request_deserializer(data)
-        except Exception:
-            # gRPC C++'s text, as tritonserver answers it
-            self._uncount(rpc)
-            rpc.finish(None, grpc.StatusCode.INTERNAL, "Unable to parse request")
-            return
         fast = self.fast.get(method)
         if fast is None:
+            try:
+                request = handler.request_deserializer(data)
+            except Exception:
+                rpc.finish(None, grpc.StatusCode.INTERNAL, PARSE_ERROR)
+                return
             self.pool.submit(self._unary, rpc, handler, request)
             return
         serialize = handler.response_serializer
 
         def reply(message, code: grpc.StatusCode = OK, details: str = "") -> None:
             self._uncount(rpc)
-            rpc.finish(serialize(message) if message is not None else None, code, details)
+            if message is not None and type(message) is not bytes:
+                message = serialize(message)
+            rpc.finish(message, code, details)
 
         try:
-            fast(request, rpc.metadata, reply)
+            fast(data, rpc.metadata, reply)
         except Exception as e:
             logger.exception("gRPC %s failed", method.decode())
             reply(None, grpc.StatusCode.UNKNOWN, f"Exception calling application: {e}")

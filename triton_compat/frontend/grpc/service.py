@@ -1,9 +1,10 @@
 """The RPCs of Triton's `inference.GRPCInferenceService`, answered over the v2 layer's shared
 state (`V2Context`): the same repository, runtimes, batchers and shared-memory regions as HTTP.
 
-Data flow of ModelInfer, on the completion-queue thread (grpc/loop.py): `ModelInferRequest` →
-`codec.decode_request` → `Inference` (runtime submit; a cheap model runs on this thread when
-an instance is idle) → `codec.encode_response` where the inference finished → reply. The other
+Data flow of ModelInfer, on the completion-queue thread (grpc/loop.py): the serialized
+`ModelInferRequest` → its header's plan (grpc/wire.py), else parsed and `codec.decode_request`
+→ `Inference` (runtime submit; a cheap model runs on this thread when an instance is idle) →
+`codec.encode_response` where the inference finished → reply. The other
 RPCs run on worker threads as grpcio would run them. ModelStreamInfer submits each request of a
 stream as it arrives (a reader thread), so they batch together, and writes the responses in
 request order (or a request's error, as `error_message`; the stream goes on), each marked
@@ -29,7 +30,9 @@ from triton_compat.core.config import wire_datatype
 from triton_compat.frontend.context import EXTENSIONS, SERVER_NAME, V2Context
 from triton_compat.errors import InferError
 from triton_compat.frontend import log_settings
+from triton_compat.frontend.grpc import wire
 from triton_compat.frontend.grpc.codec import decode_request, encode_response
+from triton_compat.frontend.grpc.loop import PARSE_ERROR
 from triton_compat.frontend.grpc.stream import Stream
 from triton_compat.frontend.infer import Inference
 from triton_compat.trace.api import trace_settings
@@ -99,6 +102,7 @@ class TritonService(service_pb2_grpc.GRPCInferenceServiceServicer):
     def __init__(self, ctx: V2Context) -> None:
         self.ctx = ctx
         self.fast = {"ModelInfer": self.model_infer}
+        self.plans = wire.Plans()           # ModelInfer request headers seen: their decoding
         # set by grpc/server.start: the loop's `call_soon` and whether other calls are in
         # progress, so a burst of calls to a cheap model runs as one batch (infer.Inference)
         self.later, self.busy = None, None
@@ -175,35 +179,48 @@ class TritonService(service_pb2_grpc.GRPCInferenceServiceServicer):
         if lifecycle is not None and lifecycle.draining:
             raise InferError(SHUTTING_DOWN, 503)
 
-    def model_infer(self, msg: pb.ModelInferRequest, metadata, reply) -> None:
-        """ModelInfer without a thread of its own (grpc/loop.py's fast path): checked, decoded
-        and submitted on the calling thread; a model cheap enough runs there too
-        (`ModelRuntime.runs_inline`), others on their instances' threads. `reply(response,
-        code, details)` is called once, on this thread or the one that finished the
-        inference. Never blocks."""
+    def model_infer(self, data: bytes, metadata, reply) -> None:
+        """ModelInfer without a thread of its own (grpc/loop.py's fast path): `data` (the
+        serialized `ModelInferRequest`) decoded from its header's plan (grpc/wire.py) or parsed
+        and decoded, checked and submitted on the calling thread; a model cheap enough runs
+        there too (`ModelRuntime.runs_inline`), others on their instances' threads.
+        `reply(response, code, details)` is called once, on this thread or the one that
+        finished the inference. Never blocks."""
+        request = self.plans.decode(data)     # None: a request shape not seen before
+        msg = None
+        if request is None:
+            try:
+                msg = pb.ModelInferRequest.FromString(data)
+            except Exception:
+                reply(None, grpc.StatusCode.INTERNAL, PARSE_ERROR)
+                return
         try:
             self.check_restricted("ModelInfer", metadata)
             self._admit()
         except InferError as e:
             reply(None, status_code(e), e.message)
             return
+        model, version = (msg.model_name, msg.model_version) if request is None else \
+            (request.model, request.version)
         lifecycle = self.ctx.lifecycle
         if lifecycle is not None:
             lifecycle.enter()
-        trace = self.ctx.trace(msg.model_name, dict(metadata or ()))
+        trace = self.ctx.trace(model, dict(metadata or ()))
         if trace is not None:               # the message is read already: both at once
             trace.mark("GRPC_WAITREAD_START")
             trace.mark("GRPC_WAITREAD_END")
             reply = _traced_reply(reply, trace)
         try:
-            rt = self.ctx.repository().runtime(msg.model_name, msg.model_version)
+            rt = self.ctx.repository().runtime(model, version)
             if rt.decoupled:         # Triton's text (infer_handler.cc)
                 raise InferError("ModelInfer RPC doesn't support models with decoupled "
                                  "transaction policy", 501)
-            request = decode_request(msg)
+            if request is None:
+                request = decode_request(msg)
+                self.plans.learn(data, msg, request)
             if verbose():                    # --log-verbose 1: each request, as Triton logs it
                 logger.debug("gRPC infer request: model '%s' version '%s' id '%s'",
-                             msg.model_name, msg.model_version, msg.id)
+                             model, version, request.id)
             inference = Inference(self.ctx.repository(), self.ctx.shm, request,
                                   busy=self.busy, later=self.later, trace=trace, runtime=rt)
         except InferError as e:

@@ -1,0 +1,164 @@
+"""ModelInfer requests decoded from a remembered header: the unary gRPC path without a parsed
+message for a request shape seen before.
+
+A client sends one request shape over and over (perf_analyzer, a service's fixed input), and
+all that differs between its `ModelInferRequest`s is the tensor data, carried last, in
+`raw_input_contents` (field 7: every protobuf serializer writes fields in number order). So
+the bytes before the first raw entry — model, version, id, parameters, inputs' names,
+datatypes and shapes, outputs — are the key of a `RequestPlan`: what `codec.decode_request`
+answered for them, kept to decode the next request with the same header by slicing its raw
+entries into arrays. Only requests whose inputs all came as fixed-size raw data are planned
+(no `contents`, shared memory or BYTES); everything else, and every plan miss, is parsed and
+decoded as before (`codec.decode_request`), which remains the definition of the decoding.
+
+Measured (2-core AMD EPYC Zen 3, perf_analyzer gRPC c1 on `simple`): the server's CPU a call
+fell from 430-500 µs to 346-381 µs — a parsed message's objects cost far more in a server
+between requests than a hot loop shows (there: 121 → 103 µs a call).
+
+Flows in: a request's serialized bytes (grpc/loop.py passes them unparsed). Flows out: an
+`InferRequest`, or None (the caller parses).
+Reference: protobuf encoding (protobuf.dev/programming-guides/encoding: varints, tags, field
+order); grpc_predict_v2.proto's field numbers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from triton_compat.frontend.infer import InferRequest, ShmInput
+
+RAW_INPUT_TAG = 0x3A         # field 7 (raw_input_contents), wire type 2 (length-delimited)
+PLAN_CACHE_SIZE = 256        # request headers remembered (all dropped when full), as HTTP
+PLAN_HEADER_LIMIT = 4096     # bytes; longer headers are not remembered
+
+
+def varint(n: int) -> bytes:
+    """The protobuf base-128 varint of a non-negative int (int64 / length)."""
+    if n < 0x80:
+        return bytes((n,))
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _read_varint(data: bytes, pos: int) -> tuple[int, int]:
+    """The varint at `pos`: (value, the position after it). Raises IndexError past the end."""
+    value = shift = 0
+    while True:
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+
+
+def _split_id(head: bytes) -> tuple[bytes, str] | None:
+    """`head` without its `id` field (3), and the id: found among the leading fields
+    model_name (1) and model_version (2), where a serializer writes it ("" when absent).
+    None for bytes no plan can match: a field running past the end, an id that is not UTF-8
+    (upb's parse refuses both)."""
+    pos, n = 0, len(head)
+    while pos < n and head[pos] in (0x0A, 0x12, 0x1A):
+        tag = head[pos]
+        try:
+            length, at = _read_varint(head, pos + 1)
+        except IndexError:
+            return None
+        if tag == 0x1A:
+            try:
+                text = head[at:at + length].decode()
+            except UnicodeDecodeError:
+                return None
+            return head[:pos] + head[at + length:], text
+        pos = at + length
+    return head, ""
+
+
+class RequestPlan:
+    """A `ModelInferRequest` header's decoding, for requests that repeat it (but for the
+    request id): `request(data, id)` builds the `InferRequest` of a request whose bytes are
+    the header followed by one raw entry per input of the plan's sizes. Nothing a caller may
+    change is shared: the request's dicts and lists are new each time; arrays are read-only
+    over bytes of their own, as upb's parse gives `codec.decode_request`."""
+
+    __slots__ = ("model", "version", "inputs", "datatypes", "outputs", "parameters", "tail",
+                 "marks")
+
+    def __init__(self, decoded: InferRequest, sizes: list[int]) -> None:
+        self.model, self.version = decoded.model, decoded.version
+        self.datatypes = dict(decoded.datatypes)
+        self.outputs = None if decoded.outputs is None else list(decoded.outputs)
+        self.parameters = dict(decoded.parameters)
+        self.inputs = []           # (name, dtype, shape, start, end): data offsets from the end
+        self.marks = []            # (offset from the end, the entry's tag + length bytes)
+        end = sum(1 + len(varint(s)) + s for s in sizes)
+        self.tail = end
+        for (name, array), size in zip(decoded.inputs.items(), sizes):
+            mark = bytes((RAW_INPUT_TAG,)) + varint(size)
+            self.marks.append((end, mark))
+            start = end - len(mark)
+            self.inputs.append((name, array.dtype, array.shape, start, start - size))
+            end = start - size
+
+    def matches(self, data: bytes) -> bool:
+        """Whether `data`'s tail holds this plan's raw entries (tags and lengths) exactly."""
+        n = len(data)
+        return all(data[n - back:n - back + len(mark)] == mark for back, mark in self.marks)
+
+    def request(self, data: bytes, request_id: str) -> InferRequest:
+        """The request of `data` (this plan's header, then its raw entries)."""
+        n = len(data)
+        inputs = {name: np.frombuffer(data[n - start:n - end], dtype).reshape(shape)
+                  for name, dtype, shape, start, end in self.inputs}
+        return InferRequest(self.model, self.version, request_id, inputs, dict(self.datatypes),
+                            None if self.outputs is None else list(self.outputs),
+                            dict(self.parameters))
+
+
+class Plans:
+    """The remembered request headers: `decode(data)` → the `InferRequest`, or None (parse and
+    decode it, then `learn`). Thread-safe enough for its use: one completion-queue thread
+    calls both (a dict's get / set are atomic)."""
+
+    def __init__(self) -> None:
+        self.plans: dict[bytes, RequestPlan] = {}     # header without the id -> plan
+        self.tails: tuple[int, ...] = ()     # distinct raw-tail lengths of the plans
+
+    def decode(self, data: bytes) -> InferRequest | None:
+        """`data`'s request when a plan knows its header and its raw entries end it."""
+        for tail in self.tails:
+            if len(data) > tail:
+                split = _split_id(data[:-tail])
+                if split is None:
+                    return None
+                plan = self.plans.get(split[0])
+                if plan is not None and plan.tail == tail and plan.matches(data):
+                    return plan.request(data, split[1])
+        return None
+
+    def learn(self, data: bytes, msg, decoded: InferRequest) -> None:
+        """Remember `data`'s header when `msg` (its parsed `ModelInferRequest`) serializes to
+        `data` again (each field once, in number order) and every input of `decoded` came
+        from its own raw entry, in order, with a fixed-size type."""
+        raw, arrays = msg.raw_input_contents, list(decoded.inputs.values())
+        if len(raw) != len(arrays) or not arrays or \
+                any(isinstance(a, ShmInput) or a.dtype.kind == "O" for a in arrays):
+            return
+        plan = RequestPlan(decoded, [len(r) for r in raw])
+        header = len(data) - plan.tail
+        if not 0 < header <= PLAN_HEADER_LIMIT or not plan.matches(data) or \
+                msg.SerializeToString() != data:
+            return                 # raw entries not last; or fields repeated or out of order
+        split = _split_id(data[:header])
+        if split is None:
+            return
+        if len(self.plans) >= PLAN_CACHE_SIZE:
+            self.plans.clear()
+            self.tails = ()
+        self.plans[split[0]] = plan
+        if plan.tail not in self.tails:
+            self.tails = (*self.tails[-7:], plan.tail)

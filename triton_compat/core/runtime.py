@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from scheduler.dynamic_batcher import Pending, QueueFullError, RequestQueue, decide
-from scheduler.futures import settle
+from scheduler.futures import Resolved, settle
 from triton_compat.core import batch_strategy, pb_types
 from triton_compat.core.backends import BackendRequest
 from triton_compat.core.backends.factory import create_instance
@@ -118,7 +118,7 @@ class Job:
     `time.perf_counter_ns`)."""
 
     request: BackendRequest
-    future: Future
+    future: Future | Resolved       # Resolved: run inline, settled before submit returns
     enqueued_ns: int
 
 
@@ -247,19 +247,21 @@ class ModelRuntime:
             request.correlation_id, request.flags = sequence_params(request.parameters)
         level = self.batcher.level_of(priority)
         now = _now_us()
-        future: Future = Future()
         timeout = self.queue.timeout_us(level, timeout_us) if self.batcher.dynamic else 0
-        item = Pending(Job(request, future, time.perf_counter_ns()), now, batch_size, shape_key,
-                       level, now + timeout if timeout else None)
+        queued = Job(request, None, time.perf_counter_ns())
+        item = Pending(queued, now, batch_size, shape_key, level, now + timeout if timeout else None)
         if request.trace is not None:       # the trace extension: QUEUE_START
             _trace_queued(request, datatypes or {})
         with self.cond:
             if self.stopping:
                 raise InferError(f"model '{self.config.name}' is being unloaded", 503)
             if inline and self._lone_at_once and self.idle and not self.queue.items:
-                # answered before this call returns: never cancelled, never in `inflight`
+                # answered before this call returns (with preserve_ordering, only once every
+                # earlier batch is: a Future there): never cancelled, never in `inflight`
+                future = queued.future = Future() if self.preserve else Resolved()
                 job = self._claim([item])    # what `decide` answers for a lone request
             else:
+                future = queued.future = Future()
                 self.inflight.add(future)
                 future.add_done_callback(_Settled(self.inflight, request))
                 try:

@@ -150,3 +150,33 @@ def test_the_cache_is_bounded():
     assert len(plans.plans) <= PLAN_CACHE_SIZE
     assert plans.decode(request(a, a, model=f"m{PLAN_CACHE_SIZE + 4}")
                         .SerializeToString()) is not None
+
+
+@pytest.mark.parametrize("outputs", [
+    [("OUTPUT0", "INT32", np.arange(16, dtype=np.int32).reshape(1, 16), False),
+     ("OUTPUT1", "INT32", -np.arange(16, dtype=np.int32).reshape(1, 16), False)],
+    [("big", "FP64", np.ones((3, 5000)), False),           # lengths past one varint byte
+     ("scalar", "FP32", np.float32(2.5).reshape(()), False),  # no shape: field omitted
+     ("empty", "INT64", np.zeros((0, 4), np.int64), False),   # an empty entry
+     ("wide", "UINT8", np.zeros((0, 1 << 33), np.uint8), False)],  # a dimension past 2**32
+    [("text", "BYTES", np.array([b"ab", "çé".encode(), b""], dtype=np.object_), False),
+     ("in_region", "FP32", np.ones((2, 2), np.float32), True),    # written to shared memory
+     ("", "BOOL", np.array([True, False]), False),                 # proto3: no name field
+     ("ünï", "FP16", np.ones(3, np.float16), False)],
+])
+@pytest.mark.parametrize("model, version, request_id", [
+    ("simple", "1", ""), ("", "", ""), ("m" * 300, "12", "ïd-" * 50)])
+def test_responses_are_the_bytes_protobuf_writes(outputs, model, version, request_id):
+    """`wire.encode_response` against upb's serializer of `codec.encode_response`'s message,
+    byte for byte, twice (the second time from its caches)."""
+    from triton_compat.frontend.grpc.codec import encode_response as message
+    from triton_compat.frontend.grpc.wire import encode_response
+    from triton_compat.frontend.infer import OutputRequest, OutputTensor, ShmRef
+    tensors = [OutputTensor(name, datatype, array,
+                            OutputRequest(name, shm=ShmRef("r", 0, 64) if shm else None))
+               for name, datatype, array, shm in outputs]
+    expected = message(model, version, request_id, tensors).SerializeToString()
+    for _ in range(2):
+        assert encode_response(model, version, request_id, tensors) == expected
+    parsed = pb.ModelInferResponse.FromString(expected)
+    assert [o.name for o in parsed.outputs] == [t.name for t in tensors]

@@ -4,7 +4,7 @@ state (`V2Context`): the same repository, runtimes, batchers and shared-memory r
 Data flow of ModelInfer, on the completion-queue thread (grpc/loop.py): the serialized
 `ModelInferRequest` → its header's plan (grpc/wire.py), else parsed and `codec.decode_request`
 → `Inference` (runtime submit; a cheap model runs on this thread when an instance is idle) →
-`codec.encode_response` where the inference finished → reply. The other
+`wire.encode_response` (bytes) where the inference finished → reply. The other
 RPCs run on worker threads as grpcio would run them. ModelStreamInfer submits each request of a
 stream as it arrives (a reader thread), so they batch together, and writes the responses in
 request order (or a request's error, as `error_message`; the stream goes on), each marked
@@ -31,7 +31,7 @@ from triton_compat.frontend.context import EXTENSIONS, SERVER_NAME, V2Context
 from triton_compat.errors import InferError
 from triton_compat.frontend import log_settings
 from triton_compat.frontend.grpc import wire
-from triton_compat.frontend.grpc.codec import decode_request, encode_response
+from triton_compat.frontend.grpc.codec import decode_request
 from triton_compat.frontend.grpc.loop import PARSE_ERROR
 from triton_compat.frontend.grpc.stream import Stream
 from triton_compat.frontend.infer import Inference
@@ -184,7 +184,7 @@ class TritonService(service_pb2_grpc.GRPCInferenceServiceServicer):
         serialized `ModelInferRequest`) decoded from its header's plan (grpc/wire.py) or parsed
         and decoded, checked and submitted on the calling thread; a model cheap enough runs
         there too (`ModelRuntime.runs_inline`), others on their instances' threads.
-        `reply(response, code, details)` is called once, on this thread or the one that
+        `reply(response bytes, code, details)` is called once, on this thread or the one that
         finished the inference. Never blocks."""
         request = self.plans.decode(data)     # None: a request shape not seen before
         msg = None
@@ -243,9 +243,9 @@ class TritonService(service_pb2_grpc.GRPCInferenceServiceServicer):
         inference.future.add_done_callback(done)   # at once when it ran on this thread
 
     @staticmethod
-    def _response(request, version, outputs) -> pb.ModelInferResponse:
+    def _response(request, version, outputs) -> bytes:
         try:
-            return encode_response(request.model, version, request.id, outputs)
+            return wire.encode_response(request.model, version, request.id, outputs)
         except Exception as e:       # an output the model filled with the wrong kind of data
             raise InferError(f"model '{request.model}' returned an output that cannot be "
                              f"sent: {type(e).__name__}: {e}", 500) from None

@@ -1,31 +1,35 @@
-"""ModelInfer requests decoded from a remembered header: the unary gRPC path without a parsed
-message for a request shape seen before.
+"""ModelInfer on the protobuf wire: requests decoded from a remembered header, responses written
+as bytes — the unary gRPC path without message objects for a request shape seen before.
 
 A client sends one request shape over and over (perf_analyzer, a service's fixed input), and
 all that differs between its `ModelInferRequest`s is the tensor data, carried last, in
 `raw_input_contents` (field 7: every protobuf serializer writes fields in number order). So
-the bytes before the first raw entry — model, version, id, parameters, inputs' names,
-datatypes and shapes, outputs — are the key of a `RequestPlan`: what `codec.decode_request`
-answered for them, kept to decode the next request with the same header by slicing its raw
-entries into arrays. Only requests whose inputs all came as fixed-size raw data are planned
+the bytes before the first raw entry — model, version, parameters, inputs' names, datatypes
+and shapes, outputs; all but the request id, which many clients change per request — are the
+key of a `RequestPlan`: what `codec.decode_request` answered for them, kept to decode the next
+request with the same header by slicing its raw entries into arrays. Only requests whose inputs all came as fixed-size raw data are planned
 (no `contents`, shared memory or BYTES); everything else, and every plan miss, is parsed and
 decoded as before (`codec.decode_request`), which remains the definition of the decoding.
+
+`encode_response` writes the `ModelInferResponse` bytes directly: the same bytes protobuf's
+serializer gives for the message `codec.encode_response` builds (fields in number order,
+proto3 defaults omitted, shapes packed), 2.7 µs against 6.5 µs for `simple`'s two outputs.
 
 Measured (2-core AMD EPYC Zen 3, perf_analyzer gRPC c1 on `simple`): the server's CPU a call
 fell from 430-500 µs to 346-381 µs — a parsed message's objects cost far more in a server
 between requests than a hot loop shows (there: 121 → 103 µs a call).
 
-Flows in: a request's serialized bytes (grpc/loop.py passes them unparsed). Flows out: an
-`InferRequest`, or None (the caller parses).
-Reference: protobuf encoding (protobuf.dev/programming-guides/encoding: varints, tags, field
-order); grpc_predict_v2.proto's field numbers.
+Flows in: a request's serialized bytes (grpc/loop.py passes them unparsed); a response's
+`OutputTensor`s. Flows out: an `InferRequest`, or None (the caller parses); response bytes.
+Reference: protobuf encoding (protobuf.dev/programming-guides/encoding: varints, tags, packed
+repeated fields, field order); grpc_predict_v2.proto's field numbers.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from triton_compat.frontend.infer import InferRequest, ShmInput
+from triton_compat.frontend.infer import InferRequest, ShmInput, tensor_bytes
 
 RAW_INPUT_TAG = 0x3A         # field 7 (raw_input_contents), wire type 2 (length-delimited)
 PLAN_CACHE_SIZE = 256        # request headers remembered (all dropped when full), as HTTP
@@ -162,3 +166,59 @@ class Plans:
         self.plans[split[0]] = plan
         if plan.tail not in self.tails:
             self.tails = (*self.tails[-7:], plan.tail)
+
+
+_HEADS: dict[tuple, bytes] = {}       # (model, version) -> their fields
+_METAS: dict[tuple, bytes] = {}       # (name, datatype, shape) -> an `outputs` entry
+ENCODE_CACHE_SIZE = 1024              # entries of each (all dropped when full)
+
+
+def _text(tag: int, text: str) -> bytes:
+    """A string field (proto3: absent when empty)."""
+    if not text:
+        return b""
+    data = text.encode()
+    return bytes((tag,)) + varint(len(data)) + data
+
+
+def _remember(cache: dict, key: tuple, value: bytes) -> bytes:
+    if len(cache) >= ENCODE_CACHE_SIZE:
+        cache.clear()
+    cache[key] = value
+    return value
+
+
+def _output_meta(name: str, datatype: str, shape: tuple) -> bytes:
+    """The `outputs` entry (field 5) of a tensor: name, datatype, packed shape."""
+    key = (name, datatype, shape)
+    meta = _METAS.get(key)
+    if meta is None:
+        body = _text(0x0A, name) + _text(0x12, datatype)
+        if shape:
+            dims = b"".join(varint(d) for d in shape)
+            body += b"\x1a" + varint(len(dims)) + dims
+        meta = _remember(_METAS, key, b"\x2a" + varint(len(body)) + body)
+    return meta
+
+
+def encode_response(model: str, version: str, request_id: str, outputs) -> bytes:
+    """The serialized `ModelInferResponse` of `outputs` (`OutputTensor`s): every output's
+    metadata, then one `raw_output_contents` entry per output in the same order (empty for
+    one written to a shared-memory region) — the bytes protobuf's serializer writes for the
+    message `codec.encode_response` builds, without building it (fields in number order,
+    proto3 defaults omitted, shapes packed). Raises what `tensor_bytes` raises for an array
+    that does not fit its datatype."""
+    head = _HEADS.get((model, version))
+    if head is None:
+        head = _remember(_HEADS, (model, version), _text(0x0A, model) + _text(0x12, version))
+    parts = [head, _text(0x1A, request_id)]
+    raws = []
+    for t in outputs:
+        array = t.array
+        parts.append(_output_meta(t.name, t.datatype, array.shape))
+        shm = t.request is not None and t.request.shm is not None
+        raws.append(b"" if shm else tensor_bytes(t.datatype, array))
+    for raw in raws:
+        parts.append(b"\x32" + varint(len(raw)))
+        parts.append(raw)
+    return b"".join(parts)

@@ -460,3 +460,42 @@ def test_grpc_is_imported_with_loop_thread_io_and_the_environment_restored(user,
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, check=True).stdout.split()
     assert out == [str(turned_off), "True", str(after)]
+
+
+def test_the_loop_polls_while_calls_follow_closely_and_idles_after(tmp_path):
+    """grpc/loop.py polls without blocking for a moment after each event while calls arrive
+    closely (a virtual machine's wake-up is much of a small call's latency), and blocks again
+    once they stop: 300 back-to-back calls, then one second idle costs the loop thread no CPU
+    to speak of (a loop still spinning would burn the whole second)."""
+    import os
+    import threading
+
+    from triton_compat.frontend.grpc.loop import SPIN_S, Server
+    from triton_compat.frontend.grpc.server import WORKERS
+
+    def model_infer(data, metadata, reply):
+        msg = pb.ModelInferRequest.FromString(data)
+        reply(pb.ModelInferResponse(model_name=msg.model_name, id=msg.id))
+
+    server = Server(service_pb2_grpc.GRPCInferenceServiceServicer(),
+                    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server,
+                    {"ModelInfer": model_infer}, options=[], workers=WORKERS)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        s = stub(f"127.0.0.1:{port}")
+        for i in range(300):
+            assert s.ModelInfer(pb.ModelInferRequest(model_name="m", id=str(i))).id == str(i)
+        loop = next(t for t in threading.enumerate() if t.name == "grpc-loop")
+
+        def cpu_ticks() -> int:         # the loop thread's user + system time, clock ticks
+            fields = open(f"/proc/self/task/{loop.native_id}/stat").read().rsplit(")", 1)[1]
+            return sum(int(x) for x in fields.split()[11:13])
+
+        time.sleep(20 * SPIN_S)         # any spin after the last call has ended by now
+        before = cpu_ticks()
+        time.sleep(1.0)
+        assert cpu_ticks() - before <= 0.05 * os.sysconf("SC_CLK_TCK")
+        assert s.ModelInfer(pb.ModelInferRequest(model_name="m", id="after")).id == "after"
+    finally:
+        server.stop(None).wait(5)

@@ -217,7 +217,7 @@ class TritonService(service_pb2_grpc.GRPCInferenceServiceServicer):
                                  "transaction policy", 501)
             if request is None:
                 request = decode_request(msg)
-                self.plans.learn(data, msg, request)
+                self.plans.learn(data, msg, request)      # clears msg's tensors: decoded
             if verbose():                    # --log-verbose 1: each request, as Triton logs it
                 logger.debug("gRPC infer request: model '%s' version '%s' id '%s'",
                              model, version, request.id)

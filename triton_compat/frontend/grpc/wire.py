@@ -7,9 +7,10 @@ all that differs between its `ModelInferRequest`s is the tensor data, carried la
 the bytes before the first raw entry — model, version, parameters, inputs' names, datatypes
 and shapes, outputs; all but the request id, which many clients change per request — are the
 key of a `RequestPlan`: what `codec.decode_request` answered for them, kept to decode the next
-request with the same header by slicing its raw entries into arrays. Only requests whose inputs all came as fixed-size raw data are planned
-(no `contents`, shared memory or BYTES); everything else, and every plan miss, is parsed and
-decoded as before (`codec.decode_request`), which remains the definition of the decoding.
+request with the same header by slicing its raw entries into arrays. Only requests whose inputs
+all came as fixed-size raw data are planned (no `contents`, shared memory or BYTES);
+everything else, and every plan miss, is parsed and decoded as before
+(`codec.decode_request`), which remains the definition of the decoding.
 
 `encode_response` writes the `ModelInferResponse` bytes directly: the same bytes protobuf's
 serializer gives for the message `codec.encode_response` builds (fields in number order,
@@ -145,18 +146,22 @@ class Plans:
         return None
 
     def learn(self, data: bytes, msg, decoded: InferRequest) -> None:
-        """Remember `data`'s header when `msg` (its parsed `ModelInferRequest`) serializes to
-        `data` again (each field once, in number order) and every input of `decoded` came
-        from its own raw entry, in order, with a fixed-size type."""
-        raw, arrays = msg.raw_input_contents, list(decoded.inputs.values())
-        if len(raw) != len(arrays) or not arrays or \
+        """Remember `data`'s header when every input of `decoded` came from its own raw entry
+        of `msg` (`data` parsed), in order, with a fixed-size type, those entries end `data`,
+        and the rest of `msg` serializes to the rest of `data` (each field once, in number
+        order). Clears `msg`'s raw entries (decoded already): the check then serializes the
+        header alone, never the tensors."""
+        arrays = list(decoded.inputs.values())
+        if len(msg.raw_input_contents) != len(arrays) or not arrays or \
                 any(isinstance(a, ShmInput) or a.dtype.kind == "O" for a in arrays):
             return
-        plan = RequestPlan(decoded, [len(r) for r in raw])
+        plan = RequestPlan(decoded, [a.nbytes for a in arrays])
         header = len(data) - plan.tail
-        if not 0 < header <= PLAN_HEADER_LIMIT or not plan.matches(data) or \
-                msg.SerializeToString() != data:
-            return                 # raw entries not last; or fields repeated or out of order
+        if not 0 < header <= PLAN_HEADER_LIMIT or not plan.matches(data):
+            return                 # raw entries not last, or not of the inputs' sizes
+        del msg.raw_input_contents[:]
+        if msg.SerializeToString() != data[:header]:
+            return                 # fields repeated or out of order
         split = _split_id(data[:header])
         if split is None:
             return

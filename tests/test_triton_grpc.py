@@ -462,7 +462,8 @@ def test_grpc_is_imported_with_loop_thread_io_and_the_environment_restored(user,
     assert out == [str(turned_off), "True", str(after)]
 
 
-def test_the_loop_polls_while_calls_follow_closely_and_idles_after(tmp_path):
+@continuum_only("Continuum's completion-queue loop, run in the test's process")
+def test_the_loop_polls_while_calls_follow_closely_and_idles_after():
     """grpc/loop.py polls without blocking for a moment after each event while calls arrive
     closely (a virtual machine's wake-up is much of a small call's latency), and blocks again
     once they stop: 300 back-to-back calls, then one second idle costs the loop thread no CPU

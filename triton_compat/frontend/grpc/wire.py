@@ -139,7 +139,7 @@ class Plans:
             if len(data) > tail:
                 split = _split_id(data[:-tail])
                 if split is None:
-                    return None
+                    continue                # not a header at this cut: try the next tail
                 plan = self.plans.get(split[0])
                 if plan is not None and plan.tail == tail and plan.matches(data):
                     return plan.request(data, split[1])

@@ -1,12 +1,14 @@
 """api/http_protocol.py: the writes of one event-loop pass leave as one write, in order, and
-nothing held is lost on close; end to end, HTTP responses and SSE streams through the real
+nothing held is lost on close; the loop polls after a response only while requests follow
+closely (`BusyPoll`); end to end, HTTP responses and SSE streams through the real
 server are covered by the API tests, which all run over this protocol."""
 
 from __future__ import annotations
 
 import asyncio
 
-from api.http_protocol import WriteCoalescer
+from api.http_protocol import BusyPoll, WriteCoalescer
+from engine.halt_poll import WINDOW_S
 
 
 class Transport:
@@ -87,4 +89,59 @@ def test_a_whole_response_goes_at_once_unless_writes_are_held():
         t.closing = True
         w.write_now(b"never sent")             # a closing transport gets nothing
         assert len(t.calls) == 2
+    asyncio.run(main())
+
+
+class Halt:
+    """A HaltPoll stand-in: the windows it was asked to keep the CPUs awake for."""
+
+    def __init__(self) -> None:
+        self.windows: list[float] = []
+
+    def keep_warm(self, seconds: float) -> None:
+        self.windows.append(seconds)
+
+
+def test_the_loop_polls_after_a_response_while_requests_follow_closely():
+    """BusyPoll: no polling until a request follows a response within the window; then the
+    loop polls (a callback re-queued every pass) until the window after the last response
+    ends; one late request keeps it polling, MISSES late ones in a row stop it."""
+    async def main():
+        loop, now, halt = asyncio.get_running_loop(), [0.0], Halt()
+        poll = BusyPoll(loop, 1.0, clock=lambda: now[0], halt=halt)
+
+        async def passes(n: int) -> None:
+            for _ in range(n):
+                await asyncio.sleep(0)
+
+        poll.arrived()                      # the first request: nothing to go by
+        poll.answered()
+        assert not poll.spinning and halt.windows == []
+        now[0] = 0.5
+        poll.arrived()                      # within 1 s of the last answer: close
+        assert halt.windows == [WINDOW_S]   # the CPUs kept awake for its answer
+        now[0] = 0.6
+        poll.answered()
+        assert poll.spinning and poll.until == 1.6
+        await passes(3)
+        assert poll.spinning                # still polling: the window has not ended
+        now[0] = 1.7
+        await passes(2)
+        assert not poll.spinning            # the window ended: the loop may block again
+        now[0] = 5.0
+        poll.arrived()                      # one late request (a miss)
+        poll.answered()
+        assert poll.spinning and len(halt.windows) == 2
+        now[0] = 10.0
+        await passes(2)
+        poll.arrived()                      # a second miss in a row: stop polling
+        poll.answered()
+        await passes(2)
+        assert not poll.spinning and len(halt.windows) == 2
+        now[0] = 10.5
+        poll.arrived()                      # close again: polling resumes
+        poll.answered()
+        assert poll.spinning and len(halt.windows) == 3
+        now[0] = 20.0
+        await passes(2)
     asyncio.run(main())

@@ -21,8 +21,8 @@ import httpx
 import pytest
 
 from tests.conftest import start_server
-from tests.triton_servers import seq_model
-from tests.v2_target import continuum_only
+from tests.triton_servers import EXAMPLES, seq_model
+from tests.v2_target import ON_TRITON, continuum_only, start_v2_server, stop_v2_server
 
 
 def _infer_body(name: str, value: int) -> bytes:
@@ -216,3 +216,36 @@ def test_a_slow_request_pipelined_behind_an_answered_one_is_not_cut(tmp_path):
              .splitlines() if "/v2/models/" in line and " - " in line]
     assert lines.count('"POST /v2/models/simple/infer HTTP/1.1" 200 OK') == 23, lines
     assert '"POST /v2/models/slow/infer HTTP/1.1" 200 OK' in lines
+
+
+def _process_ticks(pid: int) -> int:
+    """A process's user + system time over all its threads, clock ticks."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def test_a_server_idle_after_back_to_back_infers_spends_no_cpu(tmp_path, monkeypatch):
+    """While requests follow each other closely, Continuum's event loop polls its sockets and
+    a halt-polling thread keeps the other CPUs awake (api/http_protocol.py `BusyPoll`,
+    engine/halt_poll.py; forced on here, whatever the host): once they stop, both stop. 300
+    back-to-back infers on one connection, then one idle second costs the server process no
+    CPU to speak of — a server still polling would burn the whole second."""
+    monkeypatch.setenv("CONTINUUM_HALT_POLL", "1")
+    (tmp_path / "repo").mkdir()
+    (tmp_path / "repo" / "simple").symlink_to(EXAMPLES / "simple", target_is_directory=True)
+    server = start_v2_server(tmp_path / "repo", tmp_path / "server.log")
+    try:
+        with _connect(server.http) as sock:
+            for i in range(300):
+                sock.sendall(_post("simple", _infer_body("simple", i)))
+                (status, _, body), = _responses(sock, 1)
+                assert status == 200 and _out(body, "OUTPUT0") == [2 * i] * 16
+        time.sleep(0.05)                     # any polling window has ended by now
+        idle = _process_ticks(server.proc.pid)
+        time.sleep(1.0)
+        assert _process_ticks(server.proc.pid) - idle <= 0.05 * os.sysconf("SC_CLK_TCK")
+        _alive(server.http)
+    finally:
+        stop_v2_server(server)
+    if not ON_TRITON:
+        assert "halt polling on: CONTINUUM_HALT_POLL=1" in (tmp_path / "server.log").read_text()

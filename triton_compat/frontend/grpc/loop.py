@@ -42,6 +42,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from grpc._cython import cygrpc
 
+from engine.halt_poll import WINDOW_S, halt_poll
+
 logger = logging.getLogger("continuum.triton.grpc")
 
 OK = grpc.StatusCode.OK
@@ -197,6 +199,7 @@ class Server:
         self.active = 0                     # fast-method calls accepted and not yet answered
         self._soon: list = []               # `call_soon` callbacks for the end of this pass
         self._spin = False                  # calls arrive closely: poll before blocking
+        self._halt = halt_poll()            # keeps the other CPUs awake meanwhile, or None
 
     def add_insecure_port(self, address: str) -> int:
         """Listen on `address` ("host:port"); the bound port, 0 when it cannot be bound."""
@@ -255,7 +258,9 @@ class Server:
         wait and nothing has arrived. While calls follow each other closely (the last wait
         for an event was shorter than SPIN_S) the queue is polled without blocking for up to
         SPIN_S first: a thread that blocks is woken by the kernel when the next request lands,
-        and on a virtual machine that wake-up is a large part of a small call's latency."""
+        and on a virtual machine that wake-up is a large part of a small call's latency; the
+        process's `HaltPoll` (engine/halt_poll.py) keeps the other CPUs awake meanwhile, where a
+        client or a worker may be waiting."""
         if self._soon:
             return self.cq.poll(0)
         if self._spin:
@@ -263,6 +268,8 @@ class Server:
             while True:
                 event = self.cq.poll(0)
                 if event.completion_type != QUEUE_TIMEOUT:
+                    if self._halt is not None:
+                        self._halt.keep_warm(WINDOW_S)
                     return event
                 if time.perf_counter() >= until:
                     break

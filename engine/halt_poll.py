@@ -13,19 +13,19 @@ halted CPU when the host was busy (p90 1.36-1.55 ms, 1,650-1,800 infer/s); with 
 p99 0.61-0.69 ms and 2,440-2,660 infer/s, alternating in one run.
 
 How: one thread per process at SCHED_IDLE (it runs only on a CPU that has nothing else to run,
-and any thread that wakes preempts it at once) spins in C with the GIL released
-(`continuum_spin_until`, a `pause` loop on CLOCK_MONOTONIC) until a deadline that the front
-ends move forward with `keep_warm` while v2 requests arrive closely (`BusyPoll`, the gRPC
-loop's own spin); when the deadline passes it blocks on an Event until the next `keep_warm`.
+and any thread that wakes preempts it at once) lives in C (`continuum_halt_poll_run`, GIL
+released for good): a `pause` loop on CLOCK_MONOTONIC until a deadline that the front ends move
+forward with `keep_warm` while v2 requests arrive closely (`BusyPoll`, the gRPC loop's own
+spin), then a futex wait until the next `keep_warm` wakes it.
 Costs: the CPU time of otherwise idle CPUs while such traffic lasts, and at most
 `keep_warm`'s window after it stops; nothing while idle.
 
 `halt_poll()` returns the process's `HaltPoll`, or None where it is off: `CONTINUUM_HALT_POLL`
 = `0` (off), `1` (on), `auto` (the default: on in a guest — the `hypervisor` CPU flag — whose
 kernel has no `haltpoll` cpuidle driver, with at least two CPUs to use and a C compiler to
-build the 10-line helper into `$CONTINUUM_CACHE/halt_poll/`).
+build the small helper into `$CONTINUUM_CACHE/halt_poll/`).
 Flows in: `keep_warm(seconds)` from the HTTP protocol and the gRPC loop threads; out: nothing
-but CPU time on idle CPUs.
+but CPU time on idle CPUs. Linux only (futex); elsewhere `auto` finds no `hypervisor` flag.
 """
 
 from __future__ import annotations
@@ -49,8 +49,18 @@ ENV = "CONTINUUM_HALT_POLL"
 # model's, ~0.3 ms on the 2-CPU host) and the client's turn to the next request.
 WINDOW_S = 1e-3
 SOURCE = r"""
+#include <linux/futex.h>
+#include <stdatomic.h>
 #include <stdint.h>
+#include <sys/syscall.h>
 #include <time.h>
+#include <unistd.h>
+
+typedef struct {
+    _Atomic int64_t until_ns;   /* spin until CLOCK_MONOTONIC passes this */
+    _Atomic int32_t sleeping;   /* 1 while the thread waits on this futex word */
+    _Atomic int32_t stop;
+} halt_poll_state;
 
 static int64_t now_ns(void) {
     struct timespec t;
@@ -58,56 +68,107 @@ static int64_t now_ns(void) {
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
-/* Spin until CLOCK_MONOTONIC passes *until_ns, which another thread may move meanwhile. */
-void continuum_spin_until(volatile int64_t *until_ns) {
-    while (now_ns() < *until_ns) {
+static void relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
-        __builtin_ia32_pause();
+    __builtin_ia32_pause();
 #elif defined(__aarch64__)
-        __asm__ volatile("yield");
+    __asm__ volatile("yield");
 #endif
+}
+
+/* The thread's whole life: spin while the deadline is ahead, else sleep on the futex until
+   a kick; returns once `stop` is set. Announcing the sleep and then looking at the deadline
+   again (sequentially consistent, as the kick's store-then-look) means no kick is lost. */
+void continuum_halt_poll_run(halt_poll_state *s) {
+    while (!atomic_load(&s->stop)) {
+        if (now_ns() < atomic_load(&s->until_ns)) {
+            relax();
+            continue;
+        }
+        atomic_store(&s->sleeping, 1);
+        if (now_ns() < atomic_load(&s->until_ns) || atomic_load(&s->stop)) {
+            atomic_store(&s->sleeping, 0);
+            continue;
+        }
+        syscall(SYS_futex, &s->sleeping, FUTEX_WAIT_PRIVATE, 1, NULL, NULL, 0);
+        atomic_store(&s->sleeping, 0);
     }
+}
+
+static void wake(halt_poll_state *s) {
+    if (atomic_exchange(&s->sleeping, 0))
+        syscall(SYS_futex, &s->sleeping, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
+}
+
+/* Move the deadline to `until_ns` if that is later, and wake the thread if it sleeps. */
+void continuum_halt_poll_kick(halt_poll_state *s, int64_t until_ns) {
+    int64_t current = atomic_load(&s->until_ns);
+    while (until_ns > current
+           && !atomic_compare_exchange_weak(&s->until_ns, &current, until_ns)) {
+    }
+    wake(s);
+}
+
+void continuum_halt_poll_stop(halt_poll_state *s) {
+    atomic_store(&s->stop, 1);
+    wake(s);
 }
 """
 
 
-class HaltPoll:
-    """The spinning thread (see the module docstring). `spin` is the C helper: a function
-    of one `int64_t *` (a deadline, CLOCK_MONOTONIC ns) that returns once it has passed."""
+class _State(ctypes.Structure):
+    """halt_poll_state in SOURCE."""
 
-    def __init__(self, spin) -> None:
-        self._spin = spin
-        self._until = ctypes.c_int64(0)
-        self._address = ctypes.addressof(self._until)
-        self._wake = threading.Event()
-        self.spinning = False               # the thread is in (or about to enter) its spin
+    _fields_ = [("until_ns", ctypes.c_int64), ("sleeping", ctypes.c_int32),
+                ("stop", ctypes.c_int32)]
+
+
+class HaltPoll:
+    """The polling thread (see the module docstring), over the helper library `lib` (`build`).
+    The thread runs the helper's loop in C from start to `stop`, so it never holds the GIL at
+    idle priority (a SCHED_IDLE thread preempted while holding it would stall every other
+    thread of the process)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._state = _State()
+        self._address = ctypes.addressof(self._state)
+        self._kick, self._stop = lib.continuum_halt_poll_kick, lib.continuum_halt_poll_stop
+        self._kick.argtypes, self._kick.restype = [ctypes.c_void_p, ctypes.c_int64], None
+        self._stop.argtypes, self._stop.restype = [ctypes.c_void_p], None
+        self._loop = lib.continuum_halt_poll_run
+        self._loop.argtypes, self._loop.restype = [ctypes.c_void_p], None
+        self.refused: OSError | None = None
         self._thread = threading.Thread(target=self._run, name="halt-poll", daemon=True)
         self._thread.start()
 
+    @property
+    def native_id(self) -> int | None:
+        """The thread's kernel id (None before it starts)."""
+        return self._thread.native_id
+
+    @property
+    def sleeping(self) -> bool:
+        """Whether the thread waits for a `keep_warm` (else it spins, or is about to)."""
+        return bool(self._state.sleeping)
+
     def keep_warm(self, seconds: float) -> None:
-        """Spin until at least `seconds` from now (a later deadline already set stays).
-        Cheap while spinning (one store); wakes the thread otherwise (an Event set). A call
-        in the ~1 µs between the thread's last look at the deadline and its next wait is
-        missed: the next call starts it again."""
-        until = time.monotonic_ns() + int(seconds * 1e9)
-        if until > self._until.value:
-            self._until.value = until
-        if not self.spinning:
-            self._wake.set()
+        """Spin until at least `seconds` from now (a later deadline already set stays); wakes
+        the thread if it sleeps. ~1 µs (one ctypes call; a futex wake when asleep)."""
+        self._kick(self._address, time.monotonic_ns() + int(seconds * 1e9))
+
+    def stop(self, timeout: float | None = None) -> None:
+        """End the thread (it is a daemon: a process may also just exit)."""
+        self._stop(self._address)
+        self._thread.join(timeout)
 
     def _run(self) -> None:
         try:           # this thread only (Linux: pid 0 is the calling thread)
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         except (AttributeError, OSError) as e:     # spinning at normal priority would compete
+            self.refused = e
             logger.warning("halt polling off: SCHED_IDLE refused (%s)", e)
             return
-        while True:
-            self._wake.wait()
-            self._wake.clear()
-            self.spinning = True
-            while time.monotonic_ns() < self._until.value:   # moved while it returned
-                self._spin(self._address)
-            self.spinning = False
+        self._loop(self._address)
 
 
 def wanted(env: str | None = None, cpuinfo: str = "/proc/cpuinfo",
@@ -150,13 +211,12 @@ def halt_poll() -> HaltPoll | None:
         logger.debug("halt polling off: %s", why)
         return None
     try:
-        spin = ctypes.CDLL(str(build())).continuum_spin_until
+        lib = ctypes.CDLL(str(build()))
     except (OSError, subprocess.SubprocessError) as e:
         logger.warning("halt polling off: its helper did not build (%s)", e)
         return None
-    spin.argtypes, spin.restype = [ctypes.c_void_p], None
     logger.info("halt polling on: %s", why)
-    return HaltPoll(spin)
+    return HaltPoll(lib)
 
 
 def find_compiler() -> str | None:
@@ -180,7 +240,7 @@ def build() -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         src, out = Path(tmp) / "halt_poll.c", Path(tmp) / target.name
         src.write_text(SOURCE)
-        subprocess.run([compiler, "-O2", "-shared", "-fPIC", str(src), "-o", str(out)],
+        subprocess.run([compiler, "-O2", "-std=gnu11", "-shared", "-fPIC", str(src), "-o", str(out)],
                        check=True, capture_output=True, text=True, timeout=60)
         os.replace(out, target)            # atomic: a concurrent builder sees all or nothing
     return target

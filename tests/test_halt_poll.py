@@ -45,31 +45,32 @@ def _cpu_ticks(tid: int) -> int:
 
 
 @pytest.mark.skipif(find_compiler() is None, reason="the helper needs a C compiler")
-def test_the_thread_spins_at_idle_priority_until_its_deadline_then_blocks():
+def test_the_thread_spins_at_idle_priority_until_its_deadline_then_sleeps():
     import ctypes
 
-    spin = ctypes.CDLL(str(build())).continuum_spin_until
-    spin.argtypes, spin.restype = [ctypes.c_void_p], None
-    poll = HaltPoll(spin)
-    tid = poll._thread.native_id
-    deadline = time.monotonic() + 10
-    while os.sched_getscheduler(tid) != os.SCHED_IDLE and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert os.sched_getscheduler(tid) == os.SCHED_IDLE     # never ahead of a runnable thread
-    poll.keep_warm(0.3)
-    while not poll.spinning and time.monotonic() < deadline:
-        time.sleep(0.001)
-    assert poll.spinning
-    poll.keep_warm(0.001)                    # an earlier deadline does not cut the later one
-    time.sleep(0.1)
-    assert poll.spinning
-    while poll.spinning and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not poll.spinning                 # the deadline passed: it blocks
-    idle = _cpu_ticks(tid)
-    time.sleep(1.0)
-    assert _cpu_ticks(tid) - idle <= 0.05 * os.sysconf("SC_CLK_TCK")
-    poll.keep_warm(0.05)                     # and starts again when asked
-    while not poll.spinning and time.monotonic() < deadline:
-        time.sleep(0.001)
-    assert poll.spinning
+    poll = HaltPoll(ctypes.CDLL(str(build())))
+    try:
+        deadline = time.monotonic() + 10
+
+        def until(condition) -> bool:
+            while not condition() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            return condition()
+
+        assert until(lambda: poll.sleeping)  # nothing asked yet: it sleeps
+        tid = poll.native_id
+        assert os.sched_getscheduler(tid) == os.SCHED_IDLE   # never ahead of a runnable thread
+        poll.keep_warm(0.3)
+        assert until(lambda: not poll.sleeping)
+        poll.keep_warm(0.001)                # an earlier deadline does not cut the later one
+        time.sleep(0.1)
+        assert not poll.sleeping
+        assert until(lambda: poll.sleeping)  # the deadline passed: it sleeps
+        idle = _cpu_ticks(tid)
+        time.sleep(1.0)
+        assert _cpu_ticks(tid) - idle <= 0.05 * os.sysconf("SC_CLK_TCK")
+        poll.keep_warm(0.05)                 # and wakes when asked again
+        assert until(lambda: not poll.sleeping)
+    finally:
+        poll.stop(timeout=10)
+    assert not poll._thread.is_alive()

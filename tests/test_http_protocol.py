@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
-from api.http_protocol import BusyPoll, WriteCoalescer
+from api.http_protocol import IDLE_POLLS, BusyPoll, WriteCoalescer
 from engine.halt_poll import WINDOW_S
 
 
@@ -105,7 +105,8 @@ class Halt:
 def test_the_loop_polls_after_a_response_while_requests_follow_closely():
     """BusyPoll: no polling until a request follows a response within the window; then the
     loop polls (a callback re-queued every pass) until the window after the last response
-    ends; one late request keeps it polling, MISSES late ones in a row stop it."""
+    ends; one late request keeps it polling, MISSES late ones in a row stop it. The CPUs are
+    kept awake (HaltPoll) for a request the loop waited for, not one already queued."""
     async def main():
         loop, now, halt = asyncio.get_running_loop(), [0.0], Halt()
         poll = BusyPoll(loop, 1.0, clock=lambda: now[0], halt=halt)
@@ -142,6 +143,13 @@ def test_the_loop_polls_after_a_response_while_requests_follow_closely():
         poll.arrived()                      # close again: polling resumes
         poll.answered()
         assert poll.spinning and len(halt.windows) == 3
+        now[0] = 10.6
+        poll.arrived()                      # already waiting while the loop polls: a queue,
+        assert len(halt.windows) == 3       # not an idle wait, so the CPUs are busy anyway
+        poll.answered()
+        await passes(IDLE_POLLS)
+        poll.arrived()                      # waited for through IDLE_POLLS empty passes
+        assert len(halt.windows) == 4
         now[0] = 20.0
         await passes(2)
     asyncio.run(main())

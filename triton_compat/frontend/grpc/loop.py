@@ -268,7 +268,7 @@ class Server:
             while True:
                 event = self.cq.poll(0)
                 if event.completion_type != QUEUE_TIMEOUT:
-                    if self._halt is not None:
+                    if self._halt is not None and self.active <= 1:   # lone calls only
                         self._halt.keep_warm(WINDOW_S)
                     return event
                 if time.perf_counter() >= until:

@@ -39,7 +39,7 @@ import weakref
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as _HttpToolsProtocol
 
-from engine.halt_poll import WINDOW_S, HaltPoll, halt_poll
+from engine.halt_poll import IDLE_POLLS, WINDOW_S, HaltPoll, halt_poll
 
 
 class WriteCoalescer:
@@ -175,9 +175,6 @@ class BusyPoll:
 # Poll without blocking for this long (s) after a response while requests arrive closely:
 # see `BusyPoll`. 0.2 ms covers the p99 of a c1 client's turnaround measured with it on.
 SPIN_S = 200e-6
-# A request that arrives after this many empty loop passes (~3 µs each) was waited for: the
-# loop was idle, not behind on a queue of requests (see `BusyPoll.arrived`).
-IDLE_POLLS = 8
 _busy_polls: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # loop -> BusyPoll
 
 

@@ -48,6 +48,10 @@ ENV = "CONTINUUM_HALT_POLL"
 # How long (s) a request that follows another closely keeps the CPUs awake: its answer (a small
 # model's, ~0.3 ms on the 2-CPU host) and the client's turn to the next request.
 WINDOW_S = 1e-3
+# A request that arrives after its loop polled empty this many times (a few µs each) was waited
+# for: the loop was idle, not behind on a queue of requests, so the CPUs may halt meanwhile.
+# Only such requests start a window (concurrent load keeps the CPUs busy by itself).
+IDLE_POLLS = 8
 SOURCE = r"""
 #include <linux/futex.h>
 #include <stdatomic.h>

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
-from api.http_protocol import IDLE_POLLS, BusyPoll, WriteCoalescer
-from engine.halt_poll import WINDOW_S
+from api.http_protocol import BusyPoll, WriteCoalescer
+from engine.halt_poll import IDLE_POLLS, WINDOW_S
 
 
 class Transport:

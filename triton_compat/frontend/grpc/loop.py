@@ -42,7 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from grpc._cython import cygrpc
 
-from engine.halt_poll import WINDOW_S, halt_poll
+from engine.halt_poll import IDLE_POLLS, WINDOW_S, halt_poll
 
 logger = logging.getLogger("continuum.triton.grpc")
 
@@ -264,13 +264,14 @@ class Server:
         if self._soon:
             return self.cq.poll(0)
         if self._spin:
-            until = time.perf_counter() + SPIN_S
+            until, polls = time.perf_counter() + SPIN_S, 0
             while True:
                 event = self.cq.poll(0)
                 if event.completion_type != QUEUE_TIMEOUT:
-                    if self._halt is not None and self.active <= 1:   # lone calls only
+                    if self._halt is not None and polls >= IDLE_POLLS:   # waited for
                         self._halt.keep_warm(WINDOW_S)
                     return event
+                polls += 1
                 if time.perf_counter() >= until:
                     break
             self._spin = False           # a pause in the traffic: block until it resumes

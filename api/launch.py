@@ -26,6 +26,7 @@ def build_server(config, engine_conn=None, index: int = 0, started: tuple | None
     from api.server import ServerState, build_app, protocol_route
 
     from api.network import uvicorn_kwargs, with_cors
+    from engine.halt_poll import halt_poll
 
     lifecycle = Lifecycle(config.shutdown_timeout)
     state = ServerState(config, lifecycle=lifecycle, engine_conn=engine_conn,
@@ -33,6 +34,8 @@ def build_server(config, engine_conn=None, index: int = 0, started: tuple | None
     net = config.network
     app = with_cors(build_app(state), net)
     route = protocol_route(state)
+    if route:                      # built and started now, not on the first v2 connection
+        halt_poll()
     uv_config = uvicorn.Config(app, host=config.host,
                                port=config.port, log_level=config.uvicorn_log_level,
                                timeout_graceful_shutdown=5,

@@ -184,10 +184,11 @@ def wanted(env: str | None = None, cpuinfo: str = "/proc/cpuinfo",
         raise ValueError(f"{ENV} must be 0, 1 or auto, not {env!r}")
     if env != "auto":
         return env == "1", f"{ENV}={env}"
-    if len(os.sched_getaffinity(0)) < 2:
-        return False, "one CPU: nothing else to keep awake"
+    if not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2:
+        return False, "one CPU (or not Linux): nothing else to keep awake"
     try:
-        flags = next((line for line in open(cpuinfo) if line.startswith("flags")), "").split()
+        with open(cpuinfo) as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
     except OSError:
         flags = []
     if "hypervisor" not in flags:

@@ -141,7 +141,6 @@ class HaltPoll:
         self._stop.argtypes, self._stop.restype = [ctypes.c_void_p], None
         self._loop = lib.continuum_halt_poll_run
         self._loop.argtypes, self._loop.restype = [ctypes.c_void_p], None
-        self.refused: OSError | None = None
         self._thread = threading.Thread(target=self._run, name="halt-poll", daemon=True)
         self._thread.start()
 
@@ -169,7 +168,6 @@ class HaltPoll:
         try:           # this thread only (Linux: pid 0 is the calling thread)
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         except (AttributeError, OSError) as e:     # spinning at normal priority would compete
-            self.refused = e
             logger.warning("halt polling off: SCHED_IDLE refused (%s)", e)
             return
         self._loop(self._address)
@@ -225,7 +223,8 @@ def halt_poll() -> HaltPoll | None:
 
 
 def find_compiler() -> str | None:
-    """`$CC`, else `cc` or `gcc` on the PATH, else None (as engine/kernels finds it)."""
+    """`$CC`, else `cc` or `gcc` on the PATH, else None: the compiler of every C helper
+    (engine/kernels re-exports it; this module imports no torch)."""
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 

@@ -26,7 +26,6 @@ import hashlib
 import logging
 import os
 import platform
-import shutil
 import subprocess
 import tempfile
 import time
@@ -35,6 +34,8 @@ from functools import lru_cache
 from pathlib import Path
 
 import torch
+
+from engine.halt_poll import find_compiler  # noqa: F401 -- one definition, without torch
 
 logger = logging.getLogger(__name__)
 
@@ -149,11 +150,6 @@ def _compile_units(compiler: str, flags: list[str], tmp: Path) -> list[Path]:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     with ThreadPoolExecutor(max_workers=cpus or 1) as pool:
         return list(pool.map(compile_one, range(len(UNITS))))
-
-
-def find_compiler() -> str | None:
-    """`$CC`, else `cc` or `gcc` on the PATH, else None."""
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
 class CpuKernels:

@@ -223,6 +223,29 @@ def test_a_burst_of_calls_to_a_cheap_model_runs_in_batches(v2_servers, client):
     assert calls == 92 and executions < 92, executions      # 20 alone, 72 in bursts
 
 
+def test_a_burst_past_grpcs_pending_call_limits_is_answered_in_full(v2_servers, client):
+    """3,500 calls at once on one channel (a load generator at high concurrency): every call
+    gets its own answer. grpcio's server drops calls it holds unrequested past 1,000 at random
+    and past 3,000 always (CANCELLED) unless told otherwise; tritonserver 2.51 answers all."""
+    async def burst():
+        c = grpcaio.InferenceServerClient(v2_servers["main"][1])
+        try:
+            async def one(i):
+                a = np.full((1, 16), i, np.int32)
+                r = await c.infer("simple", simple_inputs(a, B, grpcaio))
+                return int(r.as_numpy("OUTPUT0")[0, 0]) - 3
+            return await asyncio.gather(*[one(i) for i in range(3500)],
+                                        return_exceptions=True)
+        finally:
+            await c.close()
+
+    results = asyncio.run(burst())
+    failed = [r for r in results if isinstance(r, Exception)]
+    assert not failed, (len(failed), str(failed[0])[:200])
+    assert results == list(range(3500))
+    alive(client)
+
+
 def test_many_clients_at_once_each_get_their_own_answers(v2_servers):
     """8 clients, each on its own channel, 40 requests each with its own inputs, all at once:
     every answer is the sum and difference of that request's inputs (the completion-queue

@@ -17,6 +17,10 @@ MAX_MESSAGE_BYTES = 2**31 - 1          # Triton's default: INT32_MAX both ways
 # Threads for the RPCs that may block (control plane) and for streams: each stream holds one
 # while it is open. ModelInfer needs none.
 WORKERS = 128
+# Calls C-core holds before the loop has asked for them (a burst): grpcio drops calls past 1,000
+# at random and every call past 3,000 (CANCELLED at the client) by default; tritonserver 2.51
+# takes them all and leaves the bound to the model's queue policy (`max_queue_size`).
+MAX_PENDING_CALLS = 2**31 - 1
 
 
 def start(ctx: V2Context, address: str, port: int, credentials=None) -> Server:
@@ -28,7 +32,10 @@ def start(ctx: V2Context, address: str, port: int, credentials=None) -> Server:
                     service.fast, options=[
                         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                        ("grpc.so_reuseport", 0)], workers=WORKERS)
+                        ("grpc.so_reuseport", 0),
+                        ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+                        ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS)],
+                    workers=WORKERS)
     service.later, service.busy = server, server.busy    # batch a burst (Server.call_soon)
     try:
         bound = (server.add_secure_port(f"{address}:{port}", credentials)

@@ -2,10 +2,10 @@
 
 Data flow: the HTTP route hands a decoded request to `ModelRuntime.submit`, which validates it
 against the config (Triton's error texts), queues it and returns a `concurrent.futures.Future`.
-One batcher thread per model holds the lock, asks `scheduler.dynamic_batcher.decide` for a
-batch whenever an instance is idle (or a timeout or the queue delay expires), and hands the
-batch to that instance's worker thread; the worker executes it on the backend, records the
-statistics, resolves each request's future with its outputs or its own error, and then runs
+One batcher thread per model holds the lock, asks its `scheduler.dynamic_batcher.RequestQueue`
+to `decide` a batch whenever an instance is idle (or a timeout or the queue delay expires), and
+hands the batch to that instance's worker thread; the worker executes it on the backend, records
+the statistics, resolves each request's future with its outputs or its own error, and then runs
 the next batch the batcher would dispatch at once itself (no batcher wake-up between batches).
 `instance_group` count N = N instances = N batches in flight. With `preserve_ordering`, the
 futures of a batch are resolved only after those of every earlier batch.
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from scheduler.dynamic_batcher import Pending, QueueFullError, RequestQueue, decide
+from scheduler.dynamic_batcher import Pending, QueueFullError, RequestQueue
 from scheduler.futures import Resolved, settle
 from triton_compat.core import batch_strategy, pb_types
 from triton_compat.core.backends import BackendRequest
@@ -255,7 +255,7 @@ class ModelRuntime:
         with self.cond:
             if self.stopping:
                 raise InferError(f"model '{self.config.name}' is being unloaded", 503)
-            if inline and self._lone_at_once and self.idle and not self.queue.items:
+            if inline and self._lone_at_once and self.idle and not self.queue:
                 # answered before this call returns (with preserve_ordering, only once every
                 # earlier batch is: a Future there): never cancelled, never in `inflight`
                 future = queued.future = Future() if self.preserve else Resolved()
@@ -277,7 +277,7 @@ class ModelRuntime:
                 job = self._claim_ready(now)
             if job and not inline:
                 self.pool.submit(self._work, *job)
-            if not job or self.queue.items:
+            if not job or self.queue:
                 self.cond.notify()
         if job and inline:                # run the batch on this thread
             self._execute(*job)
@@ -293,7 +293,7 @@ class ModelRuntime:
                 self._drain_pending = False
                 job = None if self.inline_banned else self._claim_ready(_now_us())
                 if job is None:
-                    if self.queue.items:
+                    if self.queue:
                         self.cond.notify()
                     return
             self._execute(*job)
@@ -347,7 +347,7 @@ class ModelRuntime:
 
     def _loop(self) -> None:
         with self.cond:
-            while not (self.stopping and not self.queue.items):
+            while not (self.stopping and not self.queue):
                 decision = self._decide(_now_us())
                 self.queue.remove(decision.rejected)
                 for p in decision.rejected:
@@ -358,16 +358,16 @@ class ModelRuntime:
                     self._dispatch(decision.batch)
                     continue
                 if decision.batch:           # a batch is ready but every instance is busy
-                    deadlines = [p.deadline_us for p in self.queue.items if p.deadline_us]
-                    wait = min(deadlines) - _now_us() if deadlines else None
+                    deadline = self.queue.next_deadline_us()
+                    wait = None if deadline is None else deadline - _now_us()
                 self.cond.wait(None if wait is None else max(wait, 0) / 1e6)
 
     def _decide(self, now_us: int):
         """`decide` on the queue, with the model's custom batching rule if it has one."""
         if self.strategy is None:
-            return decide(self.queue.items, now_us, self.batcher)
+            return self.queue.decide(now_us)
         with self.strategy.batch() as include:
-            return decide(self.queue.items, now_us, self.batcher, include)
+            return self.queue.decide(now_us, include)
 
     def _claim(self, batch: list[Pending]) -> tuple:
         """(idle instance, batch, batch sequence number) for `_execute`. Caller holds the
@@ -442,7 +442,7 @@ class ModelRuntime:
                 while self._release_seq in self._done:
                     ready += self._done.pop(self._release_seq)
                     self._release_seq += 1
-            if chain and self.queue.items:
+            if chain and self.queue:
                 job = self._claim_ready(_now_us())
             if self._waiting_work() or self.stopping:   # the batcher has work; or close()
                 self.cond.notify_all()                    # waits for the last execution
@@ -455,7 +455,7 @@ class ModelRuntime:
     def _waiting_work(self) -> bool:
         """Whether requests wait for an instance (then `_complete` wakes the batcher thread;
         else waking it costs a thread switch per request and finds nothing to do)."""
-        return bool(self.queue.items)
+        return bool(self.queue)
 
     def _fail(self, p: Pending, error: InferError) -> None:
         self.stats.record_failure(time.perf_counter_ns() - p.key.enqueued_ns)

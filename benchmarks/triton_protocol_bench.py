@@ -1,8 +1,8 @@
 """KServe v2 protocol benchmark: Continuum vs Triton 2.51 on the same python models, measured
 by Triton's own load generator, perf_analyzer 2.51, one server after the other in one run.
 
-Models (python backend in both servers, same files): `simple` (Triton's add/sub, INT32 [16])
-and `content_type` (magika's ONNX classifier run by onnxruntime inside a python model,
+Models (python backend in both servers, same files): `simple` (Triton's add/sub, INT32 [16]),
+`simple_dyn` (the same with a dynamic batcher and a 100 µs queue delay) and `content_type` (magika's ONNX classifier run by onnxruntime inside a python model,
 benchmarks/triton_models/onnx_model.py, INT32 [2048] → FP32 [214]). Modes: HTTP with JSON
 tensors, HTTP binary, gRPC, gRPC + system shared memory; concurrency 1 / 4 / 16. Both servers
 run at once and each point is measured on one, then the other, `--repeats` rounds (default 3)
@@ -58,8 +58,14 @@ parameters { key: "onnx_path" value { string_value: "%s" } }
 
 
 def build_repository(root: Path) -> None:
-    """`simple` (the example, copied) and `content_type` as a python model over the ONNX file."""
+    """`simple` (the example, copied), `simple_dyn` (the same with Triton's dynamic batcher,
+    `max_queue_delay_microseconds: 100`) and `content_type` as a python model over the ONNX
+    file."""
     shutil.copytree(EXAMPLES / "simple", root / "simple")
+    shutil.copytree(EXAMPLES / "simple", root / "simple_dyn")
+    config = root / "simple_dyn" / "config.pbtxt"
+    config.write_text(config.read_text().replace('name: "simple"', 'name: "simple_dyn"')
+                      + "\ndynamic_batching { max_queue_delay_microseconds: 100 }\n")
     onnx = magika_onnx()
     (root / "content_type" / "1").mkdir(parents=True)
     shutil.copy(ROOT / "benchmarks" / "triton_models" / "onnx_model.py",

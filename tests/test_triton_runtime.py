@@ -321,6 +321,53 @@ def test_only_a_model_cheaper_than_a_thread_hop_runs_on_the_event_loop(tmp_path,
         repo.close()
 
 
+def test_a_cheap_batching_models_batches_run_on_the_event_loop(tmp_path, monkeypatch):
+    """A cheap model with a dynamic batcher and a queue delay: once timed, its batches run on
+    the event loop that received the requests — a burst's batches, and a lone request that
+    waits out the queue delay there — never handed to the batcher and a worker thread (two
+    thread wake-ups and the GIL passed a batch: half `simple`'s rate at perf_analyzer c16).
+    INLINE_MAX_US raised as in the test above: the mechanism, not the host's speed."""
+    import asyncio
+
+    from triton_compat.core import runtime
+    from triton_compat.frontend.infer import InferRequest, run
+    from triton_compat.frontend.shared_memory import SharedMemoryManager
+
+    monkeypatch.setattr(runtime, "INLINE_MAX_US", 5000.0)
+    seq_model(tmp_path, "m", "max_batch_size: 8 "
+              "dynamic_batching { max_queue_delay_microseconds: 800 }")
+    repo, shm = ModelRepository(tmp_path), SharedMemoryManager()
+    rt = repo.runtime("m")
+    handed_off = []
+    submit = rt.pool.submit
+    rt.pool.submit = lambda *args: handed_off.append(1) or submit(*args)
+
+    async def infer(value: int, busy: bool) -> int:
+        _, outputs = await run(repo, shm, InferRequest(
+            "m", "", "", {"IN": np.array([[value]], dtype=np.int32)}, {"IN": "INT32"}, None),
+            busy=lambda: busy)
+        return int(next(t.array for t in outputs if t.name == "OUT")[0, 0])
+
+    async def scenario():
+        for v in range(50):                          # timed first (a worker thread runs it)
+            if rt.runs_inline:
+                break
+            assert await infer(v, False) == v
+        assert rt.runs_inline
+        before, executions = len(handed_off), rt.stats.execution_count
+        assert await asyncio.gather(*[infer(v, True) for v in range(24)]) == list(range(24))
+        assert rt.stats.execution_count - executions == 3        # 3 batches of 8
+        start = time.perf_counter()
+        assert await infer(5, False) == 5            # alone: waits out the delay, on the loop
+        assert time.perf_counter() - start >= 800e-6
+        assert len(handed_off) == before
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        repo.close()
+
+
 @pytest.mark.parametrize("delay_us", [0, 300_000])
 def test_requests_queued_behind_a_busy_instance_run_next_as_one_batch(tmp_path, delay_us):
     """When an execution ends, the requests queued behind it run next, batched, on the

@@ -41,9 +41,12 @@ VALID_CACHE_SIZE = 256      # request shapes whose checks `_validate` remembers
 # is not an iterative sequence model
 RESCHEDULE_REFUSED = ("Request is released with TRITONSERVER_REQUEST_RELEASE_RESCHEDULE, while "
                       "the model is not configured to handle such a flag.")
-# A model whose executions average at most this (wall time, µs) runs on the event loop when an
-# instance is idle: handing it to a worker thread and the result back costs more (measured on
-# `simple`: two thread hand-offs ≈ 100–150 µs of latency against ≈ 30 µs of execute).
+# A model whose executions average at most this (wall time, µs, per request in the batch) runs
+# on the event loop when an instance is idle: handing it to a worker thread and the result back
+# costs more (measured on `simple`: two thread hand-offs ≈ 100–150 µs of latency against ≈ 30 µs
+# of execute). Per request, since a batch of a cheap model is still cheaper run there: `simple`
+# with dynamic batching takes ~290 µs a batch of 4-8 at perf_analyzer c16, and counting the
+# batch against this bound put every batch on a worker thread at half the rate.
 INLINE_MAX_US = 200.0
 EXEC_EWMA_WEIGHT = 0.2       # weight of the newest execution in `exec_us`
 # A model two of whose executions within INLINE_BAN_WINDOW took this long (µs) never runs on
@@ -53,6 +56,10 @@ EXEC_EWMA_WEIGHT = 0.2       # weight of the newest execution in `exec_us`
 # and banning it for one halved `simple`'s throughput for good.
 INLINE_BAN_US = 5_000.0
 INLINE_BAN_WINDOW = 100      # executions
+# A cheap model's batch that must wait at most this long (µs: its queue delay, or its instance
+# busy on another thread) keeps waiting on the event loop that queued it (`_drain`), so that it
+# runs there too; longer waits go to the batcher thread.
+LOOP_WAIT_US = 1_000
 
 
 def _trace_queued(request: BackendRequest, datatypes: dict[str, str]) -> None:
@@ -160,10 +167,11 @@ class ModelRuntime:
         self._batch_seq = self._release_seq = 0      # batches dispatched / released in order
         self._done: dict[int, list] = {}             # preserve_ordering: finished, not released
         self.stopping = False
-        self.exec_us: float | None = None     # moving average of execute wall time, µs
+        self.exec_us: float | None = None     # moving average of execute time a request, µs
         self.inline_banned = False            # two executions took over INLINE_BAN_US
         self._slow_at = -INLINE_BAN_WINDOW - 1   # stats.execution_count at the last slow one
-        self._drain_pending = False           # a `_drain` is queued on the event loop
+        self._drain_pending = False           # a `_drain` is queued on an event loop ...
+        self._drain_loop = None               # ... this one (its `call_soon`)
         self.inflight: set[Future] = set()    # futures of requests not answered yet
         self._valid: dict[tuple, tuple] = {}  # `_validate`'s answers by request shape
         self.thread = threading.Thread(target=self._loop, name=f"batcher-{config.name}",
@@ -174,9 +182,9 @@ class ModelRuntime:
     def runs_inline(self) -> bool:
         """Whether an event-loop caller should pass `submit(inline=True)`: the model is not
         decoupled (its execute may send responses over time), has run, its executions average
-        at most INLINE_MAX_US and no two within INLINE_BAN_WINDOW took INLINE_BAN_US. False
-        until the first execution has been timed, so a slow model never blocks the loop by
-        default."""
+        at most INLINE_MAX_US a request and no two within INLINE_BAN_WINDOW took
+        INLINE_BAN_US. False until the first execution has been timed, so a slow model never
+        blocks the loop by default."""
         return self.exec_us is not None and self.exec_us <= INLINE_MAX_US and \
             not self.decoupled and not self.inline_banned
 
@@ -237,9 +245,11 @@ class ModelRuntime:
         is idle: the future is then resolved on return, with no hand-off to the instance's
         thread. For a thread that may block (a gRPC worker), or the event loop when
         `runs_inline` says the model is cheap and the request is alone.
-        `defer`: the event loop, when the model is cheap but other requests are arriving: the
-        batch runs on the loop at the end of this pass (`_drain`), so the requests that
-        arrived together queue first and run as one batch, as Triton's batcher forms them.
+        `defer`: the event loop, for a cheap model with a dynamic batcher: without `inline`
+        (other requests are arriving) the batch runs on the loop at the end of this pass
+        (`_drain`), so the requests that arrived together queue first and run as one batch,
+        as Triton's batcher forms them; with `inline`, a batch that cannot run at once waits
+        on the loop the same way.
         Raises InferError: 400 for a bad request or priority, 503 when the queue is full or
         the model is being unloaded."""
         batch_size, shape_key = self._validate(request, datatypes)
@@ -269,12 +279,12 @@ class ModelRuntime:
                 except QueueFullError as e:   # not a failure in Triton's statistics
                     raise InferError(f"[request id: {request.id or '<id_unknown>'}] {e}",
                                      503) from None
-                if defer is not None:     # at the end of this loop pass, in one batch
+                job = None if defer is not None and not inline else self._claim_ready(now)
+                if job is None and defer is not None:   # at the end of this loop pass
                     if not self._drain_pending:
-                        self._drain_pending = True
+                        self._drain_pending, self._drain_loop = True, defer
                         defer.call_soon(self._drain)
                     return future
-                job = self._claim_ready(now)
             if job and not inline:
                 self.pool.submit(self._work, *job)
             if not job or self.queue:
@@ -286,17 +296,42 @@ class ModelRuntime:
     def _drain(self) -> None:
         """On the event loop, at the end of a pass: run the batches the requests of the pass
         form, one after the other while they are ready and an instance is idle (a model
-        without dynamic batching runs them one per execution); the batcher thread takes
-        what is left (a queue delay to wait out, every instance busy)."""
+        without dynamic batching runs them one per execution). A batch that must wait up to
+        LOOP_WAIT_US (its queue delay; its instance finishing a batch on another thread)
+        waits here, the drain queued again for the end of the next pass: it then runs on this
+        loop, as the requests after it will (the batcher thread and the worker chain leave
+        the queue to a pending drain). Handing each batch to them instead costs two thread
+        wake-ups and the GIL passed back and forth a batch: that halved `simple`'s rate
+        with dynamic batching at perf_analyzer c16. The batcher thread takes longer waits."""
         while True:
             with self.cond:
-                self._drain_pending = False
-                job = None if self.inline_banned else self._claim_ready(_now_us())
+                job, stay = self._loop_job(_now_us())
                 if job is None:
+                    if stay:
+                        self._drain_loop.call_soon(self._drain)
+                        return
+                    self._drain_pending = False
                     if self.queue:
                         self.cond.notify()
                     return
             self._execute(*job)
+
+    def _loop_job(self, now_us: int) -> tuple[tuple | None, bool]:
+        """`_drain`'s step: (the batch to run now, claimed, or None; whether to wait on the
+        loop for it). Caller holds the lock."""
+        if self.inline_banned:
+            return None, False
+        may_wait = self.runs_inline and not self.stopping
+        if not self.idle:                     # another thread ends a (cheap) batch
+            return None, may_wait and bool(self.queue)
+        decision = self._decide(now_us)
+        if decision.rejected:                 # the batcher thread answers them
+            return None, False
+        if decision.batch:
+            self.queue.remove(decision.batch)
+            return self._claim(decision.batch), False
+        return None, may_wait and decision.wait_us is not None and \
+            decision.wait_us <= LOOP_WAIT_US
 
     def _validate(self, request: BackendRequest,
                   datatypes: dict[str, str] | None) -> tuple[int, tuple]:
@@ -353,11 +388,12 @@ class ModelRuntime:
                 for p in decision.rejected:
                     self._fail(p, InferError("Request timeout expired", 503))
                 wait = decision.wait_us
-                if decision.batch and self.idle:
+                owned = self._drain_pending and not self.stopping    # a loop runs them
+                if decision.batch and self.idle and not owned:
                     self.queue.remove(decision.batch)
                     self._dispatch(decision.batch)
                     continue
-                if decision.batch:           # a batch is ready but every instance is busy
+                if decision.batch or owned:  # every instance busy, or a loop's drain
                     deadline = self.queue.next_deadline_us()
                     wait = None if deadline is None else deadline - _now_us()
                 self.cond.wait(None if wait is None else max(wait, 0) / 1e6)
@@ -417,8 +453,9 @@ class ModelRuntime:
         self.stats.record_execution([j.enqueued_ns for j in jobs],
                                     [p.batch_size for p in batch], results, start, end, times)
         took = (end - start) / 1000
-        self.exec_us = took if self.exec_us is None else \
-            self.exec_us + EXEC_EWMA_WEIGHT * (took - self.exec_us)
+        each = took / len(batch)
+        self.exec_us = each if self.exec_us is None else \
+            self.exec_us + EXEC_EWMA_WEIGHT * (each - self.exec_us)
         if took > INLINE_BAN_US:                   # counted just above, in record_execution
             count = self.stats.execution_count
             if count - self._slow_at <= INLINE_BAN_WINDOW:
@@ -442,7 +479,7 @@ class ModelRuntime:
                 while self._release_seq in self._done:
                     ready += self._done.pop(self._release_seq)
                     self._release_seq += 1
-            if chain and self.queue:
+            if chain and self.queue and not self._drain_pending:
                 job = self._claim_ready(_now_us())
             if self._waiting_work() or self.stopping:   # the batcher has work; or close()
                 self.cond.notify_all()                    # waits for the last execution
@@ -455,7 +492,7 @@ class ModelRuntime:
     def _waiting_work(self) -> bool:
         """Whether requests wait for an instance (then `_complete` wakes the batcher thread;
         else waking it costs a thread switch per request and finds nothing to do)."""
-        return bool(self.queue)
+        return bool(self.queue) and not self._drain_pending
 
     def _fail(self, p: Pending, error: InferError) -> None:
         self.stats.record_failure(time.perf_counter_ns() - p.key.enqueued_ns)

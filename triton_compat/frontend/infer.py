@@ -152,8 +152,8 @@ class Inference:
     """One inference in flight: shared-memory regions held, the request submitted to its
     model's runtime (`future`; `inline` as `ModelRuntime.submit`, None: a loop thread, which
     runs a cheap model (`runs_inline`) at once, or, when the model has a dynamic batcher and
-    `busy()`, at the end of its pass: `later.call_soon`, by default the running asyncio
-    loop's); `runtime`: the model's, when the caller has looked it up. `finish(outputs)`
+    `busy()` or its batch must wait, at the end of a pass: `later.call_soon`, by default the
+    running asyncio loop's); `runtime`: the model's, when the caller has looked it up. `finish(outputs)`
     builds the response outputs; `release()` gives the regions back (always, in a
     `finally`).
 
@@ -171,10 +171,11 @@ class Inference:
         defer = None
         if inline is None:                  # a loop thread: only a model cheaper than a hop
             inline = self.rt.runs_inline
-            # others arriving to a model with a dynamic batcher: let them queue, one batch.
-            # Without one (Triton's default scheduler) each runs alone anyway: run it now.
-            if inline and self.rt.batcher.dynamic and busy is not None and busy():
-                inline, defer = False, later or asyncio.get_running_loop()
+            # a model with a dynamic batcher runs its batches on this loop (ModelRuntime.
+            # _drain), and lets others arriving queue first: one batch. Without one (Triton's
+            # default scheduler) each runs alone anyway: run it now.
+            if inline and self.rt.batcher.dynamic and busy is not None:
+                inline, defer = not busy(), later or asyncio.get_running_loop()
         self.shm, self.request, self.held, self.trace = shm, request, [], trace
         try:
             inputs = {}

@@ -321,16 +321,13 @@ class ModelRuntime:
         loop for it). Caller holds the lock."""
         if self.inline_banned:
             return None, False
-        may_wait = self.runs_inline and not self.stopping
-        if not self.idle:                     # another thread ends a (cheap) batch
-            return None, may_wait and bool(self.queue)
-        decision = self._decide(now_us)
-        if decision.rejected:                 # the batcher thread answers them
-            return None, False
-        if decision.batch:
-            self.queue.remove(decision.batch)
-            return self._claim(decision.batch), False
-        return None, may_wait and decision.wait_us is not None and \
+        job, decision = self._ready(now_us)
+        if job is not None or not self.runs_inline or self.stopping:
+            return job, False
+        if decision is None:                  # another thread ends a (cheap) batch
+            return None, bool(self.queue)
+        # timed-out requests: the batcher thread answers them
+        return None, not decision.rejected and decision.wait_us is not None and \
             decision.wait_us <= LOOP_WAIT_US
 
     def _validate(self, request: BackendRequest,
@@ -372,13 +369,18 @@ class ModelRuntime:
         (`_claim`'s tuple); else None and the batcher thread decides. The same decision the
         batcher thread would take, minus waking it (one thread hand-off saved). Caller holds
         the lock."""
+        return self._ready(now_us)[0]
+
+    def _ready(self, now_us: int) -> tuple:
+        """`_claim_ready`'s answer and the decision behind it: (the claimed job or None, the
+        `Decision`, None when no instance is idle). Caller holds the lock."""
         if not self.idle:
-            return None
+            return None, None
         decision = self._decide(now_us)
         if not decision.batch or decision.rejected:
-            return None
+            return None, decision
         self.queue.remove(decision.batch)
-        return self._claim(decision.batch)
+        return self._claim(decision.batch), decision
 
     def _loop(self) -> None:
         with self.cond:

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # Runs the CLI in this interpreter and prints which heavy modules were loaded when it exited.
@@ -47,7 +49,9 @@ def test_bad_flag_is_refused_before_torch_loads(flags, words):
 
 @pytest.mark.skipif(Path("/dev/nvidia0").exists(), reason="a GPU is here: --device cuda starts")
 def test_a_device_check_loads_torch_and_still_answers_in_one_line():
-    r = subprocess.run([sys.executable, "-m", "api", "serve", "--device", "cuda"], cwd=ROOT,
+    # A free --port: the default 8000 may be held by a server the user runs beside the tests.
+    r = subprocess.run([sys.executable, "-m", "api", "serve", "--device", "cuda",
+                        "--port", str(free_port())], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()

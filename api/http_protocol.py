@@ -40,6 +40,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as _HttpToolsProtocol
 
 from engine.halt_poll import IDLE_POLLS, WINDOW_S, HaltPoll, halt_poll
+from engine.log_config import access_logged
 
 
 class WriteCoalescer:
@@ -203,11 +204,13 @@ class _FastCycle:
     request itself (`HttpToolsProtocol.route`): not complete, so a pipelined request queues
     behind it as behind any other; `disconnected` and `keep_alive` as uvicorn sets them."""
 
-    __slots__ = ("response_complete", "disconnected", "keep_alive", "message_event", "path")
+    __slots__ = ("response_complete", "disconnected", "keep_alive", "message_event", "path",
+                 "logged")
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, url: bytes) -> None:
         self.response_complete, self.disconnected, self.keep_alive = False, False, True
-        self.path = path                     # for the access log
+        self.path = url.decode("latin-1")    # for the access log
+        self.logged = access_logged(url)     # whether it gets a line there
         self.message_event = self           # connection_lost calls message_event.set()
 
     def set(self) -> None:
@@ -233,11 +236,13 @@ class HttpToolsProtocol(_HttpToolsProtocol):
         is answered by `route.answer(claim, body)` — (status, body, headers)
         or a coroutine giving them — written here: no ASGI scope, task or middleware; at once
         when `route.answers_now(claim)`, else at the end of the event-loop pass. The access
-        log (`--uvicorn-log-level info`, the default) gets uvicorn's line for it."""
+        log (`--uvicorn-log-level info`, the default) gets uvicorn's line for it where
+        `access_logged` says a v2 request gets one (`--log-verbose 1`)."""
         return type(cls.__name__, (cls,), {"route": route})
 
     def on_headers_complete(self) -> None:
-        """Claimed by `route`: its body is collected here; else uvicorn's ASGI cycle."""
+        """Claimed by `route`: its body is collected here; else uvicorn's ASGI cycle, with
+        an access line where `access_logged` says so (not for the v2 routes by default)."""
         route = self.route
         if (route is not None and not self.pipeline
                 and (self.cycle is None or self.cycle.response_complete)
@@ -247,9 +252,12 @@ class HttpToolsProtocol(_HttpToolsProtocol):
             claim = route.claim(self.url, self.headers)
             if claim is not None:
                 self._claim, self._body = claim, []
-                self.cycle = _FastCycle(self.url.decode("latin-1"))   # type: ignore
+                self.cycle = _FastCycle(self.url)   # type: ignore
                 return
+        before = self.cycle
         super().on_headers_complete()
+        if self.access_log and self.cycle is not before and not access_logged(self.url):
+            self.cycle.access_log = False
 
     def on_body(self, body: bytes) -> None:
         if self._claim is not None:
@@ -297,7 +305,7 @@ class HttpToolsProtocol(_HttpToolsProtocol):
             head += (name, b": ", value, b"\r\n")
         head += (b"\r\n", body)
         self.transport.write_now(b"".join(head))
-        if self.access_log:                  # uvicorn's access line, as its cycle logs it
+        if self.access_log and cycle.logged:   # uvicorn's access line, as its cycle logs it
             self.access_logger.info('%s - "%s %s HTTP/%s" %d', "%s:%d" % self.client
                                     if self.client else "", "POST", cycle.path, "1.1", status)
         cycle.response_complete = True

@@ -74,12 +74,13 @@ def build_repository(root: Path) -> None:
 
 
 def start_continuum(repo: Path, log) -> tuple:
-    """`continuum serve --no-llm` on `repo` with client shared memory: (process, HTTP port,
-    gRPC port)."""
+    """`continuum serve --no-llm` on `repo` with client shared memory, otherwise at its
+    defaults as a user starts it (the v2 routes write no access lines, as tritonserver):
+    (process, HTTP port, gRPC port)."""
     http, grpc = free_port(), free_port()
     proc = launch([sys.executable, "-m", "api", "serve", "--no-llm", "--model-repository",
                    str(repo), "--port", str(http), "--grpc-port", str(grpc),
-                   "--allow-client-shm", "--uvicorn-log-level", "warning"], log)
+                   "--allow-client-shm"], log)
     return proc, http, grpc
 
 

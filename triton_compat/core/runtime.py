@@ -1,14 +1,16 @@
 """One loaded model version: request validation, its queue and batcher thread, its instances.
 
-Data flow: the HTTP route hands a decoded request to `ModelRuntime.submit`, which validates it
+Data flow: a front end hands a decoded request to `ModelRuntime.submit`, which validates it
 against the config (Triton's error texts), queues it and returns a `concurrent.futures.Future`.
 One batcher thread per model holds the lock, asks its `scheduler.dynamic_batcher.RequestQueue`
 to `decide` a batch whenever an instance is idle (or a timeout or the queue delay expires), and
 hands the batch to that instance's worker thread; the worker executes it on the backend, records
 the statistics, resolves each request's future with its outputs or its own error, and then runs
 the next batch the batcher would dispatch at once itself (no batcher wake-up between batches).
-`instance_group` count N = N instances = N batches in flight. With `preserve_ordering`, the
-futures of a batch are resolved only after those of every earlier batch.
+A model cheaper than a thread hand-off (`runs_inline`) runs on the event loop that received
+its requests instead: at once when alone, else its batches at the end of the loop's pass
+(`_drain`). `instance_group` count N = N instances = N batches in flight. With
+`preserve_ordering`, the futures of a batch are resolved only after those of every earlier batch.
 """
 
 from __future__ import annotations
@@ -60,34 +62,6 @@ INLINE_BAN_WINDOW = 100      # executions
 # busy on another thread) keeps waiting on the event loop that queued it (`_drain`), so that it
 # runs there too; longer waits go to the batcher thread.
 LOOP_WAIT_US = 1_000
-
-
-def _trace_queued(request: BackendRequest, datatypes: dict[str, str]) -> None:
-    """QUEUE_START, and the inputs at TENSORS level (TENSOR_QUEUE_INPUT; `datatypes`: the
-    request's wire datatypes)."""
-    trace = request.trace
-    trace.mark("QUEUE_START")
-    if trace.tensors:
-        for name, array in request.inputs.items():
-            trace.tensor("TENSOR_QUEUE_INPUT", name, array,
-                         datatypes.get(name) or pb_types.wire_datatype(array))
-
-
-def _trace_compute(requests: list[BackendRequest], start: int, times, end: int) -> None:
-    """COMPUTE_START, COMPUTE_INPUT_END, COMPUTE_OUTPUT_START (from the backend's own split
-    of the execution, `ExecTimes`, when it gives one) and COMPUTE_END of a batch's traced
-    requests."""
-    input_end = output_start = None
-    if times is not None:
-        input_end = start + times.input_ns
-        output_start = input_end + times.infer_ns
-    for request in requests:
-        trace = request.trace
-        trace.mark("COMPUTE_START", start)
-        if input_end is not None:
-            trace.mark("COMPUTE_INPUT_END", input_end)
-            trace.mark("COMPUTE_OUTPUT_START", output_start)
-        trace.mark("COMPUTE_END", end)
 
 
 def _bounded(fn, timeout_s: float) -> bool:
@@ -261,7 +235,7 @@ class ModelRuntime:
         queued = Job(request, None, time.perf_counter_ns())
         item = Pending(queued, now, batch_size, shape_key, level, now + timeout if timeout else None)
         if request.trace is not None:       # the trace extension: QUEUE_START
-            _trace_queued(request, datatypes or {})
+            request.trace.queued(request.inputs, datatypes or {}, pb_types.wire_datatype)
         with self.cond:
             if self.stopping:
                 raise InferError(f"model '{self.config.name}' is being unloaded", 503)
@@ -440,9 +414,11 @@ class ModelRuntime:
             results, times = instance.execute(requests)
         except Exception as e:       # a backend bug: fail this batch only
             results, times = [InferError(f"{type(e).__name__}: {e}", 500)] * len(batch), None
-        traced = [r for r in requests if r.trace is not None]
+        traced = [r.trace for r in requests if r.trace is not None]
         if traced:                          # the trace extension: the compute times
-            _trace_compute(traced, start, times, time.perf_counter_ns())
+            end = time.perf_counter_ns()
+            for trace in traced:
+                trace.computed(start, times, end)
         results = list(results)
         checked = not self.decoupled        # decoupled responses went through their senders
         for i, (p, request) in enumerate(zip(batch, requests)):

@@ -64,8 +64,8 @@ class TraceFile:
 
 class Trace:
     """One sampled request. `mark(name)` records an activity (at TIMESTAMPS level); `start`
-    the request's model, version and id with REQUEST_START; `tensor` a tensor at TENSORS
-    level; `finish()` hands the trace to its setting (once, after the front end sent the
+    the request's model, version and id with REQUEST_START; `queued` and `computed` the model
+    runtime's activities; `tensor` a tensor at TENSORS level; `finish()` hands the trace to its setting (once, after the front end sent the
     response). Thread-safe: the marks come from the loop and the model's threads."""
 
     __slots__ = ("id", "setting", "exporter", "context", "parts", "events", "info",
@@ -117,6 +117,26 @@ class Trace:
             self._answered = True
         self.mark("INFER_RESPONSE_COMPLETE")
         self.mark("REQUEST_END")
+
+    def queued(self, inputs: dict, datatypes: dict[str, str], datatype_of) -> None:
+        """The model runtime queued the request: QUEUE_START, and at TENSORS level each input
+        (TENSOR_QUEUE_INPUT) with its wire datatype (`datatypes`, else `datatype_of(array)`)."""
+        self.mark("QUEUE_START")
+        if self.tensors:
+            for name, array in inputs.items():
+                self.tensor("TENSOR_QUEUE_INPUT", name, array,
+                            datatypes.get(name) or datatype_of(array))
+
+    def computed(self, start: int, times, end: int) -> None:
+        """The request's batch ran from `start` to `end` (ns): COMPUTE_START,
+        COMPUTE_INPUT_END and COMPUTE_OUTPUT_START where the backend split the execution
+        (`times`: its `ExecTimes`, or None), and COMPUTE_END."""
+        self.mark("COMPUTE_START", start)
+        if times is not None:
+            input_end = start + times.input_ns
+            self.mark("COMPUTE_INPUT_END", input_end)
+            self.mark("COMPUTE_OUTPUT_START", input_end + times.infer_ns)
+        self.mark("COMPUTE_END", end)
 
     def tensor(self, activity: str, name: str, array: np.ndarray, datatype: str) -> None:
         """Record a tensor (TENSOR_QUEUE_INPUT, TENSOR_BACKEND_INPUT, TENSOR_BACKEND_OUTPUT)

@@ -94,6 +94,70 @@ def test_paged_decode_matches_reference(lib, dtype, tol, heads, kv_heads, head_d
     assert (out.double() - ref).abs().max().item() < tol
 
 
+@pytest.mark.parametrize("cache", ["float32", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,lens,threads,parts", [
+    (9, 3, 64, [1000], 2, 3),        # the embedded model's single decode: 3 pairs, 2 threads
+    (9, 3, 64, [4100], 8, 11),       # 32 items for 8 threads over 3 pairs
+    (4, 1, 128, [1100, 5], 4, 4),    # the short context's parts past its end are empty
+    (6, 2, 24, [777], 3, 3),         # head_dim 24: the generic loop; a part's last block cut
+])
+def test_a_split_decode_matches_reference(lib, cache, heads, kv_heads, head_dim, lens,
+                                          threads, parts):
+    """Too few (sequence, KV head) pairs for the threads: each context is cut into parts
+    attended in parallel and merged (split-KV decode) — against float64 attention over what
+    the cache holds, for every cache type and both output dtypes."""
+    from engine.kv_quant import KVQuant
+
+    torch.manual_seed(len(lens) * 100 + head_dim)
+    bs = 16
+    lens = torch.tensor(lens, dtype=torch.int32)
+    max_blocks = -(-int(lens.max()) // bs)
+    num_blocks = max_blocks * len(lens) + 4
+    k = torch.randn(kv_heads, num_blocks, bs, head_dim)
+    v = torch.randn(kv_heads, num_blocks, bs, head_dim) * 2
+    kv = None
+    if cache in ("float32", "bfloat16"):
+        k_cache, v_cache = k.to(getattr(torch, cache)), v.to(getattr(torch, cache))
+        k_ref, v_ref = k_cache, v_cache
+    else:
+        kv = KVQuant(cache, 0.25, 3.0) if cache != "int8" else KVQuant(cache)
+        k_cache, v_cache = kv.quantize(k, kv.k_scale), kv.quantize(v, kv.v_scale)
+        k_ref = kv.dequantize(k_cache, torch.float64, kv.k_scale)
+        v_ref = kv.dequantize(v_cache, torch.float64, kv.v_scale)
+    perm = torch.randperm(num_blocks).int()
+    tables = torch.stack([perm[i * max_blocks:(i + 1) * max_blocks] for i in range(len(lens))])
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert lib.paged_decode_parts(lens, kv_heads) == parts
+        for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+            if cache in ("float32", "bfloat16") and dtype != k_cache.dtype:
+                continue                 # a 16 / 32-bit cache serves a model of its dtype
+            q = torch.randn(len(lens), heads, head_dim).to(dtype)
+            out = torch.empty(len(lens), heads, head_dim, dtype=dtype)
+            lib.paged_decode(q, k_cache, v_cache, tables, lens, head_dim ** -0.5, out, kv)
+            ref = reference_decode(q, k_ref, v_ref, tables, lens, head_dim ** -0.5)
+            assert (out.double() - ref).abs().max().item() < \
+                tol * max(1.0, ref.abs().max().item())
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_decodes_enough_for_the_threads_are_not_split(lib):
+    """Two pairs a thread or more, or contexts too short to give each part 256 tokens: every
+    (sequence, KV head) is attended whole."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert lib.paged_decode_parts(torch.tensor([5000, 5000], dtype=torch.int32), 2) == 1
+        assert lib.paged_decode_parts(torch.tensor([511], dtype=torch.int32), 3) == 1
+        assert lib.paged_decode_parts(torch.tensor([512], dtype=torch.int32), 3) == 2
+        torch.set_num_threads(1)
+        assert lib.paged_decode_parts(torch.tensor([5000], dtype=torch.int32), 1) == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def prefill_step(kernels, heads: int, kv_heads: int, head_dim: int) -> tuple[int, float]:
     """Rows of a step as the engine lays them out: decodes first, then prefill chunks — a run
     of 40 tokens after a cached prefix of 10, one of 17 from position 0, and one of 5 (below

@@ -93,6 +93,7 @@ _PLAIN = {
     "quant_amx_config": ([_I], _I),
     "quant_amx_min_rows": ([], _I),
     "attention_amx_rows": ([], _I64),
+    "paged_decode_parts": ([_I, _I, _P, _I], _I),
     "quant_embed": ([_I, _P, _I64, _P, _P, _I64, _I64, _I64, _P, _I], _I),
     "layer_stack_forward": ([_P, _P, _P, _I, _P, _P, _P, _I, _P, _P, _P, _P, _P, _P, _I], _I),
 }
@@ -227,6 +228,8 @@ class CpuKernels:
         one token of a prefill chunk — over the first `ctx_lens[b]` cached tokens of its
         block table, into `out [B, num_heads, head_dim]`. `kv`: an 8-bit cache's
         `engine.kv_quant.KVQuant` (its rows read and dequantized in registers), or None.
+        Too few (sequence, KV head) pairs for the threads (a single long decode): each
+        context is cut into parts attended in parallel and merged (`paged_decode_parts`).
 
         `q [B, num_heads, head_dim]` (rows may be strided), caches as in `cache_write`,
         `block_tables [B, max_blocks] int32`, `ctx_lens [B] int32` (tokens, ≥ 1).
@@ -246,6 +249,14 @@ class CpuKernels:
                 out.data_ptr(), b, h, kvh, d, bs, nb, scale, torch.get_num_threads())
         if rc:
             raise ValueError(f"paged_decode: head_dim {d} or group {h // kvh} too large")
+
+    def paged_decode_parts(self, ctx_lens: torch.Tensor, num_kv_heads: int) -> int:
+        """How many parts `paged_decode` cuts each (sequence, KV head)'s context into for
+        `ctx_lens [B] int32` on this many threads: 1 (each pair whole) unless the pairs are
+        fewer than two a thread; then enough for four (pair, part) items a thread, as many as
+        give each part 256 tokens of the longest context (split-KV decode, cpu_kernels.c)."""
+        return self._fn["paged_decode_parts"](ctx_lens.shape[0], num_kv_heads,
+                                              ctx_lens.data_ptr(), torch.get_num_threads())
 
     def pack_linear(self, weight: torch.Tensor) -> torch.Tensor:
         """Pack `weight [N, K]` bfloat16 (out, in) for `linear`: a new bfloat16 tensor

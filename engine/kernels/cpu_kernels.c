@@ -483,9 +483,9 @@ int paged_decode_parts(int num_seqs, int num_kv_heads, const int32_t *ctx_lens,
     if (num_threads < 2 || pairs <= 0 || pairs >= 2 * (int64_t)num_threads) return 1;
     int longest = 0;
     for (int b = 0; b < num_seqs; b++) longest = ctx_lens[b] > longest ? ctx_lens[b] : longest;
-    /* four items a thread: a thread that a virtual machine's host slows takes fewer (2 a
-     * thread measured 1.06-1.30x over the unsplit loop, 4 a thread 1.10-1.29x, 9 heads over 3
-     * KV heads, one sequence at 1-4 k tokens, 2 threads, AMD EPYC Zen 3) */
+    /* four items a thread: a thread that a virtual machine's host slows takes fewer (9 heads
+     * over 3 KV heads, one sequence at 1-4 k tokens, 2 threads, AMD EPYC Zen 3, alternating
+     * pairs against the unsplit loop: 2 a thread 0.86-1.36x, 4 a thread 0.97-1.26x) */
     int parts = (int)((4 * (int64_t)num_threads + pairs - 1) / pairs);
     if (parts > longest / SPLIT_MIN_TOKENS) parts = longest / SPLIT_MIN_TOKENS;
     if (parts > MAX_PARTS) parts = MAX_PARTS;

@@ -65,8 +65,9 @@ class TraceFile:
 class Trace:
     """One sampled request. `mark(name)` records an activity (at TIMESTAMPS level); `start`
     the request's model, version and id with REQUEST_START; `queued` and `computed` the model
-    runtime's activities; `tensor` a tensor at TENSORS level; `finish()` hands the trace to its setting (once, after the front end sent the
-    response). Thread-safe: the marks come from the loop and the model's threads."""
+    runtime's activities; `tensor` a tensor at TENSORS level; `finish()` hands the trace to its
+    setting (once, after the front end sent the response). Thread-safe: the marks come from
+    the loop and the model's threads."""
 
     __slots__ = ("id", "setting", "exporter", "context", "parts", "events", "info",
                  "timestamps", "tensors", "_lock", "_done", "_answered")

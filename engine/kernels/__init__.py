@@ -43,7 +43,7 @@ HERE = Path(__file__).parent
 SOURCES = [HERE / name for name in (
     "cpu_kernels.c", "gemm.c", "quant.c", "quant_panel.c", "quant_q8.c", "quant_q8_wide.c",
     "quant_amx.c", "attention_amx.c", "lora.c", "lora_amx.c", "layer_stack.c", "kv_cache.c",
-    "sample.c")]
+    "sample.c", "elementwise.c")]
 HEADERS = [HERE / "common.h", HERE / "vec.h", HERE / "quant_blocks.h", HERE / "amx.h",
            HERE / "quant_q8_wide_avx2.h"]
 # Compile units, longest first: (source, its extra flags). cpu_kernels.c's attention instances

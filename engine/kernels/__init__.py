@@ -1,4 +1,5 @@
-"""CPU kernels in C (`cpu_kernels.c`, `gemm.c`, `quant*.c`), compiled on first use and called via ctypes.
+"""CPU kernels in C (`cpu_kernels.c`, `elementwise.c`, `gemm.c`, `quant*.c`, ...), compiled on
+first use and called via ctypes.
 
 Owns: building the shared library with the system C compiler (`cc -O3 -march=... -fopenmp`,
 one object per unit on every core, then linked: ~12 s on two cores, ~24 s on one; `-march`

@@ -1,10 +1,11 @@
 /*
  * The decoder's layers in one call, for models whose projections are all quantized (the GGUF
  * default on the CPU): the same kernels the Python forward pass calls one by one (quant.c's
- * quant_linear, cpu_kernels.c's fused ops, K/V write and paged attention), in the same order
- * with the same arguments, so the result is bit-identical to it; what goes is the Python
- * between them — ~10 calls a layer through ctypes, their argument conversions, views and
- * allocations: about 40 us a layer, a sixth of a single-stream decode step on 2 cores.
+ * quant_linear, elementwise.c's fused ops, cpu_kernels.c's K/V write and paged attention), in
+ * the same order with the same arguments, so the result is bit-identical to it; what goes is
+ * the Python between them — ~10 calls a layer through ctypes, their argument conversions,
+ * views and allocations: about 40 us a layer, a sixth of a single-stream decode step on 2
+ * cores.
  *
  * Per layer (llama.py's fused path):
  *   qkv  = h @ Wqkv^T (+ bias)           [n, (H + 2 KVH) D]
@@ -51,7 +52,7 @@ typedef struct {
     float k_read, v_read;      /* 8-bit: the read scales (paged_decode8's, e4m3's unit in) */
 } layer_stack;
 
-/* cpu_kernels.c's entry points, as it defines them. */
+/* cpu_kernels.c's and elementwise.c's entry points, as they define them. */
 #define DECLARE_T(SUFFIX, T)                                                                  \
 void cache_write_##SUFFIX(const T *, const T *, T *, T *, const int64_t *, int, int, int,    \
                           int64_t, int64_t, int64_t);                                         \

@@ -16,6 +16,26 @@ pytestmark = pytest.mark.skipif(COMPILER is None, reason="no C compiler")
 # the `lib` fixture (one build per ISA: native, avx512-no-amx, avx2, portable) is in conftest.py
 
 
+def test_processes_building_the_same_library_at_once_compile_it_once(tmp_path, monkeypatch):
+    """An API server and its engine core (or servers started together) that find the library
+    missing at the same moment: one compiles, the others wait for it and get its path."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    compiled = []
+
+    def compile_slowly(compiler, flags, target):
+        compiled.append(target)
+        time.sleep(0.3)                  # long enough for every builder to have looked
+        target.write_bytes(b"the library")
+
+    monkeypatch.setattr(kernels, "_compile", compile_slowly)
+    with ThreadPoolExecutor(3) as pool:
+        paths = list(pool.map(lambda _: kernels.build(COMPILER, ["-O2"], tmp_path), range(3)))
+    assert len(compiled) == 1
+    assert len(set(paths)) == 1 and paths[0].read_bytes() == b"the library"
+
+
 def test_each_build_runs_the_inner_loops_of_its_isa(lib, request):
     """The ISA guards pick the loops the flags allow: AVX-512 only with AVX-512 (an AMX host's
     vector loops are AVX-512's, with or without its AMX extensions built), AVX2 + FMA on

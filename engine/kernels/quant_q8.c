@@ -201,9 +201,9 @@ int quant_q8_available(void) {
 
 /* quant_linear's contract with x quantized to int8 per block of 32 (see the file comment) where
  * the type is Q4_0, Q4_1, Q8_0 or I8: quant_q8_wide.c's nest (AVX-512 VNNI or AVX2) over
- * `packed` (W as quant_q8_pack wrote it; NULL: none; bfloat16 x above Q8_MR rows on an AMX
- * host: the tiles) at every row count, else at m <= Q8_MR this file's; otherwise exactly
- * quant_linear. Returns 0; -1 out of memory; -2 unknown type.
+ * `packed` (W as quant_q8_pack wrote it; NULL: none) at every row count — on an AMX host
+ * too, where bfloat16 x without int8 activations takes the tiles — else at m <= Q8_MR this
+ * file's; otherwise exactly quant_linear. Returns 0; -1 out of memory; -2 unknown type.
  *
  * Every row count, not only where the wide nest is faster (this file's nest was, at 1-2 rows
  * over float32 scales): a row's sums must not depend on the rows beside it. With int8 x a
@@ -215,11 +215,7 @@ int quant_linear_q8(int type, const uint8_t *w, int64_t row_bytes, const float *
                     int64_t ldy, int y_f32, int64_t m, int64_t n, int64_t k, int num_threads,
                     const uint8_t *packed) {
     const int supported = type == T_Q4_0 || type == T_Q4_1 || type == T_Q8_0 || type == T_I8;
-    /* On an AMX host bfloat16 x above Q8_MR rows stays on the tiles (quant_amx.c, through
-     * quant_linear), as before the wide nest: their rate is several times vpdpbusd's (not
-     * measured against this nest: no AMX host at hand when it was written). */
-    const int amx = x_bf16 && m > Q8_MR && quant_amx_min_rows() > 0;
-    if (supported && packed && m >= 1 && !amx)     /* packed: only where the wide nest is */
+    if (supported && packed && m >= 1)     /* packed: only where the wide nest is */
         return quant_q8_wide(type, packed, bias, x, x_stride, x_bf16, y, ldy, y_f32, m, n, k,
                              num_threads);
     if (!HAVE_Q8_DOT || !supported || m > Q8_MR || m < 1)

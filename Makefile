@@ -120,7 +120,8 @@ bench: install
 # The speed peers of ../shared/REFERENCES.md, each in its own environment beside .venv (torch
 # shared as above): OpenVINO GenAI 2026.4 with optimum-intel (which requires torchvision: pinned
 # to torch 2.13.0's 0.28.0 so that pip keeps the shared torch rather than installing 2.14.1 and
-# its CUDA libraries, 5 GB; then removed, as it breaks the export), perf_analyzer 2.51 (its CUDA runtime library is only loaded, never used), and
+# its CUDA libraries, 5 GB; then removed, as it breaks the export), perf_analyzer 2.51 (its CUDA
+# runtime library is only loaded, never used), and
 # llama.cpp's llama-server built for this host's vector extensions (AMX off: see the script).
 OV_VENV  := .venv-openvino
 OV_STAMP := $(OV_VENV)/.installed

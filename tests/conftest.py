@@ -46,6 +46,19 @@ KERNEL_BUILDS = {"native": None, "avx512-no-amx": "avx512", "avx2": "avx2",
                  "portable": "generic"}
 
 
+def kernels_at(level: str):
+    """The CPU kernels built with `level`'s `-march` flags (`isa.march_flags`; KERNEL_BUILDS'
+    values) into the engine's kernel cache, loaded: an `engine.kernels.CpuKernels`. x86_64
+    with a C compiler only (the callers skip elsewhere)."""
+    import ctypes
+
+    from engine import kernels
+    from engine.kernels.isa import march_flags
+
+    path = kernels.build(kernels.find_compiler(), kernels.BASE_CFLAGS + march_flags(level))
+    return kernels.CpuKernels(ctypes.CDLL(str(path)))
+
+
 @pytest.fixture(scope="session", params=list(KERNEL_BUILDS))
 def lib(request):
     """The CPU kernels built each way this host runs them: its own (-march=native: AVX-512
@@ -57,7 +70,7 @@ def lib(request):
     import platform
 
     from engine import kernels
-    from engine.kernels.isa import LEVELS, host_isa, march_flags
+    from engine.kernels.isa import LEVELS, host_isa
 
     compiler = kernels.find_compiler()
     if compiler is None:
@@ -65,17 +78,14 @@ def lib(request):
     if platform.machine() != "x86_64":
         if request.param != "native":
             pytest.skip("-march=x86-64-v* builds are for x86_64")
-        flags = kernels.BASE_CFLAGS
-    else:
-        flags = kernels.BASE_CFLAGS + march_flags(KERNEL_BUILDS[request.param] or host_isa())
+        return kernels.CpuKernels(ctypes.CDLL(str(kernels.build(compiler, kernels.BASE_CFLAGS))))
     if request.param == "avx2" and LEVELS.index(host_isa()) < LEVELS.index("avx2"):
         pytest.skip("this CPU has no AVX2 + FMA")
     if request.param == "avx512-no-amx" and host_isa() != "amx":
         pytest.skip("needs an AMX host (amx_tile, amx_bf16, avx512_bf16)")
     # into the kernel cache the engine builds into (keyed by sources, flags and CPU): the native
     # build is the engine's own and the AVX2 pass reuses this pass's builds (~12 s a compile)
-    path = kernels.build(compiler, flags)
-    return kernels.CpuKernels(ctypes.CDLL(str(path)))
+    return kernels_at(KERNEL_BUILDS[request.param] or host_isa())
 
 
 @pytest.fixture(scope="session")

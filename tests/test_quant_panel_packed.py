@@ -26,14 +26,12 @@ def native():
     """The engine's kernels; on an AMX host, whose tiles take bfloat16 x before the panels
     would (no copy is made there), conftest's avx512-no-amx build: what an AVX512-BF16 EPYC,
     or this host under CONTINUUM_CPU_ISA=avx512, runs."""
-    import ctypes
-
     from engine import kernels
-    from engine.kernels.isa import host_isa, march_flags
+    from engine.kernels.isa import host_isa
+    from tests.conftest import kernels_at
     lib = kernels.load()
     if host_isa() == "amx" and lib is not None:
-        flags = kernels.BASE_CFLAGS + march_flags("avx512")
-        lib = kernels.CpuKernels(ctypes.CDLL(str(kernels.build(kernels.find_compiler(), flags))))
+        lib = kernels_at("avx512")
     if lib is None or lib._fn["quant_panel_packed_bytes"](3, 16, 32) <= 0:
         pytest.skip("the repacked panels are built for AVX512-BF16 hosts; this build has none")
     return lib

@@ -69,10 +69,8 @@ HIDES_ALSO = {"avx512_bf16": {"amx_bf16", "amx_tile", "amx_int8"}}
 def cpu_flags() -> set[str]:
     """The host's CPU feature flags from /proc/cpuinfo (empty where there is none), less those
     `CONTINUUM_CPU_HIDE` hides (and HIDES_ALSO's)."""
-    hidden = set(hidden_flags())
-    for name in list(hidden):
-        hidden |= HIDES_ALSO.get(name, set())
-    return _proc_flags() - hidden
+    names = hidden_flags()
+    return _proc_flags() - names.union(*(HIDES_ALSO.get(n, ()) for n in names))
 
 
 def host_isa(flags: set[str] | None = None) -> str:

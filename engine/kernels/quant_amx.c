@@ -241,9 +241,9 @@ static void unit_streamed(pack_fn pack, const uint8_t *w, int64_t row_bytes, int
 /* A unit against more rows of x: its A tiles (a, packed whole: [kp / TK][NW][TK]) against
  * every 32 rows of xt in turn. pf: rows of a unit ahead, pf_step bytes of them asked for a k
  * step. Where next->pack is set (the thread's next unit: next->nr rows from next->w into
- * next->a), its blocks are packed between the first pass's tile steps, one block column every qk / TK steps:
- * the vector unit's dequantization runs while the tiles compute, where packing the whole unit
- * first left the tiles idle for it (a tenth of a 64-row decode step). */
+ * next->a), its blocks are packed between the first pass's tile steps, one block column every
+ * qk / TK steps: the vector unit's dequantization runs while the tiles compute, where packing
+ * the whole unit first left the tiles idle for it (a tenth of a 64-row decode step). */
 typedef struct {
     pack_fn pack;              /* NULL: no next unit */
     const uint8_t *w;          /* its rows */

@@ -34,7 +34,6 @@
 
 #if HAVE_AMX
 #include <errno.h>
-#include <omp.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #define ARCH_GET_XCOMP_PERM 0x1022
@@ -300,6 +299,7 @@ int quant_amx_linear(int type, const uint8_t *w, int64_t row_bytes, const float 
     uint32_t *xt = scratch(0, sizeof(uint32_t) * (size_t)(kp / 2 * mp));
     if (!xt) return -1;
     int failed = 0;
+    int64_t claim = 0;                 /* the next unit not yet taken (more than 32 rows) */
     _Pragma("omp parallel num_threads(num_threads)")
     {
         _Pragma("omp for schedule(static)")
@@ -326,21 +326,28 @@ int quant_amx_linear(int type, const uint8_t *w, int64_t row_bytes, const float 
                               row_scale, bias);
             }
         } else if (a) {
-            /* this thread's units (a contiguous run, as schedule(static) gives), each packed
-             * during its predecessor's tiles; the first before them */
-            const int nt = omp_get_num_threads(), t = omp_get_thread_num();
-            const int64_t per = units / nt, rem = units % nt;
-            const int64_t lo = t * per + (t < rem ? t : rem), hi = lo + per + (t < rem);
+            /* units claimed one at a time from a shared counter, each one ahead so that it
+             * is packed during its predecessor's tiles (the first before them): a thread
+             * that runs slower — held back by the hypervisor, another process, or its
+             * core's tiles — no longer holds a fixed half of W while the other waits at the
+             * barrier. Emerald Rapids (2 vCPUs, KVM), the model's 121 products, median of
+             * 30 (ms), alternating pairs of processes, static halves -> claims: 128 rows
+             * 56-71 -> 37-68 (lower in 12 of 13 pairs; the one loss against a process whose
+             * tiles ran in this VM's fast mode), 256 rows 109-130 -> 78-121 (3 of 3), 64
+             * rows 35.4 -> 33.4 (median of 10 pairs; not separable) */
             uint16_t *cur = a, *nxt = a + a_elems;
-            for (int64_t u = lo; u < hi; u++) {
+            int64_t u = __atomic_fetch_add(&claim, 1, __ATOMIC_RELAXED);
+            if (u < units) {
                 const int64_t n0 = u * NW, nr = n0 + NW < n ? NW : n - n0;
-                if (u == lo) {
-                    if (nr < NW) memset(cur, 0, a_bytes);
-                    pack(w + n0 * row_bytes, row_bytes, (int)nr, 0, nb, cur);
-                }
+                if (nr < NW) memset(cur, 0, a_bytes);
+                pack(w + n0 * row_bytes, row_bytes, (int)nr, 0, nb, cur);
+            }
+            while (u < units) {
+                const int64_t n0 = u * NW, nr = n0 + NW < n ? NW : n - n0;
+                const int64_t v = __atomic_fetch_add(&claim, 1, __ATOMIC_RELAXED);
                 next_unit next = {NULL, NULL, 0, 0, 1, NULL};
-                if (u + 1 < hi) {
-                    const int64_t n1 = n0 + NW, nr1 = n1 + NW < n ? NW : n - n1;
+                if (v < units) {
+                    const int64_t n1 = v * NW, nr1 = n1 + NW < n ? NW : n - n1;
                     if (nr1 < NW) memset(nxt, 0, a_bytes);
                     next = (next_unit){pack, w + n1 * row_bytes, row_bytes, (int)nr1,
                                        qk / TK, nxt};
@@ -350,6 +357,7 @@ int quant_amx_linear(int type, const uint8_t *w, int64_t row_bytes, const float 
                 uint16_t *swap = cur;
                 cur = nxt;
                 nxt = swap;
+                u = v;
             }
         }
         if (a) _tile_release();

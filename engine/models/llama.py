@@ -15,6 +15,7 @@ cast to the model dtype), so float32 greedy outputs match `transformers.generate
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass
 from functools import partial
@@ -31,6 +32,8 @@ from engine.device import Device
 from engine.loader import ModelLoadError, check_architecture
 from engine.quant import Quantization
 from engine.quant.formats import QuantWeight, quantize_int8
+
+logger = logging.getLogger("continuum.model")
 
 
 @dataclass(frozen=True)
@@ -222,6 +225,16 @@ class LlamaForCausalLM:
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
 
+    def quant_weights(self) -> list[QuantWeight]:
+        """Every `QuantWeight` the forward pass reads (the quantized projections' blocks, the
+        embedding's), each once."""
+        found = {id(self.embed): self.embed} if isinstance(self.embed, QuantWeight) else {}
+        for lin in [self.lm_head] + [x for layer in self.layers for x in layer]:
+            for part in getattr(lin, "parts", None) or []:
+                if isinstance(part, QuantWeight):
+                    found[id(part)] = part
+        return list(found.values())
+
     def enable_lora(self, slots) -> None:
         """Put the LoRA deltas of `slots` (`engine.lora.slots.LoraSlots`) after every
         projection of every layer; rows of the base model are unchanged."""
@@ -365,7 +378,11 @@ def load_model(model_dir: Path, device: Device, dtype: torch.dtype,
                    for k, v in weights.items()}
     model = LlamaForCausalLM(cfg, weights, device.torch_device, dtype, max_positions, path,
                              kernels, tp, quant.int8_activations)
-    if mapping is not None:          # the blocks copied into fused projections: resident once
+    if device.torch_device.type == "cpu" and model.quant_types:
+        from engine.quant.huge_pages import to_huge_pages
+        moved = to_huge_pages(model.quant_weights())      # fewer TLB misses a step
+        logger.debug("quantized weights in transparent huge pages: %.1f MB", moved / 1e6)
+    if mapping is not None:          # the blocks copied out of the file: resident once
         mapping.release()
     return model
 

@@ -71,4 +71,15 @@ def test_nothing_moves_with_thp_off_or_too_few_bytes(tmp_path, monkeypatch):
     monkeypatch.setattr(huge_pages, "THP_ENABLED", off)
     assert thp_mode() == "madvise"
     assert to_huge_pages([q4_1(64, 576, 2)]) == 0                # 23 KB: under one huge page
-    assert [w.data.data_ptr() for w in ws] == old
+    big = [q4_1(3072, 576, 0), q4_1(1536, 1536, 1)]
+    big_old = [w.data.data_ptr() for w in big]
+
+    class Refused:
+        MAP_PRIVATE = MAP_ANONYMOUS = 0
+
+        @staticmethod
+        def mmap(*args, **kwargs):
+            raise OSError(12, "Cannot allocate memory")
+    monkeypatch.setattr(huge_pages, "mmap", Refused)
+    assert to_huge_pages(big) == 0                               # no mapping: left in place
+    assert [w.data.data_ptr() for w in ws + big] == old + big_old

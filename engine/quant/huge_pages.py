@@ -60,14 +60,19 @@ def to_huge_pages(weights: list[QuantWeight]) -> int:
     advised for huge pages and point `data` at the copy (the same values; `kernel_args` taken
     afresh). Weights listed twice (a tied embedding and LM head) are moved once. Returns the
     bytes moved: 0 where the kernel's THP mode is "never", madvise is missing, or the weights
-    are smaller than one huge page (nothing is changed then). Raises nothing else: a failed
-    advice leaves the weights where they were, with one log line."""
+    are smaller than one huge page (nothing is changed then). Never raises: a mapping or an
+    advice the kernel refuses leaves the weights where they were, with one log line."""
     unique = list({id(w): w for w in weights}.values())
     sizes = [-(-w.data.numel() // ALIGN) * ALIGN for w in unique]
     total = sum(sizes)
     if total < HUGE_PAGE or thp_mode() == "never":
         return 0
-    buf = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        buf = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError as e:
+        logger.info("quantized weights stay where they were: no %d-byte mapping (%s)",
+                    total, e)
+        return 0
     base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
     start = (-base) % HUGE_PAGE
     if not _advise_huge(buf, start, total):

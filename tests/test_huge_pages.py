@@ -75,7 +75,7 @@ def test_nothing_moves_with_thp_off_or_too_few_bytes(tmp_path, monkeypatch):
     big_old = [w.data.data_ptr() for w in big]
 
     class Refused:
-        MAP_PRIVATE = MAP_ANONYMOUS = 0
+        MAP_PRIVATE = MAP_ANONYMOUS = MADV_HUGEPAGE = 0
 
         @staticmethod
         def mmap(*args, **kwargs):

@@ -18,7 +18,6 @@ row of x, 0.93-0.97x at 16 and 64.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import mmap
 from pathlib import Path
@@ -44,17 +43,6 @@ def thp_mode() -> str:
     return text[text.find("[") + 1:text.find("]")] if "[" in text else "never"
 
 
-def _advise_huge(buf: mmap.mmap, offset: int, length: int) -> bool:
-    """madvise(MADV_HUGEPAGE) on `length` bytes of `buf` from `offset` (huge-page aligned)."""
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is None:
-        return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    addr = ctypes.addressof(ctypes.c_char.from_buffer(buf)) + offset
-    return libc.madvise(addr, length, advice) == 0
-
-
 def to_huge_pages(weights: list[QuantWeight]) -> int:
     """Copy each weight's blocks (`data`, uint8 `[N, row_bytes]`) into one anonymous mapping
     advised for huge pages and point `data` at the copy (the same values; `kernel_args` taken
@@ -65,22 +53,17 @@ def to_huge_pages(weights: list[QuantWeight]) -> int:
     unique = list({id(w): w for w in weights}.values())
     sizes = [-(-w.data.numel() // ALIGN) * ALIGN for w in unique]
     total = sum(sizes)
-    if total < HUGE_PAGE or thp_mode() == "never":
+    if total < HUGE_PAGE or thp_mode() == "never" or not hasattr(mmap, "MADV_HUGEPAGE"):
         return 0
     try:
         buf = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        arena = torch.frombuffer(buf, dtype=torch.uint8)  # holds buf alive
+        offset = (-arena.data_ptr()) % HUGE_PAGE
+        buf.madvise(mmap.MADV_HUGEPAGE, offset, total)
     except OSError as e:
-        logger.info("quantized weights stay where they were: no %d-byte mapping (%s)",
-                    total, e)
+        logger.info("quantized weights stay where they were: no %d-byte huge-page mapping "
+                    "(%s)", total, e)
         return 0
-    base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
-    start = (-base) % HUGE_PAGE
-    if not _advise_huge(buf, start, total):
-        logger.info("quantized weights stay in 4 KiB pages: madvise(MADV_HUGEPAGE) refused "
-                    "(errno %d)", ctypes.get_errno())
-        return 0
-    arena = torch.frombuffer(buf, dtype=torch.uint8)      # holds buf alive
-    offset = start
     for w, size in zip(unique, sizes):
         n = w.data.numel()
         copy = arena[offset:offset + n].view(w.data.shape)

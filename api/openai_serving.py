@@ -9,7 +9,7 @@ are its subclasses: `api.chat_response.ChatResponse` (`chat.completion[.chunk]`,
 and `api.completion_response.CompletionResponse` (`text_completion`, echo).
 
 In: an async iterator of `(group, RequestOutput)` — group is the prompt's index for multi-prompt
-completions. Out: dicts (JSON bodies) or SSE `data:` payload strings.
+completions. Out: dicts (JSON bodies) or the SSE body's bytes (`data: <JSON>\n\n` events).
 """
 
 from __future__ import annotations
@@ -261,25 +261,34 @@ def _dumps(obj) -> str:
     return json.dumps(obj, separators=(",", ":"))
 
 
+def _event(obj) -> bytes:
+    """One SSE event of `obj` as compact JSON: `data: {...}\\n\\n`, vLLM's framing."""
+    return b"data: " + _dumps(obj).encode() + b"\n\n"
+
+
 async def sse_events(ctx: ResponseContext, first: tuple[int, RequestOutput] | None,
-                     rest: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
-    """SSE `data:` payloads: the stream's chunks, usage, errors, then `[DONE]`."""
+                     rest: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[bytes]:
+    """The stream's body, framed (`data: <JSON>\\n\\n`, UTF-8): its chunks — those of one
+    engine output joined into one piece, so that it is one `send` — usage, errors, then
+    `data: [DONE]`."""
     try:
         for chunk in ctx.opening_chunks():
-            yield _dumps(chunk)
+            yield _event(chunk)
         if first is not None:
-            for chunk in ctx.stream_chunks(*first):
-                yield _dumps(chunk)
+            events = ctx.stream_chunks(*first)
+            if events:
+                yield b"".join(map(_event, events))
         async for group, out in rest:
-            for chunk in ctx.stream_chunks(group, out):
-                yield _dumps(chunk)
+            events = ctx.stream_chunks(group, out)
+            if events:
+                yield b"".join(map(_event, events))
         if ctx.include_usage:
-            yield _dumps({"id": ctx.request_id, "object": ctx.chunk_object,
+            yield _event({"id": ctx.request_id, "object": ctx.chunk_object,
                           "created": ctx.created, "model": ctx.model, "choices": [],
                           "usage": ctx.usage()})
     except Exception as e:           # after the stream started: an error chunk, then [DONE]
-        yield _dumps({"error": {"message": f"{type(e).__name__}: {e}",
+        yield _event({"error": {"message": f"{type(e).__name__}: {e}",
                                 "type": "internal_error", "param": None, "code": None}})
     finally:
         await rest.aclose()
-    yield "[DONE]"
+    yield b"data: [DONE]\n\n"

@@ -22,9 +22,8 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
-from sse_starlette.sse import EventSourceResponse
 
 from api.beam_search import beam_search
 from api.chat import (chat_context, completion_context, completion_prompts, engine_params,
@@ -45,6 +44,7 @@ from scheduler.request import ParamError, QueueFullError, SamplingParams
 
 logger = logging.getLogger("continuum.api")
 VERSION = "0.1.0"
+SSE_HEADERS = {"cache-control": "no-store", "x-accel-buffering": "no"}   # no proxy buffering
 
 
 @dataclass
@@ -484,7 +484,10 @@ async def _respond(request: Request, llm: ProcessAsyncLLM, ctx: ResponseContext,
         await merged.aclose()
         raise engine_error(e, param) from None
     if body.stream:
-        return EventSourceResponse(sse_events(ctx, first, merged), ping=15, sep="\n")
+        # starlette's StreamingResponse, as vLLM streams (a task per stream watching for the
+        # client's disconnect; per event one `send`); sse_events frames the events itself
+        return StreamingResponse(sse_events(ctx, first, merged), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
 
     async def collect():
         if first is not None:

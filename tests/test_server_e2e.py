@@ -151,6 +151,9 @@ def test_stream_events_end_with_a_blank_line_as_vllm(server):
                       json={"model": MODEL, "prompt": "Hi", "max_tokens": 3,
                             "stream": True}) as r:
         raw = b"".join(r.iter_raw()).decode()
+        head = r.headers
+    assert head["content-type"] == "text/event-stream; charset=utf-8"       # as vLLM's
+    assert head["cache-control"] == "no-store" and head["x-accel-buffering"] == "no"
     assert "\r" not in raw and raw.endswith("data: [DONE]\n\n")
     events = [e for e in raw.split("\n\n") if e]
     assert all(e.startswith("data: {\"id\":") for e in events[:-1]), events[0]

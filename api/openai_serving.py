@@ -256,14 +256,10 @@ def clamp(logprob: float) -> float:
     return max(logprob, -9999.0)
 
 
-def _dumps(obj) -> str:
-    """Compact JSON, as vLLM writes its chunks (`{"id":"cmpl-..."`)."""
-    return json.dumps(obj, separators=(",", ":"))
-
-
 def _event(obj) -> bytes:
-    """One SSE event of `obj` as compact JSON: `data: {...}\\n\\n`, vLLM's framing."""
-    return b"data: " + _dumps(obj).encode() + b"\n\n"
+    """One SSE event of `obj` in compact JSON, as vLLM frames its chunks:
+    `data: {"id":"cmpl-..."}\\n\\n`."""
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
 async def sse_events(ctx: ResponseContext, first: tuple[int, RequestOutput] | None,
@@ -271,17 +267,17 @@ async def sse_events(ctx: ResponseContext, first: tuple[int, RequestOutput] | No
     """The stream's body, framed (`data: <JSON>\\n\\n`, UTF-8): its chunks — those of one
     engine output joined into one piece, so that it is one `send` — usage, errors, then
     `data: [DONE]`."""
+    def output(group: int, out: RequestOutput) -> bytes:
+        return b"".join(map(_event, ctx.stream_chunks(group, out)))
+
     try:
         for chunk in ctx.opening_chunks():
             yield _event(chunk)
-        if first is not None:
-            events = ctx.stream_chunks(*first)
-            if events:
-                yield b"".join(map(_event, events))
+        if first is not None and (body := output(*first)):
+            yield body
         async for group, out in rest:
-            events = ctx.stream_chunks(group, out)
-            if events:
-                yield b"".join(map(_event, events))
+            if body := output(group, out):
+                yield body
         if ctx.include_usage:
             yield _event({"id": ctx.request_id, "object": ctx.chunk_object,
                           "created": ctx.created, "model": ctx.model, "choices": [],

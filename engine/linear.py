@@ -98,6 +98,7 @@ class Linear:
             raise ValueError(f"linear path {path!r} (kernels: {kernels is not None})")
         self.path, self.kernels = path, kernels
         self.int8_x = int8_x and path == "quant"
+        self._out: torch.Tensor | None = None        # reuse_output's buffer (flat)
         if path == "quant":             # kept as blocks; the bias in float32, as quant.c adds it
             parts = weight if isinstance(weight, list) else [weight]
             merged = QuantWeight.cat(parts) if len(parts) > 1 else parts[0]
@@ -122,12 +123,17 @@ class Linear:
             self.weight = None                       # the packed copy is the only one kept
             self.bias = None if bias is None else bias.to(torch.bfloat16).contiguous()
 
-    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """`x [M, in]` → `[M, out]` in `out_dtype` (default: x's dtype)."""
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None,
+                 reuse_output: bool = False) -> torch.Tensor:
+        """`x [M, in]` → `[M, out]` in `out_dtype` (default: x's dtype). With `reuse_output`
+        (honoured on the quantized path with one weight), the result is a view of a buffer
+        this layer keeps (grown to the most rows asked) and overwrites on its next such call:
+        for an output made and dropped every step (`LlamaForCausalLM.compute_logits`)."""
         if self.path == "quant":
             if len(self.parts) == 1:
+                out = self._reused(x.shape[0], out_dtype or x.dtype) if reuse_output else None
                 return self.kernels.quant_linear(x, self.parts[0], self.bias, out_dtype,
-                                                 self.int8_x)
+                                                 self.int8_x, out=out)
             y = torch.cat([self.kernels.quant_linear(x, p, None, out_dtype, self.int8_x)
                            for p in self.parts], dim=-1)
             return y if self.bias is None else (y + self.bias).to(y.dtype)
@@ -140,3 +146,10 @@ class Linear:
         else:
             y = F.linear(x, self.weight, self.bias)
         return y if out_dtype is None else y.to(out_dtype)
+
+    def _reused(self, m: int, dtype: torch.dtype) -> torch.Tensor:
+        """`[m, out]` of `dtype` over the kept buffer (a larger one when it is too small)."""
+        size = m * self.out_features
+        if self._out is None or self._out.dtype != dtype or self._out.numel() < size:
+            self._out = torch.empty(size, dtype=dtype)
+        return self._out[:size].view(m, self.out_features)

@@ -285,7 +285,8 @@ class ModelRunner:
         prompt_lps = score_prompt_logprobs(self.model, hidden, scored) if scored else None
         if not sample_idx:
             return ModelRunnerOutput(prompt_logprobs=prompt_lps, **timings)
-        logits = self.model.compute_logits(hidden[[i for _, i in sample_idx]])
+        logits = self.model.compute_logits(hidden[[i for _, i in sample_idx]],
+                                           reuse_output=True)
         result = self.sampler(logits, rows, masks.result() if masks is not None else None)
         sampled, logprobs = {}, {}
         k = 0

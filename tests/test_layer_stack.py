@@ -21,8 +21,8 @@ def step_logits(eng: LLMEngine, prompts: list[list[int]]) -> list[torch.Tensor]:
     model = eng.model
     original = model.compute_logits
 
-    def record(hidden):
-        logits = original(hidden)
+    def record(hidden, **kw):
+        logits = original(hidden, **kw)
         seen.append(logits.clone())
         return logits
 

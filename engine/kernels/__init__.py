@@ -325,7 +325,8 @@ class CpuKernels:
         return out
 
     def quant_linear(self, x: torch.Tensor, weight, bias: torch.Tensor | None = None,
-                     out_dtype: torch.dtype | None = None, int8_x: bool = False) -> torch.Tensor:
+                     out_dtype: torch.dtype | None = None, int8_x: bool = False,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
         """`x [M, K]` (float32 or bfloat16; rows may be strided, columns contiguous) times the
         transpose of `weight` (an `engine.quant.QuantWeight` `[N, K]` read in its block format),
         plus `bias [N]` float32: a new `[M, N]` of `out_dtype` (default x's: float32 or
@@ -333,14 +334,19 @@ class CpuKernels:
         of 32 where quant_q8.c has a kernel (`q8_available`; Q4_0 / Q4_1 / Q8_0 / I8: up to 8
         rows, and any number where `q8_pack` gave the weight its copy). Without it, a weight
         `panel_pack` gave its copy is read from that copy by the bfloat16 panels (same result).
-        Raises MemoryError, ValueError (no kernel for the weight's type)."""
+        `out`: a contiguous `[M, N]` of `out_dtype` to write into and return (else a new one).
+        Raises MemoryError, ValueError (no kernel for the weight's type; an `out` of another
+        shape or dtype)."""
         m, k = x.shape
         if x.stride(1) != 1:
             x = x.contiguous()
         x_bf16 = x.dtype == torch.bfloat16
         out_dtype = out_dtype or x.dtype
         n = weight.shape[0]
-        out = torch.empty((m, n), dtype=out_dtype)
+        if out is None:
+            out = torch.empty((m, n), dtype=out_dtype)
+        elif out.shape != (m, n) or out.dtype != out_dtype or not out.is_contiguous():
+            raise ValueError(f"quant_linear: out must be a contiguous [{m}, {n}] {out_dtype}")
         qtype, w_ptr, row_bytes, scale_ptr = weight.kernel_args
         args = (qtype, w_ptr, row_bytes, scale_ptr, None if bias is None else bias.data_ptr(),
                 x.data_ptr(), x.stride(0), x_bf16, out.data_ptr(), n,

@@ -35,7 +35,14 @@ def median_ms(fn, device: str, n: int) -> float:
 
 
 def profile(base_dir: str, smoke: bool) -> str:
-    """The report's text (see the module docstring)."""
+    """The report's text (see the module docstring); the checkpoint it builds is removed
+    after."""
+    with tempfile.TemporaryDirectory(prefix="dprof-") as tmp:
+        return _profile(base_dir, Path(tmp), smoke)
+
+
+def _profile(base_dir: str, tmp: Path, smoke: bool) -> str:
+    """`profile` with its checkpoint built under `tmp`."""
     from benchmarks.checkpoints import build_checkpoint
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
@@ -44,7 +51,7 @@ def profile(base_dir: str, smoke: bool) -> str:
     device, name, dtype = ("cpu", "tiny", "float32") if smoke else \
         ("cuda", "llama-3.2-1b", "bfloat16")
     steps, kernel_steps = (5, 2) if smoke else (200, 20)
-    path = build_checkpoint(base_dir, Path(tempfile.mkdtemp(prefix="dprof-")) / name, name)
+    path = build_checkpoint(base_dir, tmp / name, name)
     sizes = dict(kv_cache_memory=0.02) if smoke else dict(gpu_memory_utilization=0.5)
     eng = LLMEngine(EngineConfig(model=str(path), dtype=dtype, device=device, seed=0,
                                  max_model_len=512 if smoke else 2048, max_num_seqs=8,

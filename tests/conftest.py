@@ -113,11 +113,13 @@ def amx_lib(tmp_path_factory):
 def pairs_build(request) -> bool:
     """Whether this test's `lib` build has AVX512-BF16, so that attention_amx.c takes prefill
     runs in bfloat16 pair products (tiles or vdpbf16ps): this host's own build or the
-    avx512-no-amx one, on a CPU with avx512_bf16."""
-    from engine.kernels.isa import cpu_flags
+    avx512-no-amx one, on a CPU with avx512_bf16 — except where the engine's level is an Intel
+    core's AVX512-BF16 without tiles (`slow_bf16_dot`: every build loaded here keeps the
+    runs on the float32 loops)."""
+    from engine.kernels.isa import cpu_flags, slow_bf16_dot
 
     return (request.node.callspec.params["lib"] in ("native", "avx512-no-amx")
-            and "avx512_bf16" in cpu_flags())
+            and "avx512_bf16" in cpu_flags() and not slow_bf16_dot())
 
 
 def start_server(args: list[str], ready_path: str, log_path, timeout: float = 300,

@@ -292,24 +292,28 @@ def test_served_model_stays_near_float32(native, model_dir, tokenizer):
 
 def test_auto_is_int8_where_int8_products_have_no_bfloat16_rival():
     """`--activation-quantization auto` (the default) per host class: int8 over quantized
-    weights where the kernels have VNNI and the host no bfloat16 matmul units (an Ice Lake or
-    Cascade Lake Xeon) and on AVX2-only hosts (EPYC Milan), unless `--dtype float32`; the
-    bfloat16 units' products elsewhere; float32 products on AVX-512 without VNNI (Skylake)."""
+    weights where the kernels have VNNI and the host no fast bfloat16 matmul units (an Ice Lake
+    or Cascade Lake Xeon; an Intel core with AVX512-BF16 but no AMX tiles, whose `vdpbf16ps`
+    runs at half float32 FMAs' rate) and on AVX2-only hosts (EPYC Milan), unless `--dtype
+    float32`; the bfloat16 units' products elsewhere (AMX tiles, a Zen 5's AVX512-BF16);
+    float32 products on AVX-512 without VNNI (Skylake)."""
     from engine.quant import auto_int8_activations
 
+    intel, amd = "GenuineIntel", "AuthenticAMD"
     milan = {"avx2", "fma", "f16c"}
     skylake = milan | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
     ice_lake = skylake | {"avx512_vnni"}
     zen5 = ice_lake | {"avx512_bf16"}
+    cooper_lake = zen5                      # or a Sapphire Rapids with AMX hidden
     sapphire = zen5 | {"amx_tile", "amx_bf16", "amx_int8"}
-    for host in (ice_lake, milan):
-        assert auto_int8_activations(True, "auto", host)
-        assert auto_int8_activations(True, "bfloat16", host)
-        assert not auto_int8_activations(True, "float32", host)    # the exact reference
-        assert not auto_int8_activations(False, "auto", host)      # a build without them
-    assert not auto_int8_activations(True, "auto", skylake)
-    assert not auto_int8_activations(True, "auto", zen5)
-    assert not auto_int8_activations(True, "auto", sapphire)
+    for host, vendor in ((ice_lake, intel), (milan, amd), (cooper_lake, intel)):
+        assert auto_int8_activations(True, "auto", host, vendor)
+        assert auto_int8_activations(True, "bfloat16", host, vendor)
+        assert not auto_int8_activations(True, "float32", host, vendor)    # the exact reference
+        assert not auto_int8_activations(False, "auto", host, vendor)      # a build without them
+    assert not auto_int8_activations(True, "auto", skylake, intel)
+    assert not auto_int8_activations(True, "auto", zen5, amd)
+    assert not auto_int8_activations(True, "auto", sapphire, intel)
 
 
 def test_auto_follows_a_cap_to_avx2(monkeypatch):

@@ -96,6 +96,7 @@ _PLAIN = {
     "quant_amx_config": ([_I], _I),
     "quant_amx_min_rows": ([], _I),
     "attention_amx_rows": ([], _I64),
+    "attention_vector_pairs": ([_I], None),
     "paged_decode_parts": ([_I, _I, _P, _I], _I),
     "quant_embed": ([_I, _P, _I64, _P, _P, _I64, _I64, _I64, _P, _I], _I),
     "layer_stack_forward": ([_P, _P, _P, _I, _P, _P, _P, _I, _P, _P, _P, _P, _P, _P, _I], _I),
@@ -206,6 +207,11 @@ class CpuKernels:
             self._fn[name] = fn
         self.isa = self._fn["kernels_isa"]().decode()     # "avx512", "avx2" or "generic"
         self.amx_rows = self._enable_amx()
+        from engine.kernels.isa import slow_bf16_dot
+        # Intel without AMX: prefill attention on the float32 loops, as the int8 activations
+        # there need (attention_amx.c); a process-wide switch of this library's copy
+        self.vector_pairs = not slow_bf16_dot()
+        self._fn["attention_vector_pairs"](int(self.vector_pairs))
 
     def _enable_amx(self) -> int:
         """Turn the quantized linears' AMX tile nest on where the engine's level is `amx` and

@@ -1,7 +1,7 @@
 /*
  * Prefill attention in bfloat16 pair products: on AMX tiles where the host has AMX (and the
- * process its permission), else in AVX512-BF16's vdpbf16ps (an AMD EPYC, or an AMX host capped
- * at avx512), the same layouts and steps with vector register tiles for the two products
+ * process its permission), else in AVX512-BF16's vdpbf16ps (an AMD EPYC; not on an Intel core
+ * without tiles, see attention_vector_pairs), the same layouts and steps with vector register tiles for the two products
  * (cpu_kernels.c's paged_decode_bf16
  * and paged_decode8_bf16 hand it the rows it can take and run the rest on their vector loops;
  * an 8-bit cache's rows are dequantized to bfloat16 as they are gathered, 16 at a time).
@@ -31,6 +31,15 @@ float expf(float);
 #endif
 
 static int64_t amx_attention_rows;       /* rows attended here so far (tests read it) */
+static int vector_pairs = 1;             /* runs in vdpbf16ps where the tiles are off */
+
+/* Whether prefill runs take AVX512-BF16's vdpbf16ps where AMX is off (1, the default) or stay
+ * on the float32 vector loops (0): on an Intel core (engine.kernels.isa.slow_bf16_dot) the
+ * instruction runs at half float32 FMAs' rate, and there the quantized linears take int8
+ * activations, which turn the pairs' rounding of P into a changed token — the runs of a
+ * prompt read from the prefix cache, too short for the pairs, would not give its uncached
+ * tokens. AMX tiles are not affected. */
+void attention_vector_pairs(int on) { vector_pairs = on; }
 
 /* Rows of prefill attention run here (tiles or vdpbf16ps) since the library loaded. */
 int64_t attention_amx_rows(void) { return amx_attention_rows; }
@@ -354,6 +363,7 @@ uint8_t *attention_amx_prefill(const uint16_t *q, int64_t q_stride, const void *
                                int num_threads) {
     const cache_kind ck = {kind, v_factor};
     const int tiles = HAVE_AMX && quant_amx_min_rows() > 0;
+    if (!tiles && !vector_pairs) return NULL;
     if (D % 32 || D > 256 || bs % 16 || num_seqs < MIN_RUN) return NULL;
     run_t *runs = malloc(sizeof(run_t) * (size_t)num_seqs);
     int64_t *kv_off = NULL;

@@ -13,7 +13,8 @@ Levels: `amx` is `avx512` with AMX tiles for bfloat16 (`amx_tile`, `amx_bf16`) a
 `avx2` needs AVX2 and FMA (x86-64-v3); `generic` is anything else, non-x86 hosts included.
 In: /proc/cpuinfo and the environment. Out: `cpu_isa()`, `host_isa()`, `at_least(floor)`,
 `march_flags(isa)`, `flags_and_level()`, `bf16_matmul()` (whether `--dtype auto` is bfloat16
-here) and `isa_label()` (the ready log's `cpu isa: ...`).
+here), `slow_bf16_dot()` (bfloat16 units slower than int8 ones: Intel without AMX) and
+`isa_label()` (the ready log's `cpu isa: ...`).
 """
 
 from __future__ import annotations
@@ -129,6 +130,32 @@ def bf16_matmul(flags: set[str] | None = None) -> bool:
     product."""
     flags, level = flags_and_level(flags)
     return at_least("avx512", level) and any(f in flags for f in BF16_MATMUL_FLAGS)
+
+
+@lru_cache(maxsize=None)
+def cpu_vendor() -> str:
+    """The host's `vendor_id` from /proc/cpuinfo ("GenuineIntel", "AuthenticAMD"; "" where
+    there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def slow_bf16_dot(flags: set[str] | None = None, vendor: str | None = None) -> bool:
+    """Whether the level's bfloat16 products are AVX512-BF16's `vdpbf16ps` on an Intel core —
+    AVX512-BF16 without AMX tiles at the engine's level: a Cooper Lake, or a Sapphire / Emerald
+    Rapids whose hypervisor hides AMX (or capped at avx512). Intel cores issue a 512-bit
+    `vdpbf16ps` once per two cycles: on an Emerald Rapids with AMX hidden (2026-12-02,
+    `benchmarks/dot_peak.c`) 40-42 G multiply-adds a second a core, half float32 FMAs' 83-85 and
+    a fifth of VNNI's `vpdpbusd` (190-236); AMD Zen 4 / 5 run it on both FMA pipes. `flags` /
+    `vendor` default: this host's (`cpu_vendor()`)."""
+    flags, level = flags_and_level(flags)
+    vendor = cpu_vendor() if vendor is None else vendor
+    return (vendor == "GenuineIntel" and level == "avx512" and "avx512_bf16" in flags)
 
 
 def isa_label(flags: set[str] | None = None) -> str:

@@ -85,24 +85,28 @@ def resolve_quantization(requested: str | None, model: str | None, device,
     return replace(quant, int8_activations=True)
 
 
-def auto_int8_activations(q8_available: bool, dtype: str, flags: set[str] | None = None
-                          ) -> bool:
+def auto_int8_activations(q8_available: bool, dtype: str, flags: set[str] | None = None,
+                          vendor: str | None = None) -> bool:
     """`--activation-quantization auto` over quantized weights: int8 where the kernels have
     int8 products (`q8_available`) and the engine's level (`flags`, default this host's, with
-    `CONTINUUM_CPU_ISA`'s cap) has no bfloat16 matmul units (`engine.kernels.isa.bf16_matmul`)
-    and either AVX-512 VNNI — an Ice Lake or Cascade Lake Xeon, or an Emerald Rapids whose
-    hypervisor hides AMX and BF16: VNNI's `vpdpbusd` does four times float32's multiply-adds an
+    `CONTINUUM_CPU_ISA`'s cap) has no bfloat16 matmul units that beat them
+    (`engine.kernels.isa.bf16_matmul`, less `slow_bf16_dot`: AVX512-BF16 on an Intel core
+    without AMX tiles, where `vdpbf16ps` runs at half float32 FMAs' rate) and either AVX-512
+    VNNI — an Ice Lake or Cascade Lake Xeon, a Cooper Lake, or a Sapphire / Emerald Rapids whose
+    hypervisor hides AMX: VNNI's `vpdpbusd` does four times float32's multiply-adds an
     instruction — or only AVX2 (EPYC Rome / Milan, Haswell / Broadwell Xeons: `vpmaddubsw`, and
     4-bit weights unpacked without conversions), and `dtype` (`--dtype`) is "auto" or
-    "bfloat16". Measured gains and the accuracy cost: docs/quantization.md. Where bfloat16
-    units exist their pair products stay (int8 gained only at 2-8 sequences there); AVX-512
-    without VNNI (Skylake) keeps float32 products (emulated on Zen 5: 0.90-1.33x, unmeasured on
-    a Skylake); `--dtype float32` keeps float32 activations as the exact reference."""
-    from engine.kernels.isa import bf16_matmul, flags_and_level
+    "bfloat16". `vendor`: the CPU's `vendor_id` (default this host's). Measured gains and the
+    accuracy cost: docs/quantization.md. Where fast bfloat16 units exist (AMX tiles, AMD's
+    AVX512-BF16) their pair products stay (int8 gained only at 2-8 sequences on a Zen 5);
+    AVX-512 without VNNI (Skylake) keeps float32 products (emulated on Zen 5: 0.90-1.33x,
+    unmeasured on a Skylake); `--dtype float32` keeps float32 activations as the exact
+    reference."""
+    from engine.kernels.isa import bf16_matmul, flags_and_level, slow_bf16_dot
     have, level = flags_and_level(flags)            # None: this host at the engine's level
     int8_units = level == "avx2" or (level in ("avx512", "amx") and "avx512_vnni" in have)
-    return (q8_available and dtype in ("auto", "bfloat16") and not bf16_matmul(flags)
-            and int8_units)
+    fast_bf16 = bf16_matmul(flags) and not slow_bf16_dot(flags, vendor)
+    return q8_available and dtype in ("auto", "bfloat16") and not fast_bf16 and int8_units
 
 
 def _kernels(device):

@@ -3,7 +3,8 @@
  * process its permission), else in AVX512-BF16's vdpbf16ps (an AMD EPYC; not on an Intel core
  * without tiles, see attention_vector_pairs), the same layouts and steps with vector register
  * tiles for the two products (cpu_kernels.c's paged_decode_bf16 and paged_decode8_bf16 hand
- * it the rows it can take and run the rest on their vector loops; an 8-bit cache's rows are dequantized to bfloat16 as they are gathered, 16 at a time).
+ * it the rows it can take and run the rest on their vector loops; an 8-bit cache's rows are
+ * dequantized to bfloat16 as they are gathered, 16 at a time).
  *
  * A run is a maximal group of consecutive rows that attend to one sequence's cached prefix
  * with lengths one apart — a prefill chunk's tokens (row b + 1 continues row b's run when its

@@ -16,6 +16,7 @@ import json
 import logging
 import threading
 import time
+import traceback
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -142,7 +143,9 @@ class ServerState:
                                   for m in self.repository.index()) or "none")
         except Exception as e:
             self.repository_error = f"{type(e).__name__}: {e}"
-            logger.error("model repository failed to load: %s", self.repository_error)
+            where = traceback.extract_tb(e.__traceback__)[-1]      # one line, with its place
+            logger.error("model repository failed to load: %s (%s:%d in %s)",
+                         self.repository_error, where.filename, where.lineno, where.name)
 
     def all_ready(self) -> bool:
         """Everything this server serves is ready: the LLM (if any) and the repository."""

@@ -40,7 +40,7 @@ def _inside(file: str | None, folder: str) -> bool:
 def _folders_of(file: str | None) -> tuple[str, str] | None:
     """The (version, model) folders of the loaded model whose folder holds `file`."""
     found = None
-    for version_dir, model_dir in _packages.values():
+    for version_dir, model_dir in list(_packages.values()):    # any importing thread, unlocked
         if _inside(file, version_dir):
             return version_dir, model_dir
         if found is None and _inside(file, model_dir):
@@ -146,7 +146,7 @@ def unload(module: types.ModuleType) -> None:
     package = module.__name__.partition(".")[0]
     with _lock:
         folders_ = _packages.pop(package, None)
-        for n in [n for n in sys.modules if n == package or n.startswith(package + ".")]:
+        for n in [n for n in list(sys.modules) if n == package or n.startswith(package + ".")]:
             del sys.modules[n]
     if folders_ is not None:
         forget_lazy(folders_[1])

@@ -52,14 +52,19 @@ def hidden_flags() -> frozenset[str]:
     return frozenset(names)
 
 
-def _proc_flags() -> set[str]:
+def _cpuinfo_field(name: str) -> str | None:
+    """The first value of `name` ("flags", "vendor_id") in /proc/cpuinfo, or None."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
+            if line.startswith(name):
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return set()
+    return None
+
+
+def _proc_flags() -> set[str]:
+    return set((_cpuinfo_field("flags") or "").split())
 
 
 # What hiding a flag hides with it: an Ice Lake has no AMX either, and the tile kernels need
@@ -136,13 +141,7 @@ def bf16_matmul(flags: set[str] | None = None) -> bool:
 def cpu_vendor() -> str:
     """The host's `vendor_id` from /proc/cpuinfo ("GenuineIntel", "AuthenticAMD"; "" where
     there is none)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    return _cpuinfo_field("vendor_id") or ""
 
 
 def slow_bf16_dot(flags: set[str] | None = None, vendor: str | None = None) -> bool:

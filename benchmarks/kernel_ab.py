@@ -24,8 +24,18 @@ build's bit for bit.
         --workload linears --rows 64 --layers 30 --rounds 20
 
 A variant is NAME=FLAGS (FLAGS split like a shell's words, added to `cflags()`; empty: the
-engine's own build). Raises SystemExit for a malformed variant, CalledProcessError where a
-build does not compile.
+engine's own build). A word `pairs=0` or `pairs=1` is no compiler flag but the variant's
+`CpuKernels.vector_pairs` (the quantized linears' and prefill attention's vdpbf16ps switch, set
+per host at load): every variant loads its own copy of its library, so two variants of one
+build keep separate switches:
+
+    python benchmarks/kernel_ab.py --variant pairs="pairs=1" --variant f32="pairs=0" \
+        --workload linears --qtype Q4_K --rows 16 --layers 2
+
+`--qtype` (linears): random blocks of that type in a 1B-class model's shapes (hidden 2048,
+intermediate 8192, 32 / 8 heads of 64: QKV 3072 x 2048, O, gate / up 16384 x 2048, down 2048 x
+8192) instead of the embedded model's weights (whose K of 576 K-quants cannot hold).
+Raises SystemExit for a malformed variant, CalledProcessError where a build does not compile.
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ import argparse
 import ctypes
 import random
 import shlex
+import shutil
 import statistics
 import sys
 import time
@@ -46,8 +57,8 @@ from benchmarks.harness import add_save_result, save_result  # noqa: E402
 
 
 def parse_variants(specs: list[str]) -> dict[str, list[str]]:
-    """`NAME=FLAGS` strings -> {name: extra compiler flags}, in order. Raises ValueError for a
-    spec without `=`, an empty or repeated name."""
+    """`NAME=FLAGS` strings -> {name: extra compiler flags and `pairs=` words}, in order.
+    Raises ValueError for a spec without `=`, an empty or repeated name."""
     out: dict[str, list[str]] = {}
     for spec in specs:
         name, sep, flags = spec.partition("=")
@@ -57,17 +68,53 @@ def parse_variants(specs: list[str]) -> dict[str, list[str]]:
     return out
 
 
-def load_builds(variants: dict[str, list[str]], out_dir: Path | None):
-    """{name: CpuKernels} for each variant, compiled (or found) with `cflags()` + its flags;
-    a variant without flags loads the engine's own cached build."""
+def load_builds(variants: dict[str, list[str]], out_dir: Path):
+    """{name: CpuKernels} for each variant, compiled (or found) with `cflags()` + its compiler
+    flags (none: the engine's own cached build), each loaded from its own copy in `out_dir`
+    (one dlopen handle per variant) and given its `pairs=` word's vector_pairs."""
     from engine import kernels as K
     from engine.halt_poll import find_compiler
 
     builds = {}
-    for name, extra in variants.items():
+    for name, words in variants.items():
+        extra = [w for w in words if not w.startswith("pairs=")]
         path = K.build(find_compiler(), K.cflags() + extra, out_dir=out_dir if extra else None)
-        builds[name] = K.CpuKernels(ctypes.CDLL(str(path)))
+        copy = out_dir / "loaded" / f"{name}.so"
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, copy)
+        kernels = K.CpuKernels(ctypes.CDLL(str(copy.resolve())))
+        for w in words:
+            if w.startswith("pairs="):
+                kernels.set_vector_pairs(w == "pairs=1")
+        builds[name] = kernels
     return builds
+
+
+def random_blocks(qtype: str, n: int, k: int, rng):
+    """`[n, k]` QuantWeight of random quants of GGUF type `qtype`, its float16 scale fields
+    (d, and dmin for Q4_1 / Q4_K) small finite values, as a quantizer writes them."""
+    import numpy as np
+    import torch
+
+    from engine.quant.formats import KERNEL_TYPES, TYPE_IDS, QuantWeight
+
+    tid = TYPE_IDS[qtype]
+    _, per, nbytes = KERNEL_TYPES[tid]
+    nb = k // per
+    raw = rng.integers(0, 256, size=(n, nb, nbytes), dtype=np.uint8)
+    for off in {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q4_K": [0, 2], "Q6_K": [208]}[qtype]:
+        vals = rng.uniform(0.001, 0.02, size=(n, nb)).astype(np.float16)
+        raw[..., off:off + 2] = vals.view(np.uint8).reshape(n, nb, 2)
+    return QuantWeight(tid, torch.from_numpy(raw.reshape(n, nb * nbytes)), (n, k))
+
+
+def block_linears(qtype: str, layers: int):
+    """A 1B-class model's fused linears of `layers` layers (module docstring), random blocks."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    shapes = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]
+    return [random_blocks(qtype, n, k, rng) for _ in range(layers) for n, k in shapes]
 
 
 def linears_workload(args):
@@ -76,8 +123,17 @@ def linears_workload(args):
 
     from benchmarks.amx_bench import model_linears
 
-    ws = model_linears()
-    ws = ws[:4 * args.layers] + (ws[-1:] if args.lm_head else [])
+    if args.qtype:
+        ws = block_linears(args.qtype, args.layers)
+    else:
+        ws = model_linears()
+        ws = ws[:4 * args.layers] + (ws[-1:] if args.lm_head else [])
+    if args.panel_pack:      # the copy a bfloat16 model's weights get (read where pairs=1)
+        from engine import kernels as K
+        packer = K.load()
+        packer.set_vector_pairs(True)
+        for w in ws:
+            packer.panel_pack(w)
     xs = {w.shape[1]: torch.randn(args.rows, w.shape[1], generator=torch.Generator().manual_seed(0))
           .bfloat16() for w in ws}
     outs: dict = {}
@@ -165,6 +221,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rows", type=int, default=64, help="linears: rows of x")
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--lm-head", action="store_true", help="linears: add the tied LM head")
+    p.add_argument("--panel-pack", action="store_true",
+                   help="linears: give the weights the bfloat16 panels' repacked copy, as a "
+                        "bfloat16 model's get them (Q4_0 / Q4_1 / Q8_0)")
+    p.add_argument("--qtype", choices=["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"],
+                   help="linears: random blocks of this type in 1B-class shapes")
     p.add_argument("--batch", type=int, default=64, help="attention: sequences")
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--build-dir", type=Path, default=Path("build/kernel_ab"),

@@ -25,7 +25,9 @@ from tests.test_quant import assert_close, reference
 def native():
     """The engine's kernels; on an AMX host, whose tiles take bfloat16 x before the panels
     would (no copy is made there), conftest's avx512-no-amx build: what an AVX512-BF16 EPYC,
-    or this host under CONTINUUM_CPU_ISA=avx512, runs."""
+    or this host under CONTINUUM_CPU_ISA=avx512, runs. Its pairs' panels at every row count
+    (`set_vector_pairs(True)`, an EPYC's setting; restored after the module) also on an Intel
+    core without AMX, which takes float32 panels from 16 rows (the test below)."""
     from engine import kernels
     from engine.kernels.isa import host_isa
     from tests.conftest import kernels_at
@@ -34,7 +36,10 @@ def native():
         lib = kernels_at("avx512")
     if lib is None or lib._fn["quant_panel_packed_bytes"](3, 16, 32) <= 0:
         pytest.skip("the repacked panels are built for AVX512-BF16 hosts; this build has none")
-    return lib
+    was = lib.vector_pairs
+    lib.set_vector_pairs(True)
+    yield lib
+    lib.set_vector_pairs(was)
 
 
 def weight(name: str, n: int, k: int, rng) -> QuantWeight:
@@ -112,3 +117,31 @@ def test_bfloat16_linears_carry_the_copy(native):
     assert q8.parts[0].panel_packed is None
     x = torch.randn(24, 128).bfloat16()
     assert torch.equal(lin(x), plain(x))
+
+
+@pytest.mark.parametrize("name", ["Q4_1", "Q4_K"])
+def test_slow_pair_hosts_take_float32_panels_from_16_rows(native, name):
+    """Where vdpbf16ps runs at half float32 FMAs' rate (an Intel core without AMX:
+    `set_vector_pairs(False)`, the engine's setting there) a bfloat16 x of 16 rows and more
+    takes the float32 panels — the float32 x's products bit for bit, weights not rounded to
+    bfloat16 — and up to 15 rows the pairs' nests as everywhere (quant.c's
+    quant_pair_panel_rows, SLOW_PAIR_PANEL_ROWS)."""
+    from engine.kernels import SLOW_PAIR_PANEL_ROWS
+    from tests.test_quant import random_blocks
+
+    rng = np.random.default_rng(11)
+    w = weight(name, 100, 256, rng) if name == "Q4_1" else random_blocks(name, 100, 512)
+    native.panel_pack(w)
+    xs = {m: torch.randn(m, w.shape[1]).bfloat16() for m in (8, SLOW_PAIR_PANEL_ROWS, 16, 33)}
+    paired = {m: native.quant_linear(x, w, None, torch.float32) for m, x in xs.items()}
+    try:
+        native.set_vector_pairs(False)
+        for m, x in xs.items():
+            got = native.quant_linear(x, w, None, torch.float32)
+            if m > SLOW_PAIR_PANEL_ROWS:
+                assert torch.equal(got, native.quant_linear(x.float(), w, None, torch.float32))
+                assert not torch.equal(got, paired[m]), m      # the pairs round W to bfloat16
+            else:
+                assert torch.equal(got, paired[m]), m
+    finally:
+        native.set_vector_pairs(True)

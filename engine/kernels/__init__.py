@@ -97,11 +97,15 @@ _PLAIN = {
     "quant_amx_min_rows": ([], _I),
     "attention_amx_rows": ([], _I64),
     "attention_vector_pairs": ([_I], None),
+    "quant_pair_panel_rows": ([_I64], None),
     "paged_decode_parts": ([_I, _I, _P, _I], _I),
     "quant_embed": ([_I, _P, _I64, _P, _P, _I64, _I64, _I64, _P, _I], _I),
     "layer_stack_forward": ([_P, _P, _P, _I, _P, _P, _P, _I, _P, _P, _P, _P, _P, _P, _I], _I),
 }
 NR = 16    # output columns per packed weight panel (gemm.c)
+# The most rows of bfloat16 x whose quantized products take vdpbf16ps panels where that
+# instruction runs at half float32 FMAs' rate (Intel without AMX; quant.c's measurements)
+SLOW_PAIR_PANEL_ROWS = 15
 # The fewest rows of bfloat16 x the quantized linears take on AMX tiles (quant_amx.c), below
 # them the AVX-512 nests: measured by benchmarks/amx_bench.py (docs/cpu.md).
 AMX_MIN_ROWS = 5
@@ -208,10 +212,21 @@ class CpuKernels:
         self.isa = self._fn["kernels_isa"]().decode()     # "avx512", "avx2" or "generic"
         self.amx_rows = self._enable_amx()
         from engine.kernels.isa import slow_bf16_dot
-        # Intel without AMX: prefill attention on the float32 loops, as the int8 activations
-        # there need (attention_amx.c); a process-wide switch of this library's copy
-        self.vector_pairs = not slow_bf16_dot()
-        self._fn["attention_vector_pairs"](int(self.vector_pairs))
+        # Intel without AMX (vdpbf16ps at half the FMAs' rate): prefill attention on the
+        # float32 loops, the quantized linears' float32 panels from 16 rows of bfloat16 x;
+        # process-wide switches of this library's copy
+        self.set_vector_pairs(not slow_bf16_dot())
+
+    def set_vector_pairs(self, on: bool) -> None:
+        """Whether bfloat16 x takes AVX512-BF16's vdpbf16ps where it is the faster choice
+        everywhere (on: prefill attention where the tiles are off, the quantized linears'
+        panels at any rows) or only where it still beats float32 FMAs at their half rate on an
+        Intel core (off: attention on the float32 loops, the linears' pairs up to
+        SLOW_PAIR_PANEL_ROWS rows, float32 panels above; quant.c), for every user of this
+        library copy (`vector_pairs`). Set at load, before any call."""
+        self.vector_pairs = bool(on)
+        self._fn["attention_vector_pairs"](int(on))
+        self._fn["quant_pair_panel_rows"](2 ** 62 if on else SLOW_PAIR_PANEL_ROWS)
 
     def _enable_amx(self) -> int:
         """Turn the quantized linears' AMX tile nest on where the engine's level is `amx` and

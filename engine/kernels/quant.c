@@ -14,9 +14,11 @@
  * - MR < M <= MB, bfloat16 x on an AVX512-BF16 host: the same with the block rounded to
  *   bfloat16 (dqb) and vdpbf16ps products, x block-major.
  * - otherwise (prefill, large decode batches): quant_panel.c — a panel of W rows dequantized
- *   once into a transposed scratch, then register tiles over all of x. A bfloat16 x over W's
- *   repacked copy (quant_linear_packed's `packed`) takes the panels from PACKED_PANEL_ROWS
- *   (5) rows: filled from the copy they beat the fused bfloat16 nest there.
+ *   once into a transposed scratch, then register tiles over all of x (in vdpbf16ps pairs for
+ *   a bfloat16 x on an AVX512-BF16 host, up to quant_pair_panel_rows' rows). A
+ *   bfloat16 x over W's repacked copy (quant_linear_packed's `packed`) takes the pairs'
+ *   panels from PACKED_PANEL_ROWS (5) rows: filled from the copy they beat the fused bfloat16
+ *   nest there.
  * Threads split W's rows. x is first copied (float32, or bfloat16 for the bfloat16 nests),
  * zero-padded to whole blocks (the int8 format pads K with zero weights).
  */
@@ -229,12 +231,27 @@ enum { NEST_SMALL, NEST_MID_BF16, NEST_PANEL, NEST_PANEL_BF16 };
  * panels round weights to bfloat16 as the fused bfloat16 nest did from 5 rows. */
 #define PACKED_PANEL_ROWS 5
 
+/* The most rows of bfloat16 x that take the panels in vdpbf16ps pairs (from PACKED_PANEL_ROWS
+ * over a repacked copy, else above MB); more take the float32 panels, x widened once in
+ * quant_copy_x. Unlimited unless quant_pair_panel_rows lowers it: on an Intel core without AMX
+ * (engine.kernels.isa.slow_bf16_dot) vdpbf16ps runs at half float32 FMAs' rate, and there
+ * (benchmarks/kernel_ab.py `--variant pairs=pairs=1 --variant slow=pairs=0`, Emerald Rapids
+ * with AMX hidden, 2 threads) the embedded model's repacked products took 0.95x the pairs'
+ * time in float32 at 16 rows and 0.64-0.68x at 64, but 1.04x at 12 and 1.43x at 6 (against
+ * the fused pairs nest); random Q4_K blocks in a 1B model's shapes (no repacked copy)
+ * 0.92x at 16 and 0.79-0.80x at 64 (Q6_K 0.88x), and the fused pairs nest 0.75x the float32
+ * nest's time at 8. A process-wide setting, made once by CpuKernels before any call. */
+static int64_t pair_panel_rows = INT64_MAX;
+
+void quant_pair_panel_rows(int64_t rows) { pair_panel_rows = rows; }
+
 static int choose_nest(int64_t m, int x_bf16, int packed) {
-    if (HAVE_BF16_DOT && x_bf16 && packed && m >= PACKED_PANEL_ROWS) return NEST_PANEL_BF16;
+    const int dot = HAVE_BF16_DOT && x_bf16, panel_pairs = dot && m <= pair_panel_rows;
+    if (panel_pairs && packed && m >= PACKED_PANEL_ROWS) return NEST_PANEL_BF16;
     /* 5 to 8 rows of bfloat16 x on an AVX512-BF16 host: the vdpbf16ps nest (measured there) */
-    if (m <= 4 || (m <= MR && !(HAVE_BF16_DOT && x_bf16))) return NEST_SMALL;
-    if (HAVE_BF16_DOT && x_bf16) return m <= MB ? NEST_MID_BF16 : NEST_PANEL_BF16;
-    return NEST_PANEL;
+    if (m <= 4 || (m <= MR && !dot)) return NEST_SMALL;
+    if (dot && m <= MB) return NEST_MID_BF16;
+    return panel_pairs ? NEST_PANEL_BF16 : NEST_PANEL;
 }
 
 /* The W rows [n0, n1) of one thread's chunk through the fused nests (small, mid). */

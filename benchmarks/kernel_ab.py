@@ -71,7 +71,8 @@ def parse_variants(specs: list[str]) -> dict[str, list[str]]:
 def load_builds(variants: dict[str, list[str]], out_dir: Path):
     """{name: CpuKernels} for each variant, compiled (or found) with `cflags()` + its compiler
     flags (none: the engine's own cached build), each loaded from its own copy in `out_dir`
-    (one dlopen handle per variant) and given its `pairs=` word's vector_pairs."""
+    (one dlopen handle per variant name and build; a copy is never overwritten, as rewriting
+    a loaded library crashes the process) and given its `pairs=` word's vector_pairs."""
     from engine import kernels as K
     from engine.halt_poll import find_compiler
 
@@ -79,9 +80,12 @@ def load_builds(variants: dict[str, list[str]], out_dir: Path):
     for name, words in variants.items():
         extra = [w for w in words if not w.startswith("pairs=")]
         path = K.build(find_compiler(), K.cflags() + extra, out_dir=out_dir if extra else None)
-        copy = out_dir / "loaded" / f"{name}.so"
-        copy.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(path, copy)
+        copy = out_dir / "loaded" / f"{name}-{path.stem}.so"   # never rewritten once loaded
+        if not copy.exists():
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            tmp = copy.with_suffix(".tmp")
+            shutil.copyfile(path, tmp)
+            tmp.replace(copy)
         kernels = K.CpuKernels(ctypes.CDLL(str(copy.resolve())))
         for w in words:
             if w.startswith("pairs="):

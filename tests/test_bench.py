@@ -179,6 +179,7 @@ def test_kernel_ab_rotates_builds_and_pairs_each_round():
     assert res["b"]["median_ms"] == 2.0 and res["a"]["best_ms"] == 1.0
     assert (res["b"]["equal_to_first"], res["c"]["equal_to_first"]) == (True, False)
     assert parse_variants(["base=", "pf=-DPF=4096 -DX"]) == {"base": [], "pf": ["-DPF=4096", "-DX"]}
+    assert parse_variants(["slow=pairs=0"]) == {"slow": ["pairs=0"]}
     for bad in (["base"], ["=-DX"], ["a=", "a=-DX"]):
         with pytest.raises(ValueError):
             parse_variants(bad)
@@ -196,8 +197,30 @@ def test_kernel_ab_runs_the_engine_build_against_itself(tmp_path):
     for workload in ("attention", "linears"):
         res = main(["--variant", "a=", "--variant", "b=", "--workload", workload, "--layers",
                     "1", "--rows", "8", "--batch", "4", "--rounds", "2",
-                    "--save-result", str(out)])
+                    "--build-dir", str(tmp_path), "--save-result", str(out)])
         assert res["workload"] == workload and res["builds"] == {"a": [], "b": []}
         assert all(r["equal_to_first"] for r in res["results"].values())
         assert len(res["results"]["b"]["rounds_ms"]) == 2
         assert json.loads(out.read_text())["host"] == res["host"]
+
+
+def test_kernel_ab_pairs_words_switch_one_variant_only(tmp_path):
+    """`pairs=0` / `pairs=1` set each variant's own `vector_pairs` (its own library copy): at 16
+    rows of Q4_K blocks the two differ where the build has the vdpbf16ps panels and no AMX
+    tiles take the rows first, and are bit-equal elsewhere; the engine's own library keeps
+    its setting."""
+    from benchmarks.kernel_ab import main
+    from engine import kernels
+    from engine.halt_poll import find_compiler
+
+    if find_compiler() is None:
+        pytest.skip("no C compiler: the CPU kernels cannot be built")
+    engine_lib = kernels.load()
+    before = engine_lib.vector_pairs
+    res = main(["--variant", "on=pairs=1", "--variant", "off=pairs=0", "--qtype", "Q4_K",
+                "--layers", "1", "--rows", "16", "--rounds", "1", "--build-dir", str(tmp_path)])
+    assert res["builds"] == {"on": ["pairs=1"], "off": ["pairs=0"]}
+    pairs_panels = (engine_lib._fn["quant_panel_packed_bytes"](3, 16, 32) > 0
+                    and not engine_lib.amx_rows)
+    assert res["results"]["off"]["equal_to_first"] is (not pairs_panels)
+    assert engine_lib.vector_pairs == before

@@ -224,3 +224,14 @@ def test_kernel_ab_pairs_words_switch_one_variant_only(tmp_path):
                     and not engine_lib.amx_rows)
     assert res["results"]["off"]["equal_to_first"] is (not pairs_panels)
     assert engine_lib.vector_pairs == before
+
+
+def test_host_drift_applies_perf_analyzer_max_over_min_rule():
+    """`host_drift.stable_triples`: a run of three windows passes when its largest rate is at
+    most 1.1x its smallest (perf_analyzer's test), not when each lies within 10 % of the mean:
+    4,691 / 4,863 / 5,170 is within 10 % of its mean but 1.102x max over min."""
+    from benchmarks.host_drift import stable_triples
+
+    assert stable_triples([4691, 4863, 5170], 10) == (0, 1)
+    assert stable_triples([100, 105, 109, 125, 120, 118], 10) == (2, 4)
+    assert stable_triples([1.0, 2.0], 10) == (0, 0)

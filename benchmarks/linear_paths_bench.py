@@ -21,13 +21,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 if __package__ in (None, ""):          # run as a file: the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.harness import add_save_result, save_result  # noqa: E402
+from benchmarks.kernel_ab import measure  # noqa: E402  (rounds in a rotated order)
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 LAYERS, VOCAB, HIDDEN = 30, 49152, 576
@@ -47,21 +47,6 @@ def build_linears(path: str, dtype_name: str, kernels) -> list:
     shapes = SHAPES * LAYERS + [(VOCAB, HIDDEN)]
     return [(Linear((torch.randn(n, k, generator=g) * 0.02).to(dtype), None, path, kernels), k)
             for n, k in shapes]
-
-
-def measure(runs: dict, rounds: int) -> dict[str, list[float]]:
-    """{name: [ms of each round]}, every run once a round in a rotated order, after a warm-up."""
-    names = list(runs)
-    for n in names:
-        runs[n]()
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds):
-        k = r % len(names)
-        for n in names[k:] + names[:k]:
-            t0 = time.perf_counter()
-            runs[n]()
-            times[n].append((time.perf_counter() - t0) * 1e3)
-    return times
 
 
 def main(argv: list[str] | None = None) -> dict:

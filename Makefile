@@ -158,6 +158,8 @@ bench-peers: install peers
 	$(PY) benchmarks/cpu_peers_bench.py --vllm-python $(VLLM_VENV)/bin/python \
 	  --llama-server $(LLAMA_SERVER) --openvino-python $(OV_VENV)/bin/python \
 	  --ir-dir $(PEERS_DIR)/ir --save-result benchmarks/results/cpu_peers_bench_$${isa}_$$day.json && \
+	$(PY) benchmarks/host_drift.py --windows 20 \
+	  --save-result benchmarks/results/host_drift_$${isa}_$$day.json && \
 	$(PY) benchmarks/triton_protocol_bench.py --perf-analyzer $(PA_VENV)/bin/perf_analyzer \
 	  --triton-venv $(TRITON_VENV) --models simple --modes http-json,http-binary,grpc \
 	  --concurrency 1,4,16 --pa-defaults --repeats 2 \

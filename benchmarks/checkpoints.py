@@ -2,7 +2,8 @@
 families other than the embedded one are tested and benchmarked without downloading weights.
 
 Owns: `CONFIGS` (named config overrides: `tiny` for the tests, `smollm2` = the embedded model's
-own config, `llama-3.2-1b` = Llama-3.2-1B's shapes) and `build_checkpoint`. In: the embedded
+own config, `llama-3.2-1b` = Llama-3.2-1B's shapes), `build_checkpoint`, and `random_blocks`
+(random GGUF blocks for the quantized kernels' tests and timings). In: the embedded
 model's directory (`engine.loader.resolve_model(None)`: config.json and tokenizer files). Out: a
 directory with config.json, model.safetensors (transformers' `LlamaForCausalLM` initialisation
 under a fixed seed) and the tokenizer, loadable by Continuum and transformers alike.
@@ -73,3 +74,29 @@ def build_checkpoint(base_dir: str | Path, out_dir: str | Path, name: str, seed:
             shutil.copy(Path(base_dir) / f, out / f)
     stamp.write_text(json.dumps([cfg, seed]))
     return out
+
+
+def random_blocks(name: str, n: int, k: int, seed: int = 0):
+    """An `engine.quant.formats.QuantWeight` `[n, k]` of random blocks of the kernels' GGUF
+    type `name` ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"; k a multiple of its block of 32 or
+    256 values) drawn from `seed`: random quants, float16 scale fields (d; dmin) set to small
+    finite values of either sign, as a quantizer writes them. For the kernel tests and
+    kernel_ab's timings. Raises KeyError for another type."""
+    import numpy as np
+    import torch
+
+    from engine.quant.formats import KERNEL_TYPES, TYPE_IDS, QuantWeight
+
+    qtype = TYPE_IDS[name]
+    _, per, nbytes = KERNEL_TYPES[qtype]
+    rng = np.random.default_rng(seed)
+    nb = k // per
+    raw = rng.integers(0, 256, size=(n, nb, nbytes), dtype=np.uint8)
+
+    def f16(lo=0.001, hi=0.02):
+        vals = rng.uniform(lo, hi, size=(n, nb)) * rng.choice([-1, 1], size=(n, nb))
+        return vals.astype(np.float16).view(np.uint8).reshape(n, nb, 2)
+    fields = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q4_K": [0, 2], "Q6_K": [208]}[name]
+    for off in fields:
+        raw[..., off:off + 2] = f16()
+    return QuantWeight(qtype, torch.from_numpy(raw.reshape(n, nb * nbytes)), (n, k))

@@ -94,31 +94,12 @@ def load_builds(variants: dict[str, list[str]], out_dir: Path):
     return builds
 
 
-def random_blocks(qtype: str, n: int, k: int, rng):
-    """`[n, k]` QuantWeight of random quants of GGUF type `qtype`, its float16 scale fields
-    (d, and dmin for Q4_1 / Q4_K) small finite values, as a quantizer writes them."""
-    import numpy as np
-    import torch
-
-    from engine.quant.formats import KERNEL_TYPES, TYPE_IDS, QuantWeight
-
-    tid = TYPE_IDS[qtype]
-    _, per, nbytes = KERNEL_TYPES[tid]
-    nb = k // per
-    raw = rng.integers(0, 256, size=(n, nb, nbytes), dtype=np.uint8)
-    for off in {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q4_K": [0, 2], "Q6_K": [208]}[qtype]:
-        vals = rng.uniform(0.001, 0.02, size=(n, nb)).astype(np.float16)
-        raw[..., off:off + 2] = vals.view(np.uint8).reshape(n, nb, 2)
-    return QuantWeight(tid, torch.from_numpy(raw.reshape(n, nb * nbytes)), (n, k))
-
-
 def block_linears(qtype: str, layers: int):
     """A 1B-class model's fused linears of `layers` layers (module docstring), random blocks."""
-    import numpy as np
+    from benchmarks.checkpoints import random_blocks
 
-    rng = np.random.default_rng(0)
-    shapes = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]
-    return [random_blocks(qtype, n, k, rng) for _ in range(layers) for n, k in shapes]
+    shapes = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)] * layers
+    return [random_blocks(qtype, n, k, seed=i) for i, (n, k) in enumerate(shapes)]
 
 
 def linears_workload(args):
@@ -135,7 +116,6 @@ def linears_workload(args):
     if args.panel_pack:      # the copy a bfloat16 model's weights get (read where pairs=1)
         from engine import kernels as K
         packer = K.load()
-        packer.set_vector_pairs(True)
         for w in ws:
             packer.panel_pack(w)
     xs = {w.shape[1]: torch.randn(args.rows, w.shape[1], generator=torch.Generator().manual_seed(0))

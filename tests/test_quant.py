@@ -13,27 +13,10 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.checkpoints import random_blocks  # noqa: F401  (the tests' import of it)
 from engine.quant.formats import KERNEL_TYPES, TYPE_IDS, QuantWeight, quantize_int8
 
 GGUF_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"]
-
-
-def random_blocks(name: str, n: int, k: int, seed: int = 0) -> QuantWeight:
-    """`[n, k]` of random blocks of type `name`: random quants and scales (float16 fields set
-    to small finite values, as a quantizer writes them)."""
-    qtype = TYPE_IDS[name]
-    _, per, nbytes = KERNEL_TYPES[qtype]
-    rng = np.random.default_rng(seed)
-    nb = k // per
-    raw = rng.integers(0, 256, size=(n, nb, nbytes), dtype=np.uint8)
-
-    def f16(lo=0.001, hi=0.02):
-        vals = rng.uniform(lo, hi, size=(n, nb)) * rng.choice([-1, 1], size=(n, nb))
-        return vals.astype(np.float16).view(np.uint8).reshape(n, nb, 2)
-    fields = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q4_K": [0, 2], "Q6_K": [208]}[name]
-    for off in fields:
-        raw[..., off:off + 2] = f16()
-    return QuantWeight(qtype, torch.from_numpy(raw.reshape(n, nb * nbytes)), (n, k))
 
 
 def reference(w: QuantWeight) -> torch.Tensor:

@@ -22,8 +22,9 @@ Costs: the CPU time of otherwise idle CPUs while such traffic lasts, and at most
 
 `halt_poll()` returns the process's `HaltPoll`, or None where it is off: `CONTINUUM_HALT_POLL`
 = `0` (off), `1` (on), `auto` (the default: on in a guest — the `hypervisor` CPU flag — whose
-kernel has no `haltpoll` cpuidle driver, with at least two CPUs to use and a C compiler to
-build the small helper into `$CONTINUUM_CACHE/halt_poll/`).
+kernel does not poll: no `haltpoll` cpuidle driver, or one whose `guest_halt_poll_ns` is 0; with
+at least two CPUs to use and a C compiler to build the small helper into
+`$CONTINUUM_CACHE/halt_poll/`).
 Flows in: `keep_warm(seconds)` from the HTTP protocol and the gRPC loop threads; out: nothing
 but CPU time on idle CPUs. Linux only (futex); elsewhere `auto` finds no `hypervisor` flag.
 """
@@ -174,9 +175,15 @@ class HaltPoll:
 
 
 def wanted(env: str | None = None, cpuinfo: str = "/proc/cpuinfo",
-           cpuidle: str = "/sys/devices/system/cpu/cpuidle/current_driver") -> tuple[bool, str]:
+           cpuidle: str = "/sys/devices/system/cpu/cpuidle/current_driver",
+           poll_ns: str = "/sys/module/haltpoll/parameters/guest_halt_poll_ns"
+           ) -> tuple[bool, str]:
     """Whether to run halt polling here, and why (for the log): `env` is CONTINUUM_HALT_POLL's
-    value (`0`, `1`, `auto` or None = auto). Raises ValueError for another value."""
+    value (`0`, `1`, `auto` or None = auto). A guest whose cpuidle driver is `haltpoll` polls
+    only if its governor's limit `guest_halt_poll_ns` (Linux
+    drivers/cpuidle/governors/haltpoll.c; default 200,000) is above 0: firecracker guests
+    seen here load the driver with the limit at 0, and their POLL state is never entered.
+    Raises ValueError for another `env` value."""
     env = (env or "auto").strip().lower()
     if env not in ("0", "1", "auto"):
         raise ValueError(f"{ENV} must be 0, 1 or auto, not {env!r}")
@@ -196,7 +203,14 @@ def wanted(env: str | None = None, cpuinfo: str = "/proc/cpuinfo",
     except OSError:
         driver = "none"
     if driver == "haltpoll":
-        return False, "the guest kernel polls (cpuidle driver haltpoll)"
+        try:
+            limit = Path(poll_ns).read_text().strip()
+        except OSError:
+            limit = "unknown"
+        if limit != "0":
+            return False, f"the guest kernel polls (cpuidle driver haltpoll, up to {limit} ns)"
+        return True, "a virtual machine whose kernel does not (cpuidle driver haltpoll with " \
+                     "guest_halt_poll_ns 0)"
     return True, f"a virtual machine whose kernel does not (cpuidle driver: {driver})"
 
 

@@ -13,13 +13,16 @@ import pytest
 from engine.halt_poll import HaltPoll, build, find_compiler, wanted
 
 
-def _host(tmp_path, flags: str, driver: str | None):
+def _host(tmp_path, flags: str, driver: str | None, poll_ns: str | None = "200000"):
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(f"processor\t: 0\nflags\t\t: fpu sse2 {flags}\n\n")
     cpuidle = tmp_path / "driver"
     if driver is not None:
         cpuidle.write_text(driver + "\n")
-    return dict(cpuinfo=str(cpuinfo), cpuidle=str(cpuidle))
+    limit = tmp_path / "guest_halt_poll_ns"
+    if poll_ns is not None:
+        limit.write_text(poll_ns + "\n")
+    return dict(cpuinfo=str(cpuinfo), cpuidle=str(cpuidle), poll_ns=str(limit))
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="auto needs two CPUs to use")
@@ -28,6 +31,15 @@ def test_auto_polls_in_a_guest_whose_kernel_does_not(tmp_path):
     assert wanted("auto", **_host(tmp_path, "hypervisor", None))[0]         # no cpuidle at all
     assert not wanted(None, **_host(tmp_path, "hypervisor", "haltpoll"))[0]  # the kernel polls
     assert not wanted(None, **_host(tmp_path, "avx2", "intel_idle"))[0]      # bare metal
+    assert not wanted(None, **_host(tmp_path, "hypervisor", "haltpoll", None))[0]  # default limit
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="auto needs two CPUs to use")
+def test_auto_polls_where_the_haltpoll_driver_may_not(tmp_path):
+    """A firecracker guest's kernel loads the haltpoll driver with guest_halt_poll_ns 0: its
+    POLL state is never entered, so its CPUs halt at once as without the driver."""
+    on, why = wanted(None, **_host(tmp_path, "hypervisor", "haltpoll", "0"))
+    assert on and "guest_halt_poll_ns 0" in why
 
 
 def test_the_environment_decides_first(tmp_path):

@@ -129,6 +129,10 @@ class BusyPoll:
     MISSES x `spin_s` of CPU, and polling resumes once a request follows a response closely."""
 
     MISSES = 2
+    # Requests in a row on one connection (after the first) before its client counts as alone:
+    # four clients in turn put two of theirs in a row one time in four, and one millisecond of
+    # spin per such request kept the CPUs spinning most of the time.
+    SAME_SOURCE_RUN = 8
 
     def __init__(self, loop: asyncio.AbstractEventLoop, spin_s: float,
                  clock=time.perf_counter, halt: HaltPoll | None = None) -> None:
@@ -138,19 +142,29 @@ class BusyPoll:
         self.until = 0.0                    # polling deadline (clock s)
         self.spinning = False
         self.polls = 0                      # loop passes polled since the last answer
+        self.last_source = 0                # the connection of the last request (`arrived`)
+        self.same_run = 0                   # requests in a row on that connection, less one
 
-    def arrived(self) -> None:
-        """A request's head was parsed. If the loop waited for it (it polled empty
-        IDLE_POLLS times since the last answer, or blocked) and requests follow closely, the
-        process's `HaltPoll` (if on) keeps the other CPUs awake for its answer, whose client
-        may be waiting on one of them (engine/halt_poll.py). Not under concurrent load, where
-        the next request is already waiting: there the CPUs seldom idle, and spinning on
-        them cost 15 % of perf_analyzer's c16 rate (the host sees the VM's CPUs always busy)."""
+    def arrived(self, source: int = 0) -> None:
+        """A request's head was parsed on connection `source` (any id of it). If the loop
+        waited for it (it polled empty IDLE_POLLS times since the last answer, or blocked),
+        requests follow closely and the last SAME_SOURCE_RUN came on this connection (one
+        client turning each answer into its next request), the process's `HaltPoll` (if on) keeps the
+        other CPUs awake for its answer, whose client may be waiting on one of them
+        (engine/halt_poll.py). Not under concurrent load: where the next request is already
+        waiting spinning on the CPUs cost 15 % of perf_analyzer's c16 rate (the host sees the
+        VM's CPUs always busy), and where several clients take turns (c4) the loop still
+        waits between requests, but the spin took 16 % of the wall time and some 5 s windows
+        fell to 1,900-2,300 infer/s from 4,700-7,800 (Intel Emerald Rapids guest, session
+        35)."""
         if self.clock() - self.last_answer < self.spin_s:
             self.misses = 0
         else:
             self.misses += 1
-        if (self.halt is not None and self.misses < self.MISSES
+        self.same_run = self.same_run + 1 if source == self.last_source else 0
+        self.last_source = source
+        if (self.halt is not None and self.same_run >= self.SAME_SOURCE_RUN
+                and self.misses < self.MISSES
                 and (self.polls >= IDLE_POLLS or not self.spinning)):
             self.halt.keep_warm(WINDOW_S)
 
@@ -334,7 +348,7 @@ class HttpToolsProtocol(_HttpToolsProtocol):
         if not self._counted:
             self._counted = True
             _in_progress[0] += 1
-        self.busy.arrived()
+        self.busy.arrived(id(self))
 
     def on_response_complete(self) -> None:
         """Its response has ended: no longer in progress."""

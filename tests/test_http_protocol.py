@@ -115,6 +115,7 @@ def test_the_loop_polls_after_a_response_while_requests_follow_closely():
             for _ in range(n):
                 await asyncio.sleep(0)
 
+        poll.same_run = BusyPoll.SAME_SOURCE_RUN   # one client, seen long enough
         poll.arrived()                      # the first request: nothing to go by
         poll.answered()
         assert not poll.spinning and halt.windows == []
@@ -152,4 +153,33 @@ def test_the_loop_polls_after_a_response_while_requests_follow_closely():
         assert len(halt.windows) == 4
         now[0] = 20.0
         await passes(2)
+    asyncio.run(main())
+
+
+def test_clients_taking_turns_do_not_keep_the_cpus_awake():
+    """BusyPoll: a request the loop waited for keeps the CPUs awake only when it came on the
+    connection of the one before (a client turning each answer into its next request); where
+    several connections take turns (perf_analyzer c4) the CPUs are not spun for."""
+    async def main():
+        loop, now, halt = asyncio.get_running_loop(), [0.0], Halt()
+        poll = BusyPoll(loop, 1.0, clock=lambda: now[0], halt=halt)
+        for i in range(8):                  # four clients in turn, each request close
+            now[0] += 0.1
+            poll.arrived(source=1 + i % 4)
+            now[0] += 0.1
+            poll.answered()
+            for _ in range(IDLE_POLLS):
+                await asyncio.sleep(0)
+        assert halt.windows == []
+        for _ in range(BusyPoll.SAME_SOURCE_RUN + 2):   # one client alone: kept awake
+            now[0] += 0.1                                # once it has shown it is
+            poll.arrived(source=7)
+            now[0] += 0.1
+            poll.answered()
+            for _ in range(IDLE_POLLS):
+                await asyncio.sleep(0)
+        assert halt.windows == [WINDOW_S] * 2
+        now[0] = 99.0
+        for _ in range(2):
+            await asyncio.sleep(0)
     asyncio.run(main())

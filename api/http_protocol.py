@@ -149,14 +149,13 @@ class BusyPoll:
         """A request's head was parsed on connection `source` (any id of it). If the loop
         waited for it (it polled empty IDLE_POLLS times since the last answer, or blocked),
         requests follow closely and the last SAME_SOURCE_RUN came on this connection (one
-        client turning each answer into its next request), the process's `HaltPoll` (if on) keeps the
-        other CPUs awake for its answer, whose client may be waiting on one of them
+        client turning each answer into its next request), the process's `HaltPoll` (if on)
+        keeps the other CPUs awake for its answer, whose client may be waiting on one of them
         (engine/halt_poll.py). Not under concurrent load: where the next request is already
-        waiting spinning on the CPUs cost 15 % of perf_analyzer's c16 rate (the host sees the
-        VM's CPUs always busy), and where several clients take turns (c4) the loop still
-        waits between requests, but the spin took 16 % of the wall time and some 5 s windows
-        fell to 1,900-2,300 infer/s from 4,700-7,800 (Intel Emerald Rapids guest, session
-        35)."""
+        waiting, spinning on the CPUs cost 15 % of perf_analyzer's c16 rate (the host sees the
+        VM's CPUs always busy); where several clients take turns (c4) the loop still waits
+        between requests, and the spin ran 16 % of the wall time for nothing (py-spy, Intel
+        Emerald Rapids guest, session 35)."""
         if self.clock() - self.last_answer < self.spin_s:
             self.misses = 0
         else:

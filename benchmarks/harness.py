@@ -5,7 +5,8 @@ it with its whole process group, `continuum serve` as a context manager, the clo
 driver (N clients, each sending its next request when its previous one is answered, measured
 over a window after a warm-up), the latency summary of such a run, and the `--save-result
 FILE` flag every script takes (JSON; `benchmarks/results/<script>.json` for the scripts that
-save by default).
+save by default), and the host's steal time over a measurement (`StealMeter`: the share of the
+vCPUs' time the hypervisor gave to others, which no server on the guest can outrun).
 
 In: server command lines or `continuum serve` flags, readiness URLs, a `request(worker, i)`
 that builds one request and returns the awaitable sending it, result dicts. Out:
@@ -185,6 +186,36 @@ def latency_summary(latencies: list[float], seconds: float, digits: int = 1) -> 
             "p50_ms": None if p50 is None else round(p50, digits),
             "p99_ms": None if p99 is None else round(p99, digits),
             "completed": len(ms)}
+
+
+class StealMeter:
+    """The hypervisor's steal time over a span, from /proc/stat's `cpu` line (proc(5): the
+    8th value, time a virtual CPU was runnable but the host ran something else): `start()`,
+    then `percent()` = steal / all CPU time since, in % (0.0 where /proc/stat is absent or
+    has no steal field). Measured on the session-36 Intel KVM guest: perf_analyzer windows
+    fell from ~6,500 to ~2,000 infer/s while steal rose from 0 to 20-35 % on both vCPUs for
+    tens of seconds (benchmarks/results/steal_trace_intel_noamx_session36.txt)."""
+
+    def __init__(self, stat: str = "/proc/stat") -> None:
+        self.stat, self._start = stat, (0, 0)
+
+    def _read(self) -> tuple[int, int]:
+        try:
+            with open(self.stat) as f:
+                values = [int(x) for x in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return 0, 0
+        # user nice system idle iowait irq softirq steal [guest guest_nice: inside user]
+        return (values[7] if len(values) > 7 else 0), sum(values[:8])
+
+    def start(self) -> StealMeter:
+        self._start = self._read()
+        return self
+
+    def percent(self) -> float:
+        steal, total = self._read()
+        spent = total - self._start[1]
+        return round(100.0 * (steal - self._start[0]) / spent, 1) if spent > 0 else 0.0
 
 
 # ----------------------------------------------------------------------------- results

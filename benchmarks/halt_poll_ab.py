@@ -5,9 +5,10 @@ alternating between rounds (the host drifts by tens of percent within minutes).
 
 Points are `mode:concurrency` (modes as in triton_protocol_bench: http-json, http-binary,
 grpc, grpc-shm). `--swap` starts the =0 server first (on the session-35 Intel guest the
-server started first sometimes ran a c4 point at 1,900-2,700 infer/s whichever it was; session
-36's A/A runs found no start-order effect that held, and traced such windows to the host's
-steal time: each line carries the round's `steal_pct`).
+server started first sometimes ran a c4 point at 1,900-2,700 infer/s whichever it was; in
+session 36's A/A runs the first of two halt-polling servers still drew more unstable rounds,
+unexplained, and one trace showed windows falling with the host's steal time: each line now
+carries the round's `steal_pct`).
 `--values 0,0` (or `1,1`) runs an A/A test instead: two identical servers, named by their
 CONTINUUM_HALT_POLL value and start order, which shows what the start order alone does.
 Output: one line per measurement, with the CPU seconds the server's threads used during it

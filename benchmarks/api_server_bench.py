@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 import tempfile
@@ -26,6 +25,7 @@ if __package__ in (None, ""):          # run as a file: the repository root on t
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.cpu_peers_bench import host  # noqa: E402
+from benchmarks import harness  # noqa: E402
 from benchmarks.harness import continuum, save_result  # noqa: E402
 from benchmarks.quant_bench import workload  # noqa: E402
 
@@ -34,8 +34,7 @@ CONFIGS = {"default": [], "bf16": ["--quantization", "none", "--dtype", "bfloat1
 
 def cpu_seconds(pid: int) -> float:
     """utime + stime of `pid` (all its threads), seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return harness.cpu_seconds(f"/proc/{pid}/stat")
 
 
 def roles(proc, log: Path, count: int) -> dict[str, list[int]]:

@@ -31,22 +31,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from benchmarks import triton_protocol_bench as tpb  # noqa: E402
-from benchmarks.harness import (add_save_result, free_port, launch, save_result,  # noqa: E402
-                                stop, wait_ready)
+from benchmarks.harness import (add_save_result, cpu_seconds, free_port, launch,  # noqa: E402
+                                proc_stat, save_result, stop, wait_ready)
 
 
 def thread_cpu(pid: int) -> dict[int, tuple[int, float]]:
     """{thread id: (scheduling policy, user + system CPU seconds)} of process `pid`, from
-    /proc/PID/task/TID/stat (proc(5): utime, stime fields 14-15, policy field 41)."""
-    tick = os.sysconf("SC_CLK_TCK")
+    /proc/PID/task/TID/stat (harness.proc_stat)."""
     out = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            out[int(task.name)] = (int(proc_stat(task / "stat")[38]), cpu_seconds(task / "stat"))
         except OSError:             # the thread ended meanwhile
             continue
-        # fields[0] is field 3 (state): field n is fields[n - 3]
-        out[int(task.name)] = (int(fields[38]), (int(fields[11]) + int(fields[12])) / tick)
     return out
 
 

@@ -5,7 +5,7 @@ it with its whole process group, `continuum serve` as a context manager, the clo
 driver (N clients, each sending its next request when its previous one is answered, measured
 over a window after a warm-up), the latency summary of such a run, and the `--save-result
 FILE` flag every script takes (JSON; `benchmarks/results/<script>.json` for the scripts that
-save by default), and the host's steal time over a measurement (`StealMeter`: the share of the
+save by default), CPU seconds from /proc (`proc_stat`, `cpu_seconds`), and the host's steal time over a measurement (`StealMeter`: the share of the
 vCPUs' time the hypervisor gave to others, which no server on the guest can outrun).
 
 In: server command lines or `continuum serve` flags, readiness URLs, a `request(worker, i)`
@@ -186,6 +186,20 @@ def latency_summary(latencies: list[float], seconds: float, digits: int = 1) -> 
             "p50_ms": None if p50 is None else round(p50, digits),
             "p99_ms": None if p99 is None else round(p99, digits),
             "completed": len(ms)}
+
+
+def proc_stat(path: str | Path) -> list[str]:
+    """The fields of a /proc/PID/stat or /proc/PID/task/TID/stat file after the command name
+    (which may hold spaces): element i is proc(5)'s field i + 3 (state first, utime [11],
+    stime [12], policy [38]). Raises OSError when the process or thread is gone."""
+    return Path(path).read_text().rsplit(")", 1)[1].split()
+
+
+def cpu_seconds(path: str | Path) -> float:
+    """utime + stime in a /proc stat file (`proc_stat`), seconds: a process's (all its
+    threads) or one thread's. Raises OSError when it is gone."""
+    fields = proc_stat(path)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class StealMeter:

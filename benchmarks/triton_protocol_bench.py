@@ -197,9 +197,9 @@ def measure_point(args, model: str, mode: str, c: int, http: int, grpc: int) -> 
 def unstable_rounds(result: dict) -> list[str]:
     """One line per round perf_analyzer could not stabilise: server, point, round, steal %."""
     return [f"{name} {key} round {i + 1}: unstable (steal {r.get('steal_pct', '?')} %)"
-            for name, points in result.items() if isinstance(points, dict)
-            for key, point in points.items() if isinstance(point, dict)
-            for i, r in enumerate(point.get("rounds", [])) if "error" in r]
+            for name, points in result.items() if name != "host"
+            for key, point in points.items()
+            for i, r in enumerate(point["rounds"]) if "error" in r]
 
 
 def median_point(points: list[dict]) -> dict:

@@ -235,3 +235,22 @@ def test_host_drift_applies_perf_analyzer_max_over_min_rule():
     assert stable_triples([4691, 4863, 5170], 10) == (0, 1)
     assert stable_triples([100, 105, 109, 125, 120, 118], 10) == (2, 4)
     assert stable_triples([1.0, 2.0], 10) == (0, 0)
+
+
+def test_unstable_tally_counts_kept_rounds_in_both_result_shapes():
+    """`unstable_tally.tally`: a kept round with an "error" is unstable; attempts a
+    `--steal-retry` discarded are not rounds; runs nested one level deeper (the session-10
+    EPYC file) count under their server."""
+    from benchmarks.unstable_tally import tally
+
+    bad, good = {"error": "Failed to obtain stable measurement."}, {"throughput": 1.0}
+    flat = {"host": {"isa": "avx2"},
+            "continuum": {"simple/grpc/1": {"rounds": [bad, dict(good, attempts=[bad, good])]}},
+            "triton": {"simple/grpc/1": {"rounds": [good, good]}}}
+    unstable, total = tally(flat)
+    assert (unstable["continuum"], total["continuum"]) == (1, 2)
+    assert (unstable["triton"], total["triton"]) == (0, 2)
+    nested = {"run1": flat, "run2": {"triton": {"simple/grpc/4": {"rounds": [bad]}}}}
+    unstable, total = tally(nested)
+    assert (unstable["continuum"], total["continuum"]) == (1, 2)
+    assert (unstable["triton"], total["triton"]) == (1, 3)

@@ -16,7 +16,8 @@ How: one thread per process at SCHED_IDLE (it runs only on a CPU that has nothin
 and any thread that wakes preempts it at once) lives in C (`continuum_halt_poll_run`, GIL
 released for good): a `pause` loop on CLOCK_MONOTONIC until a deadline that the front ends move
 forward with `keep_warm` while v2 requests arrive closely (`BusyPoll`, the gRPC loop's own
-spin and each of its blocking waits that ends), then a futex wait until the next `keep_warm` wakes it.
+spin and each of its blocking waits that ends), then a futex wait until the next `keep_warm`
+wakes it.
 Costs: the CPU time of otherwise idle CPUs while such traffic lasts, and at most
 `keep_warm`'s window after it stops; nothing while idle.
 

@@ -485,6 +485,22 @@ def test_grpc_is_imported_with_loop_thread_io_and_the_environment_restored(user,
     assert out == [str(turned_off), "True", str(after)]
 
 
+def _echo_loop_server(on_call=lambda: None):
+    """grpc/loop.py's `Server` alone, its ModelInfer answering each request with its model
+    name and id (after calling `on_call()` on the loop thread); not started, no port."""
+    from triton_compat.frontend.grpc.loop import Server
+    from triton_compat.frontend.grpc.server import WORKERS
+
+    def model_infer(data, metadata, reply):
+        on_call()
+        msg = pb.ModelInferRequest.FromString(data)
+        reply(pb.ModelInferResponse(model_name=msg.model_name, id=msg.id))
+
+    return Server(service_pb2_grpc.GRPCInferenceServiceServicer(),
+                  service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server,
+                  {"ModelInfer": model_infer}, options=[], workers=WORKERS)
+
+
 @continuum_only("Continuum's completion-queue loop, run in the test's process")
 def test_the_loop_polls_while_calls_follow_closely_and_idles_after():
     """grpc/loop.py polls without blocking for a moment after each event while calls arrive
@@ -494,16 +510,9 @@ def test_the_loop_polls_while_calls_follow_closely_and_idles_after():
     import os
     import threading
 
-    from triton_compat.frontend.grpc.loop import SPIN_S, Server
-    from triton_compat.frontend.grpc.server import WORKERS
+    from triton_compat.frontend.grpc.loop import SPIN_S
 
-    def model_infer(data, metadata, reply):
-        msg = pb.ModelInferRequest.FromString(data)
-        reply(pb.ModelInferResponse(model_name=msg.model_name, id=msg.id))
-
-    server = Server(service_pb2_grpc.GRPCInferenceServiceServicer(),
-                    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server,
-                    {"ModelInfer": model_infer}, options=[], workers=WORKERS)
+    server = _echo_loop_server()
     port = server.add_insecure_port("127.0.0.1:0")
     before = {t.ident for t in threading.enumerate()}
     server.start()
@@ -533,9 +542,6 @@ def test_a_call_that_wakes_the_idle_loop_keeps_the_cpus_awake_for_its_answer():
     time, or perf_analyzer c1 on a slow step) moves the process's `HaltPoll` window forward
     before its handler runs: its client's CPU halted while the loop waited, and waking it for
     the answer cost ~1 ms of p99 on a 2-CPU guest (grpc/loop.py `Server._next_event`)."""
-    from triton_compat.frontend.grpc.loop import Server
-    from triton_compat.frontend.grpc.server import WORKERS
-
     warmed: list[float] = []
     handled: list[float] = []
 
@@ -543,14 +549,7 @@ def test_a_call_that_wakes_the_idle_loop_keeps_the_cpus_awake_for_its_answer():
         def keep_warm(self, seconds: float) -> None:
             warmed.append(time.perf_counter())
 
-    def model_infer(data, metadata, reply):
-        handled.append(time.perf_counter())
-        msg = pb.ModelInferRequest.FromString(data)
-        reply(pb.ModelInferResponse(model_name=msg.model_name, id=msg.id))
-
-    server = Server(service_pb2_grpc.GRPCInferenceServiceServicer(),
-                    service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server,
-                    {"ModelInfer": model_infer}, options=[], workers=WORKERS)
+    server = _echo_loop_server(on_call=lambda: handled.append(time.perf_counter()))
     server._halt = RecordingHalt()      # whether or not this host runs the real one
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()

@@ -113,18 +113,22 @@ def linears_workload(args):
     else:
         ws = model_linears()
         ws = ws[:4 * args.layers] + (ws[-1:] if args.lm_head else [])
-    if args.panel_pack:      # the copy a bfloat16 model's weights get (read where pairs=1)
+    if args.panel_pack or args.int8_x:   # the copies a bfloat16 model's weights get
         from engine import kernels as K
         packer = K.load()
         for w in ws:
-            packer.panel_pack(w)
+            if args.panel_pack:          # read where pairs=1
+                packer.panel_pack(w)
+            if args.int8_x:              # read by the int8-activation nest
+                packer.q8_pack(w)
     xs = {w.shape[1]: torch.randn(args.rows, w.shape[1], generator=torch.Generator().manual_seed(0))
           .bfloat16() for w in ws}
     outs: dict = {}
 
     def setup(name, kernels):
         def run():
-            outs[name] = [kernels.quant_linear(xs[w.shape[1]], w) for w in ws]
+            outs[name] = [kernels.quant_linear(xs[w.shape[1]], w, int8_x=args.int8_x)
+                          for w in ws]
         return run
     return setup, outs
 
@@ -208,6 +212,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--panel-pack", action="store_true",
                    help="linears: give the weights the bfloat16 panels' repacked copy, as a "
                         "bfloat16 model's get them (Q4_0 / Q4_1 / Q8_0)")
+    p.add_argument("--int8-x", action="store_true",
+                   help="linears: x quantized to int8 over the weights' q8_pack copy, the "
+                        "default of an AVX2 host and of VNNI hosts without bfloat16 units")
     p.add_argument("--qtype", choices=["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"],
                    help="linears: random blocks of this type in 1B-class shapes")
     p.add_argument("--batch", type=int, default=64, help="attention: sequences")

@@ -194,10 +194,10 @@ def test_kernel_ab_runs_the_engine_build_against_itself(tmp_path):
     if find_compiler() is None:
         pytest.skip("no C compiler: the CPU kernels cannot be built")
     out = tmp_path / "ab.json"
-    for workload in ("attention", "linears"):
+    for workload, extra in (("attention", []), ("linears", []), ("linears", ["--int8-x"])):
         res = main(["--variant", "a=", "--variant", "b=", "--workload", workload, "--layers",
                     "1", "--rows", "8", "--batch", "4", "--rounds", "2",
-                    "--build-dir", str(tmp_path), "--save-result", str(out)])
+                    "--build-dir", str(tmp_path), "--save-result", str(out)] + extra)
         assert res["workload"] == workload and res["builds"] == {"a": [], "b": []}
         assert all(r["equal_to_first"] for r in res["results"].values())
         assert len(res["results"]["b"]["rounds_ms"]) == 2
@@ -224,6 +224,29 @@ def test_kernel_ab_pairs_words_switch_one_variant_only(tmp_path):
                     and not engine_lib.amx_rows)
     assert res["results"]["off"]["equal_to_first"] is (not pairs_panels)
     assert engine_lib.vector_pairs == before
+
+
+def test_single_stream_ab_alternates_engines_built_under_their_settings(tmp_path):
+    """Two engines of the embedded model in one process, one with only the blocks in huge
+    pages: both decode every round, the result names each variant's settings, and the hook
+    is restored after the build; a malformed variant is refused."""
+    from benchmarks.single_stream_ab import main, parse_variant
+    from engine.quant import huge_pages
+
+    moved = huge_pages.MOVED
+    out = tmp_path / "ab.json"
+    res = main(["--variant", "blocks=huge_pages=blocks", "--variant", "all=", "--rounds", "2",
+                "--tokens", "8", "--kv-cache-memory", "0.05", "--save-result", str(out)])
+    assert huge_pages.MOVED == moved
+    assert res["variants"]["blocks"]["settings"] == {"huge_pages": "blocks"}
+    assert all(len(v["rounds_tok_s"]) == 2 and v["median_tok_s"] > 0
+               for v in res["variants"].values())
+    assert json.loads(out.read_text())["variants"].keys() == {"blocks", "all"}
+    assert parse_variant("a=dtype=float32,huge_pages=all") == (
+        "a", {"dtype": "float32", "huge_pages": "all"})
+    for bad in ("a", "=x", "a=colour=red", "a=huge_pages=some"):
+        with pytest.raises(SystemExit):
+            parse_variant(bad)
 
 
 def test_host_drift_applies_perf_analyzer_max_over_min_rule():

@@ -58,6 +58,33 @@ def test_moved_weights_compute_the_same_products():
     assert all(torch.equal(a, b) for a, b in zip(before, after))
 
 
+def test_repacked_copies_move_with_the_blocks_and_compute_the_same_products():
+    """The int8-activation nest's copy (`q8_packed`) is all an AVX2 host's decode step reads:
+    it moves into the huge pages too, and the products read from there are the same bits."""
+    from engine import kernels as K
+
+    kernels = K.load()
+    if kernels is None:
+        pytest.skip("no C compiler: the CPU kernels cannot be built")
+    if thp_mode() == "never":
+        pytest.skip("transparent huge pages are off on this kernel")
+    if not kernels.q8_available:
+        pytest.skip("this build has no int8-activation nest (neither AVX2 nor AVX-512 VNNI)")
+    ws = [q4_1(3072, 576, 0), q4_1(1536, 1536, 1)]
+    for w in ws:
+        kernels.q8_pack(w)
+    x = {k: torch.randn(1, k, generator=torch.Generator().manual_seed(k)) for k in (576, 1536)}
+    before = [kernels.quant_linear(x[w.shape[1]], w, int8_x=True) for w in ws]
+    old = [(w.data.data_ptr(), w.q8_packed.data_ptr()) for w in ws]
+    moved = to_huge_pages(ws)
+    assert moved == sum(-(-t.numel() // 4096) * 4096 for w in ws for t in (w.data, w.q8_packed))
+    for w, (data, packed) in zip(ws, old):
+        assert w.data.data_ptr() != data and w.q8_packed.data_ptr() != packed
+        assert smaps_field(w.q8_packed.data_ptr(), "THPeligible") == "1"
+    after = [kernels.quant_linear(x[w.shape[1]], w, int8_x=True) for w in ws]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
 def test_nothing_moves_with_thp_off_or_too_few_bytes(tmp_path, monkeypatch):
     ws = [q4_1(1536, 576, 0), q4_1(576, 1536, 1)]
     old = [w.data.data_ptr() for w in ws]

@@ -12,6 +12,9 @@ counted after the first token) and the median of the per-round ratios to the fir
 Settings (`--variant NAME=KEY=VALUE[,KEY=VALUE]`, applied while that engine loads):
   huge_pages   `blocks`: only the quantized blocks go into transparent huge pages (as before
                session 40); `all`: the repacked copies too (`engine.quant.huge_pages.MOVED`)
+  fold_head    `0`: the LM head as its own C call after the layers' (as before session 40);
+               `1` (default): folded into the layers' call where the model allows
+               (`engine.kernels.stack.LayerStack.has_head`)
   dtype        the engine's `--dtype` (default bfloat16)
   quantization the engine's `--quantization` (default: the GGUF's own)
 
@@ -35,7 +38,7 @@ if __package__ in (None, ""):          # run as a file: the repository root on t
 from benchmarks.harness import add_save_result, save_result  # noqa: E402
 
 HUGE_PAGES = {"blocks": ("data",), "all": ("data", "q8_packed", "panel_packed")}
-KEYS = ("huge_pages", "dtype", "quantization")
+KEYS = ("huge_pages", "fold_head", "dtype", "quantization")
 
 
 def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
@@ -50,6 +53,8 @@ def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
             raise SystemExit(f"--variant {spec!r}: unknown key {key!r} (known: {KEYS})")
         if key == "huge_pages" and value not in HUGE_PAGES:
             raise SystemExit(f"--variant {spec!r}: huge_pages is one of {list(HUGE_PAGES)}")
+        if key == "fold_head" and value not in ("0", "1"):
+            raise SystemExit(f"--variant {spec!r}: fold_head is 0 or 1")
     return name, settings
 
 
@@ -73,8 +78,11 @@ def build(settings: dict[str, str], kv_gib: float):
 
     kw = {"quantization": settings["quantization"]} if "quantization" in settings else {}
     with applied(settings):
-        return LLMEngine(EngineConfig(dtype=settings.get("dtype", "bfloat16"), device="cpu",
-                                      kv_cache_memory=kv_gib, max_model_len=2048, **kw))
+        eng = LLMEngine(EngineConfig(dtype=settings.get("dtype", "bfloat16"), device="cpu",
+                                     kv_cache_memory=kv_gib, max_model_len=2048, **kw))
+    if settings.get("fold_head") == "0" and eng.model.stack is not None:
+        eng.model.stack.has_head = False
+    return eng
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -131,7 +131,8 @@ class Linear:
         for an output made and dropped every step (`LlamaForCausalLM.compute_logits`)."""
         if self.path == "quant":
             if len(self.parts) == 1:
-                out = self._reused(x.shape[0], out_dtype or x.dtype) if reuse_output else None
+                out = (self.reused_output(x.shape[0], out_dtype or x.dtype) if reuse_output
+                       else None)
                 return self.kernels.quant_linear(x, self.parts[0], self.bias, out_dtype,
                                                  self.int8_x, out=out)
             y = torch.cat([self.kernels.quant_linear(x, p, None, out_dtype, self.int8_x)
@@ -147,8 +148,10 @@ class Linear:
             y = F.linear(x, self.weight, self.bias)
         return y if out_dtype is None else y.to(out_dtype)
 
-    def _reused(self, m: int, dtype: torch.dtype) -> torch.Tensor:
-        """`[m, out]` of `dtype` over the kept buffer (a larger one when it is too small)."""
+    def reused_output(self, m: int, dtype: torch.dtype) -> torch.Tensor:
+        """`[m, out]` of `dtype` over the buffer `reuse_output` writes into (a larger one when
+        it is too small), valid until the next such call (`engine.kernels.stack` writes the
+        LM head's logits there too)."""
         size = m * self.out_features
         if self._out is None or self._out.dtype != dtype or self._out.numel() < size:
             self._out = torch.empty(size, dtype=dtype)

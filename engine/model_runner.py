@@ -277,16 +277,18 @@ class ModelRunner:
         if self.lora is not None:               # each row's adapter slot (engine.lora)
             self.lora.set_batch([(st.row.params.lora_name, start, n) for st, start, n in
                                  zip(states, *_row_spans(ordered, len(decodes)))])
-        if bucket is not None:
-            hidden = self.graphs.replay(bucket)[:len(ordered)]
-        else:
-            hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
         scored = chunks_to_score(ordered, states, len(decodes))
+        if bucket is not None:
+            hidden, logits = self.graphs.replay(bucket)[:len(ordered)], None
+        else:
+            hidden, logits = self._forward(input_ids, positions, meta, every_row=len(
+                sample_idx) == len(input_ids) and not scored)
         prompt_lps = score_prompt_logprobs(self.model, hidden, scored) if scored else None
         if not sample_idx:
             return ModelRunnerOutput(prompt_logprobs=prompt_lps, **timings)
-        logits = self.model.compute_logits(hidden[[i for _, i in sample_idx]],
-                                           reuse_output=True)
+        if logits is None:
+            logits = self.model.compute_logits(hidden[[i for _, i in sample_idx]],
+                                               reuse_output=True)
         result = self.sampler(logits, rows, masks.result() if masks is not None else None)
         sampled, logprobs = {}, {}
         k = 0
@@ -312,6 +314,20 @@ class ModelRunner:
         return ModelRunnerOutput(sampled_token_ids=sampled, logprobs=logprobs or None,
                                  draft_token_ids=self._propose(sampled, by_id),
                                  prompt_logprobs=prompt_lps, **timings)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta,
+                 every_row: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(hidden `[T, hidden]`, float32 logits of every row or None). Where `every_row`
+        (each row samples, none is scored) and the model folds its LM head into the layers'
+        C call (`forward_with_logits`), both come from that one call: the Python that ran
+        between the two calls did so on caches the weights had just swept, at several times
+        its warm cost (docs/cpu.md, "Single stream on an AVX2 host")."""
+        if every_row:
+            fold = getattr(self.model, "forward_with_logits", None)
+            both = fold(input_ids, positions, meta, self.kv_cache) if fold else None
+            if both is not None:
+                return both
+        return self.model.forward(input_ids, positions, meta, self.kv_cache), None
 
     def _propose(self, sampled: dict[str, list[int]], by_id: dict[str, _RequestState]
                  ) -> dict[str, list[int]] | None:

@@ -18,6 +18,11 @@
  * In: x [n, hidden] the residual stream (updated in place), h [n, hidden] holding
  * rms_norm(x) * ln1 of layer 0; out: h after the final norm. Scratch buffers from the caller.
  * Element type T: float32 or bfloat16 (stack->bf16), as the model's.
+ * With a `logits` buffer (and the model's quantized LM head in the struct), every row's float32
+ * logits [n, vocab] = h @ Wlm^T too, by the call compute_logits makes (the same bits): the
+ * Python between the layers and the LM head ran after 66 MB of weights had streamed through
+ * the caches, which costs it several times its warm time (docs/cpu.md, "Single stream on an
+ * AVX2 host").
  */
 #include "quant_blocks.h"
 
@@ -50,6 +55,8 @@ typedef struct {
     int kv_kind;               /* 0: caches of T; else an 8-bit cache (common.h's KV_*) */
     float k_write, v_write;    /* 8-bit: 1 / the fp8 scales (cache_write8's inv scales) */
     float k_read, v_read;      /* 8-bit: the read scales (paged_decode8's, e4m3's unit in) */
+    qproj head;                /* the LM head (w NULL: none), float32 logits */
+    int head_int8_x;           /* its x quantized to int8 (its own setting) */
 } layer_stack;
 
 /* cpu_kernels.c's and elementwise.c's entry points, as they define them. */
@@ -96,21 +103,30 @@ DECLARE_8(bf16, uint16_t)
         }                                                                                     \
     } while (0)
 
+/* y [n, p->n] = x p^T as quant_linear makes it: y float32 (y_f32) or of T, x quantized to
+ * int8 where int8_x. */
+static int product(const layer_stack *s, const qproj *p, int int8_x, const void *x,
+                   int64_t x_stride, void *y, int y_f32, int n, int threads) {
+    if (int8_x)
+        return quant_linear_q8(p->type, p->w, p->row_bytes, p->scale, p->bias, x, x_stride,
+                               s->bf16, y, p->n, y_f32, n, p->n, p->k, threads, p->q8_packed);
+    return quant_linear_packed(p->type, p->w, p->row_bytes, p->scale, p->bias, x, x_stride,
+                               s->bf16, y, p->n, y_f32, n, p->n, p->k, threads,
+                               p->panel_packed);
+}
+
+/* A layer's projection: y of T. */
 static int project(const layer_stack *s, const qproj *p, const void *x, int64_t x_stride,
                    void *y, int n, int threads) {
-    if (s->int8_x)
-        return quant_linear_q8(p->type, p->w, p->row_bytes, p->scale, p->bias, x, x_stride,
-                               s->bf16, y, p->n, !s->bf16, n, p->n, p->k, threads, p->q8_packed);
-    return quant_linear_packed(p->type, p->w, p->row_bytes, p->scale, p->bias, x, x_stride,
-                               s->bf16, y, p->n, !s->bf16, n, p->n, p->k, threads,
-                               p->panel_packed);
+    return product(s, p, s->int8_x, x, x_stride, y, !s->bf16, n, threads);
 }
 
 /* Every layer of `s` over n tokens (see the file comment). positions [n] int64, slots [n]
  * int64, block_tables [n, max_blocks] int32 and ctx_lens [n] int32 as paged_decode takes them.
  * Scratch (T): qkv [n, (H + 2 KVH) D], attn [n, H D], o [n, hidden], gu [n, 2 inter],
- * act [n, inter]. Returns 0; -1 out of memory; -2 a weight without kernels; -3 head_dim or
- * the GQA group too large for paged attention. */
+ * act [n, inter]. logits: float32 [n, vocab] for the LM head's products, or NULL. Returns 0;
+ * -1 out of memory; -2 a weight without kernels; -3 head_dim or the GQA group too large for
+ * paged attention; -4 logits asked of a stack without an LM head. */
 #define DEFINE_STACK(SUFFIX, T)                                                               \
 static int stack_##SUFFIX(const layer_stack *s, T *x, T *h, int n, const int64_t *positions,  \
                           const int64_t *slots, const int32_t *tables, int max_blocks,        \
@@ -140,10 +156,13 @@ DEFINE_STACK(bf16, uint16_t)
 int layer_stack_forward(const layer_stack *s, void *x, void *h, int n, const int64_t *positions,
                         const int64_t *slots, const int32_t *tables, int max_blocks,
                         const int32_t *ctx_lens, void *qkv, void *attn, void *o, void *gu,
-                        void *act, int threads) {
-    if (s->bf16)
-        return stack_bf16(s, x, h, n, positions, slots, tables, max_blocks, ctx_lens, qkv,
-                          attn, o, gu, act, threads);
-    return stack_f32(s, x, h, n, positions, slots, tables, max_blocks, ctx_lens, qkv, attn, o,
-                     gu, act, threads);
+                        void *act, float *logits, int threads) {
+    if (logits && !s->head.w) return -4;
+    const int rc = s->bf16
+        ? stack_bf16(s, x, h, n, positions, slots, tables, max_blocks, ctx_lens, qkv, attn, o,
+                     gu, act, threads)
+        : stack_f32(s, x, h, n, positions, slots, tables, max_blocks, ctx_lens, qkv, attn, o,
+                    gu, act, threads);
+    if (rc || !logits) return rc;
+    return product(s, &s->head, s->head_int8_x, h, s->hidden, logits, 1, n, threads);
 }

@@ -9,8 +9,12 @@ is bit-identical; it removes the Python between them (about 40 us a layer on 2 c
 In: the model (`engine.models.llama.LlamaForCausalLM`, fused kernels set, no tensor parallelism,
 no LoRA), its KV cache `[layers, 2, kv_heads, blocks, block_size, head_dim]`; per step the
 residual stream `x [T, hidden]`, `h = rms_norm(x) * ln1` of layer 0, positions, and the step's
-`AttentionMetadata` (slot mapping, per-token block tables and context lengths). Out: `h` after
-the final norm, `[T, hidden]`; `x` is updated in place.
+`AttentionMetadata` (slot mapping, per-token block tables and context lengths), and where asked
+a float32 logits buffer. Out: `h` after the final norm, `[T, hidden]` (`x` is updated in place),
+and with the buffer every row's logits through the model's LM head when that is one quantized
+weight (the embedded model's tied Q8_0 table): the Python between the layers' call and the LM
+head's ran on caches the layers' weights had just swept (docs/cpu.md, "Single stream on an AVX2
+host").
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ class _Stack(ctypes.Structure):
                 ("num_blocks", c_int64), ("eps", c_float), ("scale", c_float),
                 ("cos", c_void_p), ("sin", c_void_p), ("final_norm", c_void_p),
                 ("layers", POINTER(_Layer)), ("kv_kind", c_int), ("k_write", c_float),
-                ("v_write", c_float), ("k_read", c_float), ("v_read", c_float)]
+                ("v_write", c_float), ("k_read", c_float), ("v_read", c_float),
+                ("head", _QProj), ("head_int8_x", c_int)]
 
 
 def _single_quant(lin) -> bool:
@@ -71,6 +76,10 @@ class LayerStack:
         for i, (ln1, qkv, o, ln2, gate_up, down) in enumerate(model.layers):
             self._layers[i] = _Layer(ln1.data_ptr(), ln2.data_ptr(), _proj(qkv), _proj(o),
                                      _proj(gate_up), _proj(down), None, None)
+        lm = model.lm_head            # folded into the call where it is one quantized weight
+        self.has_head = _single_quant(lm)
+        self._head = _proj(lm) if self.has_head else _QProj()
+        self._head_int8_x = int(self.has_head and lm.int8_x)
         self._cache: torch.Tensor | None = None
         self._stack: _Stack | None = None
 
@@ -104,6 +113,7 @@ class LayerStack:
             cfg.intermediate_size, kv_cache.shape[4], int(m.dtype == torch.bfloat16),
             int(self.int8_x), kv_cache.shape[3], cfg.rms_norm_eps, m.scale, m.cos.data_ptr(),
             m.sin.data_ptr(), m.norm.data_ptr(), self._layers)
+        self._stack.head, self._stack.head_int8_x = self._head, self._head_int8_x
         if kv is not None:
             st = self._stack
             st.kv_kind, st.k_write, st.v_write = kv.kind, 1 / kv.k_scale, 1 / kv.v_scale
@@ -112,10 +122,13 @@ class LayerStack:
         return self._stack
 
     def forward(self, x: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, meta,
-                kv_cache: torch.Tensor) -> torch.Tensor:
+                kv_cache: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
         """Every layer over the step's T tokens: `x` and `h` `[T, hidden]` contiguous in the
-        model dtype (see the module docstring); returns `h`. Raises MemoryError, ValueError
-        (a weight without kernels, or a head_dim / GQA group paged attention cannot take)."""
+        model dtype (see the module docstring); returns `h`. With `logits` (float32 `[T,
+        vocab]`, contiguous; only where `has_head`), every row's LM head product too, the bits
+        `LlamaForCausalLM.compute_logits` gives. Raises MemoryError, ValueError (a weight
+        without kernels, a head_dim / GQA group paged attention cannot take, logits asked of
+        a stack without the LM head)."""
         cfg, n = self.model.cfg, x.shape[0]
         stack = self._bind(kv_cache, meta.kv)
         qkv = x.new_empty((n, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim))
@@ -128,10 +141,10 @@ class LayerStack:
                      positions.data_ptr(), meta.slot_mapping.data_ptr(), tables.data_ptr(),
                      tables.shape[1], meta.kernel_ctx_lens.data_ptr(), qkv.data_ptr(),
                      attn.data_ptr(), o.data_ptr(), gate_up.data_ptr(), act.data_ptr(),
-                     torch.get_num_threads())
+                     None if logits is None else logits.data_ptr(), torch.get_num_threads())
         if rc == -1:
             raise MemoryError("layer stack: out of memory for the input copies")
         if rc:
-            raise ValueError(f"layer stack: error {rc} (no kernel for a weight, or head_dim "
-                             "/ GQA group too large)")
+            raise ValueError(f"layer stack: error {rc} (no kernel for a weight, head_dim / "
+                             "GQA group too large, or logits without the LM head)")
         return h

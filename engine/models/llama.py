@@ -320,6 +320,23 @@ class LlamaForCausalLM:
         return self._rms_norm(x, self.norm) if fused is None else h
 
     @torch.inference_mode()
+    @torch.inference_mode()
+    def forward_with_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                            meta: AttentionMetadata, kv_cache: torch.Tensor
+                            ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`forward` and `compute_logits(hidden, reuse_output=True)` of every row in one C
+        call — (hidden `[T, hidden]`, float32 logits `[T, vocab]` in the LM head's kept buffer),
+        the same bits — where the layer stack takes the LM head (a quantized model on the CPU
+        kernels: `engine.kernels.stack`); else None, with nothing run. For steps that sample
+        every row (decodes, verified drafts)."""
+        stack = self.stack
+        if stack is None or not stack.has_head or getattr(meta, "kernels", None) is None:
+            return None
+        x = self._embed(input_ids)
+        h = self.fused.rms_norm(x, self.layers[0][0], self.cfg.rms_norm_eps)
+        logits = self.lm_head.reused_output(x.shape[0], torch.float32)
+        return stack.forward(x, h, positions, meta, kv_cache, logits=logits), logits
+
     def compute_logits(self, hidden: torch.Tensor, reuse_output: bool = False) -> torch.Tensor:
         """`[N, hidden]` → float32 logits `[N, vocab]`. With `reuse_output` (the model
         runner's sampling rows, which are consumed within the step) a GGUF LM head writes into

@@ -121,6 +121,9 @@ def linears_workload(args):
                 packer.panel_pack(w)
             if args.int8_x:              # read by the int8-activation nest
                 packer.q8_pack(w)
+    if args.huge_pages:              # where the engine keeps them (engine/quant/huge_pages.py)
+        from engine.quant.huge_pages import to_huge_pages
+        to_huge_pages(ws)
     xs = {w.shape[1]: torch.randn(args.rows, w.shape[1], generator=torch.Generator().manual_seed(0))
           .bfloat16() for w in ws}
     outs: dict = {}
@@ -212,6 +215,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--panel-pack", action="store_true",
                    help="linears: give the weights the bfloat16 panels' repacked copy, as a "
                         "bfloat16 model's get them (Q4_0 / Q4_1 / Q8_0)")
+    p.add_argument("--huge-pages", action="store_true",
+                   help="linears: the weights and their repacked copies in transparent huge "
+                        "pages, as the engine holds them")
     p.add_argument("--int8-x", action="store_true",
                    help="linears: x quantized to int8 over the weights' q8_pack copy, the "
                         "default of an AVX2 host and of VNNI hosts without bfloat16 units")

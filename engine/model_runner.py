@@ -323,8 +323,7 @@ class ModelRunner:
         between the two calls did so on caches the weights had just swept, at several times
         its warm cost (docs/cpu.md, "Single stream on an AVX2 host")."""
         if every_row:
-            fold = getattr(self.model, "forward_with_logits", None)
-            both = fold(input_ids, positions, meta, self.kv_cache) if fold else None
+            both = self.model.forward_with_logits(input_ids, positions, meta, self.kv_cache)
             if both is not None:
                 return both
         return self.model.forward(input_ids, positions, meta, self.kv_cache), None

@@ -281,8 +281,10 @@ class LlamaForCausalLM:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: torch.Tensor) -> torch.Tensor:
-        """Hidden states `[T, hidden]` after the final norm; writes the step's K/V."""
+                kv_cache: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states `[T, hidden]` after the final norm; writes the step's K/V. `logits`
+        (float32 `[T, vocab]`): filled with every row's LM head product by the layer stack's
+        call — only where `forward_with_logits` finds that the stack takes the head."""
         cfg, fused, eps = self.cfg, self.fused, self.cfg.rms_norm_eps
         n = input_ids.shape[0]
         heads = cfg.num_heads + cfg.num_kv_heads
@@ -292,7 +294,7 @@ class LlamaForCausalLM:
         x = self._embed(input_ids)                          # the residual stream (a copy)
         h = fused.rms_norm(x, self.layers[0][0], eps) if fused else None
         if self.stack is not None and getattr(meta, "kernels", None) is not None:
-            return self.stack.forward(x, h, positions, meta, kv_cache)
+            return self.stack.forward(x, h, positions, meta, kv_cache, logits=logits)
         for (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj), (k_cache, v_cache), \
                 next_norm, window in zip(self.layers, self.layer_caches(kv_cache),
                                          self._next_norms, self._windows):
@@ -319,8 +321,6 @@ class LlamaForCausalLM:
                     gate_up_proj(h)))), x, next_norm, eps)
         return self._rms_norm(x, self.norm) if fused is None else h
 
-    @torch.inference_mode()
-    @torch.inference_mode()
     def forward_with_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
                             meta: AttentionMetadata, kv_cache: torch.Tensor
                             ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -332,11 +332,10 @@ class LlamaForCausalLM:
         stack = self.stack
         if stack is None or not stack.has_head or getattr(meta, "kernels", None) is None:
             return None
-        x = self._embed(input_ids)
-        h = self.fused.rms_norm(x, self.layers[0][0], self.cfg.rms_norm_eps)
-        logits = self.lm_head.reused_output(x.shape[0], torch.float32)
-        return stack.forward(x, h, positions, meta, kv_cache, logits=logits), logits
+        logits = self.lm_head.reused_output(input_ids.shape[0], torch.float32)
+        return self.forward(input_ids, positions, meta, kv_cache, logits=logits), logits
 
+    @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, reuse_output: bool = False) -> torch.Tensor:
         """`[N, hidden]` → float32 logits `[N, vocab]`. With `reuse_output` (the model
         runner's sampling rows, which are consumed within the step) a GGUF LM head writes into

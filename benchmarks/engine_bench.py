@@ -38,6 +38,7 @@ import torch  # noqa: E402
 
 from benchmarks.harness import add_save_result, save_result  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
+from engine.heap import freeze_heap  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from scheduler.request import SamplingParams  # noqa: E402
 
@@ -59,6 +60,7 @@ def engine_throughput(eng: LLMEngine, prompts, output_len: int) -> float:
     return len(prompts) * output_len / elapsed
 
 
+@torch.inference_mode()      # as the server's engine core loop runs (engine.core_proc)
 def engine_single_stream(eng: LLMEngine, prompt, output_len: int) -> float:
     """Decode tokens per second of one request, counted after its first token."""
     eng.add_request("single", prompt, SamplingParams(max_tokens=output_len, ignore_eos=True,
@@ -149,6 +151,7 @@ def measure(dtype: str, args) -> dict:
     """Every figure of the module docstring for one dtype, rounded to 2 decimals."""
     eng = LLMEngine(EngineConfig(dtype=dtype, device="cpu", kv_cache_memory=1.0,
                                  max_model_len=args.input_len + args.output_len + 16))
+    freeze_heap()          # as the server's engine core process does once its engine is built
     prompts = random_prompts(args.num_prompts, args.input_len,
                              eng.model_config.vocab_size, args.seed)
     r = {"throughput_tok_s": engine_throughput(eng, prompts, args.output_len),

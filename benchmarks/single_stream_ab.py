@@ -15,6 +15,12 @@ Settings (`--variant NAME=KEY=VALUE[,KEY=VALUE]`, applied while that engine load
   fold_head    `0`: the LM head as its own C call after the layers' (as before session 40);
                `1` (default): folded into the layers' call where the model allows
                (`engine.kernels.stack.LayerStack.has_head`)
+  kept_inputs  `0`: a decode step's inputs built as new tensors (as before session 41); `1`
+               (default): written into the runner's kept buffers (`engine.cpu_step`)
+  argmax_in_call `0`: the sampler's argmax over the logits (as before session 41); `1`
+               (default): the layers' call's, for all-greedy steps
+  embed_in_call `0`: the token ids looked up in Python (as before session 41); `1` (default):
+               by the layers' call, first norm included
   dtype        the engine's `--dtype` (default bfloat16)
   quantization the engine's `--quantization` (default: the GGUF's own)
 
@@ -38,7 +44,9 @@ if __package__ in (None, ""):          # run as a file: the repository root on t
 from benchmarks.harness import add_save_result, save_result  # noqa: E402
 
 HUGE_PAGES = {"blocks": ("data",), "all": ("data", "q8_packed", "panel_packed")}
-KEYS = ("huge_pages", "fold_head", "dtype", "quantization")
+KEYS = ("huge_pages", "fold_head", "kept_inputs", "argmax_in_call", "embed_in_call", "dtype",
+        "quantization")
+SWITCHES = ("fold_head", "kept_inputs", "argmax_in_call", "embed_in_call")
 
 
 def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
@@ -53,8 +61,8 @@ def parse_variant(spec: str) -> tuple[str, dict[str, str]]:
             raise SystemExit(f"--variant {spec!r}: unknown key {key!r} (known: {KEYS})")
         if key == "huge_pages" and value not in HUGE_PAGES:
             raise SystemExit(f"--variant {spec!r}: huge_pages is one of {list(HUGE_PAGES)}")
-        if key == "fold_head" and value not in ("0", "1"):
-            raise SystemExit(f"--variant {spec!r}: fold_head is 0 or 1")
+        if key in SWITCHES and value not in ("0", "1"):
+            raise SystemExit(f"--variant {spec!r}: {key} is 0 or 1")
     return name, settings
 
 
@@ -80,14 +88,22 @@ def build(settings: dict[str, str], kv_gib: float):
     with applied(settings):
         eng = LLMEngine(EngineConfig(dtype=settings.get("dtype", "bfloat16"), device="cpu",
                                      kv_cache_memory=kv_gib, max_model_len=2048, **kw))
-    if settings.get("fold_head") == "0" and eng.model.stack is not None:
+    stack = eng.model.stack
+    if settings.get("fold_head") == "0" and stack is not None:
         eng.model.stack.has_head = False
+    if settings.get("embed_in_call") == "0" and stack is not None:
+        stack.embeds = False
+    if settings.get("kept_inputs") == "0":
+        eng.runner.decode_inputs = None
+    if settings.get("argmax_in_call") == "0":
+        eng.runner.greedy_in_forward = False
     return eng
 
 
 def main(argv: list[str] | None = None) -> dict:
     """Build every variant, alternate them, print and return per-variant figures."""
     from benchmarks.engine_bench import engine_single_stream, random_prompts
+    from engine.heap import freeze_heap
     from engine.kernels.isa import isa_label
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -99,6 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     variants = dict(parse_variant(v) for v in args.variant)
     engines = {name: build(s, args.kv_cache_memory) for name, s in variants.items()}
+    freeze_heap()          # as the server's engine core process does once its engine is built
     first = next(iter(engines.values()))
     prompts = random_prompts(4, 128, first.model_config.vocab_size, 0)
     for eng in engines.values():

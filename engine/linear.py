@@ -99,6 +99,7 @@ class Linear:
         self.path, self.kernels = path, kernels
         self.int8_x = int8_x and path == "quant"
         self._out: torch.Tensor | None = None        # reuse_output's buffer (flat)
+        self._out_view: torch.Tensor | None = None   # ... and its last [m, out] view
         if path == "quant":             # kept as blocks; the bias in float32, as quant.c adds it
             parts = weight if isinstance(weight, list) else [weight]
             merged = QuantWeight.cat(parts) if len(parts) > 1 else parts[0]
@@ -152,7 +153,11 @@ class Linear:
         """`[m, out]` of `dtype` over the buffer `reuse_output` writes into (a larger one when
         it is too small), valid until the next such call (`engine.kernels.stack` writes the
         LM head's logits there too)."""
+        view = self._out_view
+        if view is not None and view.shape[0] == m and view.dtype == dtype:
+            return view                            # a decode batch's size, again: no torch op
         size = m * self.out_features
         if self._out is None or self._out.dtype != dtype or self._out.numel() < size:
             self._out = torch.empty(size, dtype=dtype)
-        return self._out[:size].view(m, self.out_features)
+        self._out_view = view = self._out[:size].view(m, self.out_features)
+        return view

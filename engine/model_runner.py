@@ -38,6 +38,7 @@ from engine.accel.metadata import StepBuffers
 from engine.accel.step import decode_rows, prepare_step
 from engine.attention import (SMALL_DECODE_BATCH, AttentionMetadata, DecodeGroup, PrefillChunk,
                               build_prefill_mask, head_major_cache_shape)
+from engine.cpu_step import DecodeInputs
 from engine.device import Device
 from engine.models.llama import LlamaForCausalLM
 from engine.prompt_logprobs import chunks_to_score
@@ -111,6 +112,7 @@ class _RequestState:
     block_table: list[int]
     row: SamplingRow
     token_ids: list[int] | None = None    # prompt + output, kept only for an n-gram proposer
+    table_edits: int = 0                  # times block_table was cut back (engine.cpu_step)
 
 
 class ModelRunner:
@@ -133,6 +135,13 @@ class ModelRunner:
             device.torch_device, max_num_tokens, max_num_seqs,
             -(-model.cos.shape[0] // block_size))
         self.graphs = None            # engine.accel.cuda_graphs.CudaGraphRunner, see capture_graphs
+        # The CPU kernels' decode-only steps: their inputs in kept buffers (engine.cpu_step;
+        # None: built anew each step).
+        self.decode_inputs = None if self.backend is not None else DecodeInputs(
+            max_num_seqs, -(-model.cos.shape[0] // block_size))
+        # Whether a forward pass that computes the logits may take the argmax too, for steps
+        # whose rows are all `Sampler.plain_greedy` (False: the sampler's own argmax).
+        self.greedy_in_forward = True
         self.kv_cache, self.cpu_cache = self._caches(model, num_gpu_blocks, num_cpu_blocks)
         self.drafter = self.draft_kv_cache = self.draft_cpu_cache = None
         if draft_model is not None:       # speculative decoding with a draft model
@@ -225,6 +234,8 @@ class ModelRunner:
             return state
         state = self.states[s.request_id]
         if s.new_block_ids or s.block_table_start < len(state.block_table):
+            if s.block_table_start < len(state.block_table):
+                state.table_edits += 1
             del state.block_table[s.block_table_start:]
             state.block_table.extend(s.new_block_ids)
         return state
@@ -243,9 +254,16 @@ class ModelRunner:
         return self._move_blocks(out)
 
     # ------------------------------------------------------------------ step
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step. Raises whatever the forward pass raises (the engine handles it)."""
+        """Run one step, in torch's inference mode (entered here unless the caller holds it:
+        `engine.core_proc`'s loop does). Raises whatever the forward pass raises (the engine
+        handles it)."""
+        if torch.is_inference_mode_enabled():
+            return self._execute(out)
+        with torch.inference_mode():
+            return self._execute(out)
+
+    def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         drafter = self.drafter
         for rid in out.finished_request_ids:
             self.states.pop(rid, None)
@@ -278,18 +296,22 @@ class ModelRunner:
             self.lora.set_batch([(st.row.params.lora_name, start, n) for st, start, n in
                                  zip(states, *_row_spans(ordered, len(decodes)))])
         scored = chunks_to_score(ordered, states, len(decodes))
+        greedy = None                 # the forward pass's argmax of each row, where it took it
         if bucket is not None:
             hidden, logits = self.graphs.replay(bucket)[:len(ordered)], None
         else:
-            hidden, logits = self._forward(input_ids, positions, meta, every_row=len(
-                sample_idx) == len(input_ids) and not scored)
+            every_row = len(sample_idx) == input_ids.shape[0] and not scored
+            hidden, logits, greedy = self._forward(
+                input_ids, positions, meta, every_row,
+                greedy=every_row and self.greedy_in_forward and Sampler.plain_greedy(rows))
         prompt_lps = score_prompt_logprobs(self.model, hidden, scored) if scored else None
         if not sample_idx:
             return ModelRunnerOutput(prompt_logprobs=prompt_lps, **timings)
         if logits is None:
             logits = self.model.compute_logits(hidden[[i for _, i in sample_idx]],
                                                reuse_output=True)
-        result = self.sampler(logits, rows, masks.result() if masks is not None else None)
+        result = self.sampler(logits, rows, masks.result() if masks is not None else None,
+                              greedy=greedy)
         sampled, logprobs = {}, {}
         k = 0
         while k < len(rows_at):
@@ -316,17 +338,20 @@ class ModelRunner:
                                  prompt_logprobs=prompt_lps, **timings)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta,
-                 every_row: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(hidden `[T, hidden]`, float32 logits of every row or None). Where `every_row`
-        (each row samples, none is scored) and the model folds its LM head into the layers'
-        C call (`forward_with_logits`), both come from that one call: the Python that ran
-        between the two calls did so on caches the weights had just swept, at several times
-        its warm cost (docs/cpu.md, "Single stream on an AVX2 host")."""
+                 every_row: bool, greedy: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, list[int] | None]:
+        """(hidden `[T, hidden]`, float32 logits of every row or None, each row's argmax or
+        None). Where `every_row` (each row samples, none is scored) and the model folds its LM
+        head into the layers' C call (`forward_with_logits`), the logits come from that one
+        call, and with `greedy` (every row `Sampler.plain_greedy`) the argmax too: the Python
+        that ran after a weight-streaming call did so on caches the weights had just swept,
+        at several times its warm cost (docs/cpu.md, "Single stream on an AVX2 host")."""
         if every_row:
-            both = self.model.forward_with_logits(input_ids, positions, meta, self.kv_cache)
+            both = self.model.forward_with_logits(input_ids, positions, meta, self.kv_cache,
+                                                  greedy=greedy)
             if both is not None:
                 return both
-        return self.model.forward(input_ids, positions, meta, self.kv_cache), None
+        return self.model.forward(input_ids, positions, meta, self.kv_cache), None, None
 
     def _propose(self, sampled: dict[str, list[int]], by_id: dict[str, _RequestState]
                  ) -> dict[str, list[int]] | None:
@@ -387,6 +412,14 @@ class ModelRunner:
                                 self.block_size, pad_to)
         kernels = self.kernels if kernels is False else kernels
         bs, dev = self.block_size, self.device.torch_device
+        if (kernels is not None and num_decodes == len(ordered) and self.decode_inputs
+                is not None and self.decode_inputs.fits(
+                    len(ordered), max(s.start_position for s in ordered), bs)):
+            input_ids, positions, slots, tables, ctx_lens, sample_idx = \
+                self.decode_inputs.fill(ordered, states, bs)
+            return input_ids, positions, AttentionMetadata(
+                slot_mapping=slots, kernels=kernels, kernel_block_tables=tables,
+                kernel_ctx_lens=ctx_lens, kv=self.kv_quant), sample_idx
         ids, pos, slots, sample_idx = decode_rows(ordered[:num_decodes], states, bs)
         slot_parts = [torch.tensor(slots, dtype=torch.long)]
         pos_parts = [torch.tensor(pos, dtype=torch.long)]

@@ -86,14 +86,34 @@ class Sampler:
                                                  device=device)
         return buf[:len(values)].copy_(torch.tensor(values, dtype=dtype), non_blocking=True)
 
+    @staticmethod
+    def plain_greedy(rows: list[SamplingRow]) -> bool:
+        """Whether every row's token is the argmax of its raw logits: greedy, and nothing
+        (grammar, logit_bias, allowed / bad words, min_tokens still unmet, penalties) changes
+        a logit first. Then a forward pass may hand the argmax in (`__call__`'s `greedy`)."""
+        for r in rows:
+            p = r.params
+            if (p.temperature != 0.0 or r.matcher is not None or p.logit_bias
+                    or p.allowed_token_ids is not None or p.bad_words_token_ids
+                    or (p.min_tokens and len(r.output_token_ids) < p.min_tokens)
+                    or p.repetition_penalty != 1.0 or p.frequency_penalty
+                    or p.presence_penalty):
+                return False
+        return True
+
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
-                 grammar: tuple[list[int], torch.Tensor] | None = None) -> SampleResult:
+                 grammar: tuple[list[int], torch.Tensor] | None = None,
+                 greedy: list[int] | None = None) -> SampleResult:
         """Sample one token per row of `logits` `[N, vocab]` float32 (modified in place).
         `grammar` = (row indices, their bitmask `[R, ceil(vocab / 32)]` int32) masks the rows of
-        structured-output requests; logprobs stay the model's own (before the mask)."""
+        structured-output requests; logprobs stay the model's own (before the mask). `greedy`:
+        each row's argmax of `logits` as given, computed by the forward pass (only for rows
+        that are all `plain_greedy`; the tokens then are those)."""
         want_logprobs = [r.params.logprobs for r in rows]
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
                         if any(k is not None for k in want_logprobs) else None)
+        if greedy is not None:
+            return SampleResult(greedy, self._logprobs(raw_logprobs, greedy, want_logprobs))
         if grammar is not None:
             apply_bitmask(logits, *grammar)
         self._apply_bias_and_min_tokens(logits, rows)

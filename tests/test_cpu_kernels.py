@@ -383,6 +383,31 @@ def test_argmax_is_torchs_argmax_ties_nans_and_infinities_included(lib):
         lib.argmax(x.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_a_single_rows_argmax_split_over_threads_is_torchs(lib, threads):
+    """One row of 4,096 values or more is cut into a slice a thread (single-stream decode's
+    logits): the merge keeps the first index of the maximum across slices, a NaN anywhere
+    wins (the first one), and a row of -inf answers 0."""
+    torch.manual_seed(4)
+    n = 10_007
+    rows = [torch.randn(n) for _ in range(9)]
+    rows[1][20] = rows[1][9_000] = 40.0                   # a tie across slices: the first
+    rows[2][9_000] = 40.0                                 # the maximum in the last slice
+    rows[3][8_000] = float("nan")                         # a NaN in a later slice wins
+    rows[4][8_000] = rows[4][6_000] = float("nan")        # ... the first NaN
+    rows[5][:] = float("-inf")
+    rows[6][:] = 2.0                                      # constant: index 0
+    rows[7][n - 1] = float("inf")                         # +inf in the tail
+    rows[8][5_003] = rows[8][5_004] = 40.0                # near a slice boundary
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for r in rows:
+            assert torch.equal(lib.argmax(r[None]), r[None].argmax(dim=-1))
+    finally:
+        torch.set_num_threads(old)
+
+
 def test_bfloat16_forward_with_fused_ops_matches_torch_ops(model_dir):
     """The model's fused bfloat16 path (kernels for residual add + RMSNorm, SiLU-and-mul, RoPE)
     against its torch-op path on a real prompt, both measured against float32: the fused path

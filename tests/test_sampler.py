@@ -97,3 +97,24 @@ def test_logprobs_of_the_raw_distribution():
     lp, top = res.logprobs[0]
     assert abs(lp - math.log(0.75)) < 1e-6
     assert [t for t, _ in top] == [1, 0] and abs(top[1][1] - math.log(0.25)) < 1e-6
+
+
+def test_a_forward_passs_argmax_is_taken_only_for_rows_nothing_changes():
+    """The layer stack hands the sampler each row's argmax (`greedy`): only rows whose token is
+    the raw logits' argmax may take it — greedy, and no grammar, bias, banned words, unmet
+    min_tokens or penalty first."""
+    plain = row(temperature=0, output=[1, 2], min_tokens=2, top_p=0.5, logprobs=2)
+    assert Sampler.plain_greedy([plain, row(temperature=0)])
+    for changed in (row(temperature=0.7), row(temperature=0, logit_bias={2: 5.0}),
+                    row(temperature=0, allowed_token_ids=(1,)),
+                    row(temperature=0, bad_words_token_ids=((3,),)),
+                    row(temperature=0, min_tokens=3, output=[1, 2]),
+                    row(temperature=0, repetition_penalty=1.1),
+                    row(temperature=0, frequency_penalty=0.1),
+                    row(temperature=0, presence_penalty=0.1)):
+        assert not Sampler.plain_greedy([plain, changed])
+    logits = torch.tensor([[0.1, 3.0, 0.2, -1.0]])
+    result = Sampler(torch.device("cpu"))(logits, [plain], greedy=[1])
+    assert result.token_ids == [1]
+    assert result.logprobs[0][1][0][0] == 1 and result.logprobs[0][0] == pytest.approx(
+        torch.log_softmax(logits, -1)[0, 1].item())

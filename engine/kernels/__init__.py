@@ -100,8 +100,8 @@ _PLAIN = {
     "quant_pair_panel_rows": ([_I64], None),
     "paged_decode_parts": ([_I, _I, _P, _I], _I),
     "quant_embed": ([_I, _P, _I64, _P, _P, _I64, _I64, _I64, _P, _I], _I),
-    "layer_stack_forward": ([_P, _P, _P, _I, _P, _P, _P, _I, _P, _P, _P, _P, _P, _P, _P, _I],
-                            _I),
+    "layer_stack_forward": ([_P, _P, _P, _P, _I, _P, _P, _P, _I, _P, _P, _P, _P, _P, _P, _P,
+                             _P, _I], _I),
 }
 NR = 16    # output columns per packed weight panel (gemm.c)
 # The most rows of bfloat16 x whose quantized products take vdpbf16ps panels where that

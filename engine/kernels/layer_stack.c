@@ -15,14 +15,17 @@
  *   act  = silu(gate) * up of (o @ Wgu^T)
  *   h    = act @ Wdown^T;  x += h;  h = rms_norm(x) * next norm (the next layer's ln1, or the
  *          final norm after the last layer)
- * In: x [n, hidden] the residual stream (updated in place), h [n, hidden] holding
- * rms_norm(x) * ln1 of layer 0; out: h after the final norm. Scratch buffers from the caller.
+ * In: token ids [n], looked up in the struct's embedding table into x, or x [n, hidden] filled
+ * by the caller; then h = rms_norm(x) * ln1 of layer 0, x the residual stream (updated in
+ * place); out: h after the final norm. Scratch buffers from the caller.
  * Element type T: float32 or bfloat16 (stack->bf16), as the model's.
  * With a `logits` buffer (and the model's quantized LM head in the struct), every row's float32
  * logits [n, vocab] = h @ Wlm^T too, by the call compute_logits makes (the same bits): the
  * Python between the layers and the LM head ran after 66 MB of weights had streamed through
  * the caches, which costs it several times its warm time (docs/cpu.md, "Single stream on an
- * AVX2 host").
+ * AVX2 host"). With a `greedy` buffer too, each row's argmax over its logits (sample.c's, the
+ * same index torch.argmax gives), taken while the logits are still in the cores' caches; the
+ * embedding lookup and the first norm are in the call for the same reason.
  */
 #include "quant_blocks.h"
 
@@ -57,7 +60,13 @@ typedef struct {
     float k_read, v_read;      /* 8-bit: the read scales (paged_decode8's, e4m3's unit in) */
     qproj head;                /* the LM head (w NULL: none), float32 logits */
     int head_int8_x;           /* its x quantized to int8 (its own setting) */
+    qproj embed;               /* the quantized embedding table [n, k] (w NULL: none, the
+                                  caller fills x) */
 } layer_stack;
+
+int quant_embed(int, const uint8_t *, int64_t, const float *, const int64_t *, int64_t, int64_t,
+                int64_t, void *, int);
+void argmax_rows_f32(const float *, int64_t, int64_t, int64_t, int64_t *, int);
 
 /* cpu_kernels.c's and elementwise.c's entry points, as they define them. */
 #define DECLARE_T(SUFFIX, T)                                                                  \
@@ -153,16 +162,38 @@ static int stack_##SUFFIX(const layer_stack *s, T *x, T *h, int n, const int64_t
 DEFINE_STACK(f32, float)
 DEFINE_STACK(bf16, uint16_t)
 
-int layer_stack_forward(const layer_stack *s, void *x, void *h, int n, const int64_t *positions,
-                        const int64_t *slots, const int32_t *tables, int max_blocks,
-                        const int32_t *ctx_lens, void *qkv, void *attn, void *o, void *gu,
-                        void *act, float *logits, int threads) {
-    if (logits && !s->head.w) return -4;
-    const int rc = s->bf16
+/* x [n, hidden] (T) = the embedding rows of ids [n]. Returns 0; -2 a table type without
+ * kernels; -5 an id outside the table. */
+static int embed(const layer_stack *s, const int64_t *ids, void *x, int n) {
+    const qproj *e = &s->embed;
+    const int rc = quant_embed(e->type, e->w, e->row_bytes, e->scale, ids, n, e->n, e->k, x,
+                               !s->bf16);
+    return rc == -3 ? -5 : rc;
+}
+
+/* Returns 0; -1 out of memory; -2 a weight without kernels; -3 head_dim or the GQA group too
+ * large for paged attention; -4 logits or greedy asked of a stack without an LM head (or
+ * greedy without logits), or ids of a stack without an embedding table; -5 a token id outside
+ * the embedding table. */
+int layer_stack_forward(const layer_stack *s, const int64_t *ids, void *x, void *h, int n,
+                        const int64_t *positions, const int64_t *slots, const int32_t *tables,
+                        int max_blocks, const int32_t *ctx_lens, void *qkv, void *attn, void *o,
+                        void *gu, void *act, float *logits, int64_t *greedy, int threads) {
+    if ((logits && !s->head.w) || (greedy && !logits) || (ids && !s->embed.w)) return -4;
+    int rc = ids ? embed(s, ids, x, n) : 0;
+    if (rc) return rc;
+    if (s->bf16)
+        add_rms_norm_bf16(x, NULL, s->layers[0].ln1, h, n, s->hidden, s->eps, threads);
+    else
+        add_rms_norm_f32(x, NULL, s->layers[0].ln1, h, n, s->hidden, s->eps, threads);
+    rc = s->bf16
         ? stack_bf16(s, x, h, n, positions, slots, tables, max_blocks, ctx_lens, qkv, attn, o,
                      gu, act, threads)
         : stack_f32(s, x, h, n, positions, slots, tables, max_blocks, ctx_lens, qkv, attn, o,
                     gu, act, threads);
     if (rc || !logits) return rc;
-    return product(s, &s->head, s->head_int8_x, h, s->hidden, logits, 1, n, threads);
+    rc = product(s, &s->head, s->head_int8_x, h, s->hidden, logits, 1, n, threads);
+    if (rc || !greedy) return rc;
+    argmax_rows_f32(logits, n, s->head.n, s->head.n, greedy, threads);
+    return 0;
 }

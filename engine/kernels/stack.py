@@ -8,13 +8,16 @@ is bit-identical; it removes the Python between them (about 40 us a layer on 2 c
 
 In: the model (`engine.models.llama.LlamaForCausalLM`, fused kernels set, no tensor parallelism,
 no LoRA), its KV cache `[layers, 2, kv_heads, blocks, block_size, head_dim]`; per step the
-residual stream `x [T, hidden]`, `h = rms_norm(x) * ln1` of layer 0, positions, and the step's
-`AttentionMetadata` (slot mapping, per-token block tables and context lengths), and where asked
-a float32 logits buffer. Out: `h` after the final norm, `[T, hidden]` (`x` is updated in place),
-and with the buffer every row's logits through the model's LM head when that is one quantized
-weight (the embedded model's tied Q8_0 table): the Python between the layers' call and the LM
-head's ran on caches the layers' weights had just swept (docs/cpu.md, "Single stream on an AVX2
-host").
+token ids (looked up in the embedding table by the call where the table is quantized),
+positions, and the step's `AttentionMetadata` (slot mapping, per-token block
+tables and context lengths), and where asked a float32 logits buffer. Out: `h` after the final
+norm, `[T, hidden]`, and with the buffer every row's logits through the model's LM head when
+that is one quantized weight (the embedded model's tied Q8_0 table), and where asked each row's
+greedy token (the logits' argmax, taken in the call). Everything that ran as Python between
+two weight-streaming calls ran on caches the weights had just swept, at several times its warm
+cost (docs/cpu.md, "Single stream on an AVX2 host"), so the lookup, the first norm, the LM head
+and the argmax are in the one call, and steps of up to `KEPT_ROWS` tokens reuse kept scratch
+buffers (no allocation, no torch op before the call).
 """
 
 from __future__ import annotations
@@ -22,7 +25,12 @@ from __future__ import annotations
 import ctypes
 from ctypes import POINTER, c_float, c_int, c_int64, c_void_p
 
+import numpy as np
 import torch
+
+# Steps of at most this many tokens (decode batches) run in kept scratch buffers; longer ones
+# (prefill chunks) allocate theirs, so that one long chunk does not pin its scratch for good.
+KEPT_ROWS = 256
 
 
 class _QProj(ctypes.Structure):
@@ -45,7 +53,7 @@ class _Stack(ctypes.Structure):
                 ("cos", c_void_p), ("sin", c_void_p), ("final_norm", c_void_p),
                 ("layers", POINTER(_Layer)), ("kv_kind", c_int), ("k_write", c_float),
                 ("v_write", c_float), ("k_read", c_float), ("v_read", c_float),
-                ("head", _QProj), ("head_int8_x", c_int)]
+                ("head", _QProj), ("head_int8_x", c_int), ("embed", _QProj)]
 
 
 def _single_quant(lin) -> bool:
@@ -80,8 +88,14 @@ class LayerStack:
         self.has_head = _single_quant(lm)
         self._head = _proj(lm) if self.has_head else _QProj()
         self._head_int8_x = int(self.has_head and lm.int8_x)
+        self._embed = _embedding(model)
+        self.embeds = bool(self._embed.w)       # the call looks the token ids up itself
         self._cache: torch.Tensor | None = None
         self._stack: _Stack | None = None
+        self._arena: torch.Tensor | None = None        # kept scratch of up to KEPT_ROWS rows
+        self._views: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._greedy = np.zeros(KEPT_ROWS, dtype=np.int64)
+        self._greedy_at = self._greedy.ctypes.data
 
     @classmethod
     def build(cls, model, kernels) -> LayerStack | None:
@@ -114,6 +128,7 @@ class LayerStack:
             int(self.int8_x), kv_cache.shape[3], cfg.rms_norm_eps, m.scale, m.cos.data_ptr(),
             m.sin.data_ptr(), m.norm.data_ptr(), self._layers)
         self._stack.head, self._stack.head_int8_x = self._head, self._head_int8_x
+        self._stack.embed = self._embed
         if kv is not None:
             st = self._stack
             st.kv_kind, st.k_write, st.v_write = kv.kind, 1 / kv.k_scale, 1 / kv.v_scale
@@ -121,30 +136,75 @@ class LayerStack:
         self._cache = kv_cache
         return self._stack
 
-    def forward(self, x: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, meta,
-                kv_cache: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
-        """Every layer over the step's T tokens: `x` and `h` `[T, hidden]` contiguous in the
-        model dtype (see the module docstring); returns `h`. With `logits` (float32 `[T,
-        vocab]`, contiguous; only where `has_head`), every row's LM head product too, the bits
-        `LlamaForCausalLM.compute_logits` gives. Raises MemoryError, ValueError (a weight
-        without kernels, a head_dim / GQA group paged attention cannot take, logits asked of
-        a stack without the LM head)."""
-        cfg, n = self.model.cfg, x.shape[0]
+    def _scratch(self, n: int) -> tuple[torch.Tensor, ...]:
+        """(x, h, qkv, attn, o, gate_up, act), each `[n, width]` of the model dtype: views of
+        the kept arena for n <= KEPT_ROWS (made once per n), else new tensors."""
+        views = self._views.get(n)
+        if views is not None:
+            return views
+        cfg = self.model.cfg
+        widths = (cfg.hidden_size, cfg.hidden_size,
+                  (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim,
+                  cfg.num_heads * cfg.head_dim, cfg.hidden_size, 2 * cfg.intermediate_size,
+                  cfg.intermediate_size)
+        kept = n <= KEPT_ROWS
+        if not kept:
+            return tuple(torch.empty((n, w), dtype=self.model.dtype) for w in widths)
+        if self._arena is None or self._arena.numel() < n * sum(widths):
+            self._arena = torch.empty(n * sum(widths), dtype=self.model.dtype)
+            self._views.clear()                    # views of the old arena
+        views, offset = [], 0
+        for w in widths:
+            views.append(self._arena[offset:offset + n * w].view(n, w))
+            offset += n * w
+        self._views[n] = views = tuple(views)
+        return views
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta,
+            kv_cache: torch.Tensor, logits: torch.Tensor | None = None, greedy: bool = False
+            ) -> tuple[torch.Tensor, list[int] | None]:
+        """Every layer over the step's T tokens, `input_ids [T] int64` at `positions [T]
+        int64` (see the module docstring): returns (`h [T, hidden]` after the final norm, of
+        the model dtype — for T <= KEPT_ROWS a view of the kept scratch, valid until the next
+        call —, the greedy tokens or None). With `logits` (float32 `[T, vocab]`, contiguous;
+        only where `has_head`), every row's LM head product too, the bits
+        `LlamaForCausalLM.compute_logits` gives; with `greedy` as well, each row's first index
+        of its maximum logit (`logits.argmax(-1)`), as a list of T ints. Raises MemoryError;
+        IndexError for a token id outside the vocabulary; ValueError (a weight without
+        kernels, a head_dim / GQA group paged attention cannot take, logits asked of a stack
+        without the LM head)."""
+        n = input_ids.shape[0]
         stack = self._bind(kv_cache, meta.kv)
-        qkv = x.new_empty((n, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim))
-        attn = x.new_empty((n, cfg.num_heads * cfg.head_dim))
-        o = x.new_empty((n, cfg.hidden_size))
-        gate_up = x.new_empty((n, 2 * cfg.intermediate_size))
-        act = x.new_empty((n, cfg.intermediate_size))
+        x, h, qkv, attn, o, gate_up, act = self._scratch(n)
+        if not self.embeds:
+            x.copy_(self.model._embed(input_ids))
+        out = self._greedy if n <= KEPT_ROWS else np.zeros(n, dtype=np.int64)
+        at = self._greedy_at if out is self._greedy else out.ctypes.data
         tables = meta.kernel_block_tables
-        rc = self.fn(ctypes.addressof(stack), x.data_ptr(), h.data_ptr(), n,
-                     positions.data_ptr(), meta.slot_mapping.data_ptr(), tables.data_ptr(),
-                     tables.shape[1], meta.kernel_ctx_lens.data_ptr(), qkv.data_ptr(),
-                     attn.data_ptr(), o.data_ptr(), gate_up.data_ptr(), act.data_ptr(),
-                     None if logits is None else logits.data_ptr(), torch.get_num_threads())
+        rc = self.fn(ctypes.addressof(stack), input_ids.data_ptr() if self.embeds else None,
+                     x.data_ptr(), h.data_ptr(), n, positions.data_ptr(),
+                     meta.slot_mapping.data_ptr(), tables.data_ptr(), tables.shape[1],
+                     meta.kernel_ctx_lens.data_ptr(), qkv.data_ptr(), attn.data_ptr(),
+                     o.data_ptr(), gate_up.data_ptr(), act.data_ptr(),
+                     None if logits is None else logits.data_ptr(),
+                     at if greedy else None, torch.get_num_threads())
         if rc == -1:
             raise MemoryError("layer stack: out of memory for the input copies")
+        if rc == -5:
+            raise IndexError("layer stack: a token id is outside the vocabulary")
         if rc:
             raise ValueError(f"layer stack: error {rc} (no kernel for a weight, head_dim / "
                              "GQA group too large, or logits without the LM head)")
-        return h
+        return h, out[:n].tolist() if greedy else None
+
+
+def _embedding(model) -> _QProj:
+    """The embedding table as the call reads it where it is quantized (the GGUF's Q8_0
+    table, or int8); else an empty struct: the caller looks the ids up."""
+    from engine.quant.formats import QuantWeight
+    table = model.embed
+    if not isinstance(table, QuantWeight):
+        return _QProj()
+    qtype, w, row_bytes, scale = table.kernel_args
+    n, k = table.shape
+    return _QProj(qtype, w, row_bytes, scale, None, n, k, None, None)

@@ -29,6 +29,7 @@ from engine.attention import AttentionMetadata, paged_attention
 from engine.distributed.parallel import TensorParallelGroup, shard_weights, vocab_shard
 from engine.linear import Linear
 from engine.device import Device
+from engine.kernels.stack import KEPT_ROWS, LayerStack
 from engine.loader import ModelLoadError, check_architecture
 from engine.quant import Quantization
 from engine.quant.formats import QuantWeight, quantize_int8
@@ -276,25 +277,24 @@ class LlamaForCausalLM:
         use = self.dtype in (torch.bfloat16, torch.float16) or (
             self.dtype == torch.float32 and bool(self.quant_types))
         self.fused = kernels if kernels is not None and use else None
-        from engine.kernels.stack import LayerStack
         self.stack = LayerStack.build(self, self.fused)    # every layer in one C call
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
-        """Hidden states `[T, hidden]` after the final norm; writes the step's K/V. `logits`
-        (float32 `[T, vocab]`): filled with every row's LM head product by the layer stack's
-        call — only where `forward_with_logits` finds that the stack takes the head."""
+                kv_cache: torch.Tensor) -> torch.Tensor:
+        """Hidden states `[T, hidden]` after the final norm (a tensor of the caller's); writes
+        the step's K/V."""
         cfg, fused, eps = self.cfg, self.fused, self.cfg.rms_norm_eps
         n = input_ids.shape[0]
         heads = cfg.num_heads + cfg.num_kv_heads
+        if self.stack is not None and getattr(meta, "kernels", None) is not None:
+            h, _ = self.stack.run(input_ids, positions, meta, kv_cache)
+            return h.clone() if n <= KEPT_ROWS else h       # not the stack's kept scratch
         if fused is None:
             cos = self.cos[positions].unsqueeze(1)          # [T, 1, D]
             sin = self.sin[positions].unsqueeze(1)
         x = self._embed(input_ids)                          # the residual stream (a copy)
         h = fused.rms_norm(x, self.layers[0][0], eps) if fused else None
-        if self.stack is not None and getattr(meta, "kernels", None) is not None:
-            return self.stack.forward(x, h, positions, meta, kv_cache, logits=logits)
         for (ln1, qkv_proj, o_proj, ln2, gate_up_proj, down_proj), (k_cache, v_cache), \
                 next_norm, window in zip(self.layers, self.layer_caches(kv_cache),
                                          self._next_norms, self._windows):
@@ -322,18 +322,21 @@ class LlamaForCausalLM:
         return self._rms_norm(x, self.norm) if fused is None else h
 
     def forward_with_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                            meta: AttentionMetadata, kv_cache: torch.Tensor
-                            ) -> tuple[torch.Tensor, torch.Tensor] | None:
+                            meta: AttentionMetadata, kv_cache: torch.Tensor, greedy: bool = False
+                            ) -> tuple[torch.Tensor, torch.Tensor, list[int] | None] | None:
         """`forward` and `compute_logits(hidden, reuse_output=True)` of every row in one C
-        call — (hidden `[T, hidden]`, float32 logits `[T, vocab]` in the LM head's kept buffer),
-        the same bits — where the layer stack takes the LM head (a quantized model on the CPU
+        call, the same bits — (hidden `[T, hidden]`, valid until the next call; float32 logits
+        `[T, vocab]` in the LM head's kept buffer; with `greedy`, each row's argmax as T ints,
+        else None) — where the layer stack takes the LM head (a quantized model on the CPU
         kernels: `engine.kernels.stack`); else None, with nothing run. For steps that sample
-        every row (decodes, verified drafts)."""
+        every row (decodes, verified drafts). Raises what `LayerStack.run` raises."""
         stack = self.stack
         if stack is None or not stack.has_head or getattr(meta, "kernels", None) is None:
             return None
         logits = self.lm_head.reused_output(input_ids.shape[0], torch.float32)
-        return self.forward(input_ids, positions, meta, kv_cache, logits=logits), logits
+        hidden, tokens = stack.run(input_ids, positions, meta, kv_cache, logits=logits,
+                                   greedy=greedy)
+        return hidden, logits, tokens
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, reuse_output: bool = False) -> torch.Tensor:

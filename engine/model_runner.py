@@ -139,9 +139,6 @@ class ModelRunner:
         # None: built anew each step).
         self.decode_inputs = None if self.backend is not None else DecodeInputs(
             max_num_seqs, -(-model.cos.shape[0] // block_size))
-        # Whether a forward pass that computes the logits may take the argmax too, for steps
-        # whose rows are all `Sampler.plain_greedy` (False: the sampler's own argmax).
-        self.greedy_in_forward = True
         self.kv_cache, self.cpu_cache = self._caches(model, num_gpu_blocks, num_cpu_blocks)
         self.drafter = self.draft_kv_cache = self.draft_cpu_cache = None
         if draft_model is not None:       # speculative decoding with a draft model
@@ -155,6 +152,10 @@ class ModelRunner:
         self.sampler = Sampler(device.torch_device, seed, self.kernels)
         model.set_kernels(self.kernels if self.backend is None
                           else fused_ops(device.kind, model.dtype))
+        # Whether the forward pass may take the argmax too (the layer stack's call, where it
+        # computes the logits), for steps whose rows are all `Sampler.plain_greedy`; False: the
+        # sampler's own argmax, and no rows checked for it.
+        self.greedy_in_forward = model.stack is not None and model.stack.has_head
         self.states: dict[str, _RequestState] = {}
         self.grammars = grammars      # engine.structured.grammar.GrammarCompiler, or None
         self._mask_pool: ThreadPoolExecutor | None = None

@@ -130,12 +130,12 @@ static int project(const layer_stack *s, const qproj *p, const void *x, int64_t 
     return product(s, p, s->int8_x, x, x_stride, y, !s->bf16, n, threads);
 }
 
-/* Every layer of `s` over n tokens (see the file comment). positions [n] int64, slots [n]
- * int64, block_tables [n, max_blocks] int32 and ctx_lens [n] int32 as paged_decode takes them.
+/* Every layer of `s` over n tokens (see the file comment): x [n, hidden] in, h = rms_norm(x) *
+ * ln1 of layer 0 first, h after the final norm out. positions [n] int64, slots [n] int64,
+ * block_tables [n, max_blocks] int32 and ctx_lens [n] int32 as paged_decode takes them.
  * Scratch (T): qkv [n, (H + 2 KVH) D], attn [n, H D], o [n, hidden], gu [n, 2 inter],
- * act [n, inter]. logits: float32 [n, vocab] for the LM head's products, or NULL. Returns 0;
- * -1 out of memory; -2 a weight without kernels; -3 head_dim or the GQA group too large for
- * paged attention; -4 logits asked of a stack without an LM head. */
+ * act [n, inter]. Returns 0; -1 out of memory; -2 a weight without kernels; -3 head_dim or the
+ * GQA group too large for paged attention. */
 #define DEFINE_STACK(SUFFIX, T)                                                               \
 static int stack_##SUFFIX(const layer_stack *s, T *x, T *h, int n, const int64_t *positions,  \
                           const int64_t *slots, const int32_t *tables, int max_blocks,        \
@@ -143,6 +143,7 @@ static int stack_##SUFFIX(const layer_stack *s, T *x, T *h, int n, const int64_t
                           int threads) {                                                      \
     const int D = s->head_dim, H = s->num_heads, KVH = s->num_kv_heads;                       \
     const int64_t qs = (int64_t)H * D, kvs = (int64_t)KVH * D, row = qs + 2 * kvs;            \
+    add_rms_norm_##SUFFIX(x, NULL, s->layers[0].ln1, h, n, s->hidden, s->eps, threads);        \
     for (int i = 0; i < s->num_layers; i++) {                                                 \
         const layer_ptrs *l = &s->layers[i];                                                  \
         int rc = project(s, &l->qkv, h, s->hidden, qkv, n, threads);                     \
@@ -182,10 +183,6 @@ int layer_stack_forward(const layer_stack *s, const int64_t *ids, void *x, void 
     if ((logits && !s->head.w) || (greedy && !logits) || (ids && !s->embed.w)) return -4;
     int rc = ids ? embed(s, ids, x, n) : 0;
     if (rc) return rc;
-    if (s->bf16)
-        add_rms_norm_bf16(x, NULL, s->layers[0].ln1, h, n, s->hidden, s->eps, threads);
-    else
-        add_rms_norm_f32(x, NULL, s->layers[0].ln1, h, n, s->hidden, s->eps, threads);
     rc = s->bf16
         ? stack_bf16(s, x, h, n, positions, slots, tables, max_blocks, ctx_lens, qkv, attn, o,
                      gu, act, threads)

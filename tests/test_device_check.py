@@ -74,3 +74,21 @@ def test_profile_smoke_run_reports_steps_and_kernels(model_dir, tmp_path):
     text = out.read_text()
     assert "step: median" in text and "cProfile of 5 steps" in text
     assert "function calls" in text and "torch.profiler of 2 steps" in text
+
+
+@pytest.mark.extended
+def test_device_ab_smoke_times_two_trees(model_dir, tmp_path):
+    """benchmarks/device_ab.py, the GPU session's A/B of two trees, in its CPU mode: every
+    round holds both trees' step medians and the summary their ratio."""
+    out = tmp_path / "device_ab.json"
+    done = subprocess.run([sys.executable, "benchmarks/device_ab.py", "--smoke",
+                           "--base-dir", str(model_dir), "--tree", f"a={ROOT}",
+                           "--tree", f"b={ROOT}", "--batches", "1,2", "--steps", "3",
+                           "--rounds", "2", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    data = json.loads(out.read_text())
+    assert data["errors"] == [] and len(data["rounds"]) == 2
+    for batch in ("1", "2"):
+        assert all(r[t][batch]["median_ms"] > 0 for r in data["rounds"] for t in ("a", "b"))
+        assert data["summary"][batch]["speedup_vs_a"]["b"] > 0

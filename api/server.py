@@ -120,7 +120,7 @@ class ServerState:
         self.lora_paths = dict(paths)
 
     def engine_died(self, message: str) -> None:
-        """The engine process is gone (reader thread): stop the server, exit status 1."""
+        """The engine process is gone (from the pipe's reader): stop the server, exit status 1."""
         self.lifecycle.begin_drain(message, 0.0, exit_code=1)
 
     def load_repository(self) -> None:
@@ -160,7 +160,8 @@ class ServerState:
             t0 = time.perf_counter()
             llm = ProcessAsyncLLM(self.engine_config, on_stats=self.metrics.on_engine_stats,
                                   on_dead=self.engine_died, on_lora=self.on_lora,
-                                  conn=self.engine_conn, started=self.engine_started)
+                                  conn=self.engine_conn, started=self.engine_started,
+                                  reader_loop=self.lifecycle.loop)
             self.tokenizer = llm.tokenizer          # the one its output processor uses
             from engine.structured.grammar import GrammarCompiler
             self.grammars = GrammarCompiler(self.tokenizer, llm.info.get("vocab_size"))

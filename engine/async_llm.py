@@ -10,7 +10,8 @@ bookkeeping and the handling of those messages (`_StreamRouter`):
   cross a queue and messages are handled as they are emitted. Torch releases the GIL inside its
   kernels, so the event loop (HTTP, SSE) runs during the forward pass.
 - `ProcessAsyncLLM` (the server): the core runs in a child process (its own GIL); commands and
-  messages cross a pipe, pickled, and the outputs are detokenized here, by the reader thread.
+  messages cross a pipe, pickled, and the outputs are detokenized here, by the pipe's reader:
+  a callback of the server's event loop (`reader_loop`), or else a reader thread.
   `benchmarks/async_bench.py` compares the two.
 
 Errors: `add_request` errors (too long, queue full, bad token id) are raised to the caller of
@@ -26,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import os
 import threading
 import time
 import uuid
@@ -136,7 +138,8 @@ class _StreamRouter:
             self.on_lora(message.paths)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        """Hand a step's outputs to their streams (called from a background thread)."""
+        """Hand a step's outputs to their streams: at once to those of the loop this runs on
+        (`ProcessAsyncLLM.reader_loop`), through `call_soon_threadsafe` to those of others."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
@@ -145,8 +148,12 @@ class _StreamRouter:
             if out.finished:
                 del self._streams[out.request_id]
             by_loop.setdefault(stream[0], []).append((stream[1], out))
+        here = asyncio._get_running_loop()
         for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_deliver, items)
+            if loop is here:            # the reader runs on the streams' own loop
+                _deliver(items)
+            else:
+                loop.call_soon_threadsafe(_deliver, items)
 
     def _fail_all(self, error: BaseException) -> None:
         """The engine is gone: later `generate` calls raise EngineDeadError, every stream in
@@ -293,16 +300,21 @@ class ProcessAsyncLLM(_StreamRouter):
 
     def __init__(self, config: EngineConfig, start_timeout: float = 600.0,
                  on_stats=None, on_dead=None, on_lora=None, conn=None,
-                 started: tuple | None = None) -> None:
+                 started: tuple | None = None,
+                 reader_loop: asyncio.AbstractEventLoop | None = None) -> None:
         """Starts the child (or takes `started`, `spawn_engine_core`'s), waits until its engine
         is loaded, then loads the tokenizer. With `conn`, this front end's pipe to an engine
         core another process started (one of `--api-server-count`'s API processes,
         `engine.core_clients`), no child is started.
 
-        `on_stats(step_stats, snapshot)` is called from the reader thread after every step and
+        `on_stats(step_stats, snapshot)` is called from the pipe's reader after every step and
         after aborts (snapshot None: only this front end's requests' stats); `on_dead(message)`
-        once from the reader thread if the engine process exits without `shutdown()` (killed,
+        once from the reader if the engine process exits without `shutdown()` (killed,
         out of memory), after every stream has failed; `on_lora(paths)` after every LoRA call.
+        With `reader_loop` (the server's event loop, running in another thread), the pipe is
+        read there (`loop.add_reader`) instead of by a reader thread, and these callbacks run
+        there: a step's outputs then reach the streams of that loop without a second thread's
+        wake-up, GIL hand-over and self-pipe write (docs/architecture.md, step 7).
         Raises EngineDeadError if the engine cannot start (message says why).
         """
         self.on_dead = on_dead
@@ -335,9 +347,13 @@ class ProcessAsyncLLM(_StreamRouter):
             self.shutdown()
             raise EngineDeadError(f"the model's tokenizer did not load: {e}") from None
         super().__init__(config, OutputProcessor(self.tokenizer), on_stats, on_lora)
-        self._reader = threading.Thread(target=self._read, name="continuum-engine-reader",
-                                        daemon=True)
-        self._reader.start()
+        self._dead_reason: str | None = None      # the core's `Dead` message, if it sent one
+        self.reader_loop = reader_loop
+        if reader_loop is None:
+            threading.Thread(target=self._read, name="continuum-engine-reader",
+                             daemon=True).start()
+        else:
+            reader_loop.call_soon_threadsafe(self._attach)
 
     def _exit_code(self) -> int | None:
         """The engine process's exit code once it has exited (None: still running, or not
@@ -352,27 +368,57 @@ class ProcessAsyncLLM(_StreamRouter):
             self._conn.send(command)
 
     def _read(self) -> None:
-        reason = None
+        """The reader thread (no `reader_loop`): every message until the pipe closes."""
         try:
             while True:
-                message = self._conn.recv()
-                if isinstance(message, Dead):   # it stopped itself and says why
-                    reason = message.reason
-                else:
-                    self._on_message(message)
+                self._take(self._conn.recv())
         except (EOFError, OSError):       # the pipe closed: shutdown, or the child died
-            if self._stopping:
-                self._fail_all(EngineDeadError("the engine was shut down"))
-                return
-            message = (f"engine stopped: {reason}" if reason else
-                       f"engine process exited unexpectedly (exit code {self._exit_code()})")
-            logger.error("%s", message)
-            self._fail_all(EngineDeadError(message))
-            if self.on_dead is not None:
-                self.on_dead(message)
+            self._closed()
         except BaseException as e:      # a bug: say where, and never hang the streams
             logger.exception("engine reader stopped")
             self._fail_all(e)
+
+    def _attach(self) -> None:
+        """On `reader_loop`: read the pipe there. The socket stays blocking: uvloop's
+        `add_reader` makes it non-blocking (libuv's `uv_poll_init`), and a command larger than
+        the socket's buffer (a prompt of 10^6 ids) would then fail to send with EAGAIN."""
+        fd = self._conn.fileno()
+        self.reader_loop.add_reader(fd, self._readable)
+        os.set_blocking(fd, True)
+
+    def _readable(self) -> None:
+        """`reader_loop`'s callback when the pipe has data: one message (read whole: the core
+        writes it at once). Not a `poll()` for more: each builds a selector (~6 % of a single
+        stream's time here), and the loop's own poll calls this again while data is there."""
+        try:                    # one message: the loop calls again while more are there
+            self._take(self._conn.recv())
+        except (EOFError, OSError):
+            self.reader_loop.remove_reader(self._conn.fileno())
+            self._closed()
+        except BaseException as e:
+            self.reader_loop.remove_reader(self._conn.fileno())
+            logger.exception("engine reader stopped")
+            self._fail_all(e)
+
+    def _take(self, message) -> None:
+        if isinstance(message, Dead):   # it stopped itself and says why
+            self._dead_reason = message.reason
+        else:
+            self._on_message(message)
+
+    def _closed(self) -> None:
+        """The pipe closed: every stream fails; unless `shutdown()` closed it, say why (the
+        core's `Dead` reason, else the exit code) and call `on_dead`."""
+        if self._stopping:
+            self._fail_all(EngineDeadError("the engine was shut down"))
+            return
+        reason = self._dead_reason
+        message = (f"engine stopped: {reason}" if reason else
+                   f"engine process exited unexpectedly (exit code {self._exit_code()})")
+        logger.error("%s", message)
+        self._fail_all(EngineDeadError(message))
+        if self.on_dead is not None:
+            self.on_dead(message)
 
     @property
     def is_alive(self) -> bool:

@@ -21,9 +21,13 @@ figures and snapshot reach API process 0 alone, so each step counts once.
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+# on_engine_stats folds the steps it kept after this many, or this long (s) after the first
+FOLD_STEPS, FOLD_S = 64, 0.25
 GAUGE_MODE = "mostrecent"      # several API processes: a gauge is its last writer's value
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -57,6 +61,10 @@ class Metrics:
     def __init__(self, model_name: str) -> None:
         self.registry = r = CollectorRegistry()
         self.collectors: list = []              # `register`ed: rendered in every mode
+        self._fold_lock = threading.Lock()      # on_engine_stats' kept steps and snapshot
+        self._kept_steps: list = []
+        self._kept_snapshot: dict | None = None
+        self._kept_since = 0.0
         labels = ["model_name"]
         self.model_name = model_name
 
@@ -171,7 +179,36 @@ class Metrics:
 
     def on_engine_stats(self, step_stats: list, snapshot: dict | None) -> None:
         """Record engine steps and the scheduler snapshot (None: not this process's to show;
-        `StepStats.engine_wide` False: only its requests' tokens and finishes). Any thread."""
+        `StepStats.engine_wide` False: only its requests' tokens and finishes). Any thread.
+
+        Kept, and folded into the metrics in batches: at `render`, when a snapshot shows the
+        engine idle (nothing running or waiting), after `FOLD_STEPS` steps, or `FOLD_S`
+        seconds after the first one kept. Folded one step at a time, a single stream's
+        figures cost ~10 % of the API process's time per token, each on caches the model's
+        weights had just swept (docs/architecture.md, step 7). With several API processes a
+        scrape of another process sees them up to `FOLD_S` late while the engine is busy."""
+        with self._fold_lock:
+            if step_stats:
+                if not self._kept_steps:
+                    self._kept_since = time.monotonic()
+                self._kept_steps.extend(step_stats)
+            if snapshot is not None:
+                self._kept_snapshot = snapshot
+            if not (snapshot is not None and not snapshot["num_running"]
+                    and not snapshot["num_waiting"]) and len(self._kept_steps) < FOLD_STEPS \
+                    and time.monotonic() - self._kept_since < FOLD_S:
+                return
+            self._fold()
+
+    def _fold(self) -> None:
+        """Fold what `on_engine_stats` kept into the metrics (under `_fold_lock`)."""
+        steps, snapshot = self._kept_steps, self._kept_snapshot
+        self._kept_steps, self._kept_snapshot = [], None
+        self._fold_steps(steps)
+        if snapshot is not None:
+            self._on_snapshot(snapshot)
+
+    def _fold_steps(self, step_stats: list) -> None:
         for s in step_stats:
             if s.engine_wide:
                 self.batch_size.observe(s.batch_size)
@@ -192,8 +229,6 @@ class Metrics:
                     self.lora_success.labels(self.model_name, m.lora_name,
                                              reason or "abort").inc()
                     self.lora_generation_tokens.labels(self.model_name, m.lora_name).inc(n_gen)
-        if snapshot is not None:
-            self._on_snapshot(snapshot)
 
     def _on_snapshot(self, snapshot: dict) -> None:
         self.running.set(snapshot["num_running"])
@@ -234,6 +269,8 @@ class Metrics:
     def render(self) -> bytes:
         """All metrics in Prometheus' text exposition format (with several API processes,
         theirs together)."""
+        with self._fold_lock:
+            self._fold()
         if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
             return generate_latest(self.registry)
         from prometheus_client.multiprocess import MultiProcessCollector

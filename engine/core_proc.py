@@ -30,16 +30,20 @@ from engine.outputs import EngineCoreOutputs
 
 logger = logging.getLogger("continuum.async")
 
+SNAPSHOT_S = 0.1        # the longest a step's snapshot is left out while the counts hold
+
 
 class EngineCoreProc:
     """The loop: commands between steps, a step while requests are unfinished, its outputs
-    out with `engine_snapshot` (the step-cost gauge in it refitted once a second and at the
-    last step before idle). Aborts that change the scheduler without a step send an
+    out, with `engine_snapshot` where due (`step`; the step-cost gauge in it refitted once a
+    second and at the last step before idle). Aborts that change the scheduler without a step send an
     `EngineCoreOutputs` with the snapshot alone."""
 
     def __init__(self, core: EngineCore, emit) -> None:
         self.core, self.emit = core, emit
         self.next_cost = 0.0                  # monotonic time of the next step-cost refit
+        self.next_snapshot = 0.0              # ... by which the next snapshot goes out
+        self._sent_counts: tuple[int, int, int] | None = None   # running, waiting, swapped
         self._handlers = {AddRequest: self._add, AbortRequests: self._abort,
                           FinishSequences: self._finish, AbortAll: self._abort_all,
                           LoraCall: self._lora}
@@ -107,14 +111,21 @@ class EngineCoreProc:
         return True
 
     def step(self) -> None:
-        """One core step; its outputs go out with the snapshot."""
-        core = self.core
+        """One core step; its outputs go out, with the snapshot where it is due: at the last
+        step before idle, when the numbers of running, waiting or swapped requests changed,
+        and at least every `SNAPSHOT_S` seconds (gauges a scrape reads, not per-token data:
+        building, pickling and reading it each step cost a single stream ~10 % of the API
+        process's time per token, docs/architecture.md step 7)."""
+        core, sched = self.core, self.core.scheduler
         out = core.step()
         now = time.monotonic()
         with_cost = now >= self.next_cost or not core.has_unfinished_requests()
         if with_cost:
             self.next_cost = now + 1.0
-        out.snapshot = engine_snapshot(core, with_cost)
+        counts = (len(sched.running), len(sched.waiting), len(sched.swapped))
+        if with_cost or counts != self._sent_counts or now >= self.next_snapshot:
+            out.snapshot = engine_snapshot(core, with_cost)
+            self._sent_counts, self.next_snapshot = counts, now + SNAPSHOT_S
         self.emit(out)
 
 

@@ -118,3 +118,18 @@ class RequestStepOutput:
     def finished(self) -> bool:
         """Whether the request ended this step."""
         return self.status.is_finished
+
+    def __reduce__(self):
+        """Pickled as `_step_output` and the fields in order, the status as its int (one a
+        token crosses the engine's pipe: the default pickle is a dict of field names, and
+        reading an enum member back goes through `RequestStatus(value)`, the slow path)."""
+        return _step_output, (self.request_id, self.new_token_ids, int(self.status),
+                              self.stop_reason, self.logprobs, self.parent_id, self.index,
+                              self.error)
+
+
+_STATUSES = tuple(RequestStatus)           # RequestStatus values are 0, 1, ... in order
+
+
+def _step_output(request_id, new_token_ids, status, *rest) -> RequestStepOutput:
+    return RequestStepOutput(request_id, new_token_ids, _STATUSES[status], *rest)

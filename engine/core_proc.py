@@ -36,8 +36,8 @@ SNAPSHOT_S = 0.1        # the longest a step's snapshot is left out while the co
 class EngineCoreProc:
     """The loop: commands between steps, a step while requests are unfinished, its outputs
     out, with `engine_snapshot` where due (`step`; the step-cost gauge in it refitted once a
-    second and at the last step before idle). Aborts that change the scheduler without a step send an
-    `EngineCoreOutputs` with the snapshot alone."""
+    second and at the last step before idle). Aborts that change the scheduler without a
+    step send an `EngineCoreOutputs` with the snapshot alone."""
 
     def __init__(self, core: EngineCore, emit) -> None:
         self.core, self.emit = core, emit

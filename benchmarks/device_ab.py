@@ -35,7 +35,8 @@ sys.path.insert(0, os.getcwd())
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from benchmarks import device_check as dc
 args = json.loads(sys.argv[1])
-plan = dataclasses.replace(dc.SMOKE if args["smoke"] else dc.FULL, timed_steps=args["steps"], batch_sizes=tuple(args["batches"]))
+plan = dataclasses.replace(dc.SMOKE if args["smoke"] else dc.FULL, timed_steps=args["steps"],
+                           batch_sizes=tuple(args["batches"]))
 eng = dc.perf_engine(plan, args["ckpt"], eager=args["eager"])
 replays, rng = dc.count_replays(eng), random.Random(0)
 out = {str(b): dc.decode_step_ms(eng, plan, b, replays, rng) for b in plan.batch_sizes}

@@ -2,8 +2,10 @@
 end's `RequestOutput` deltas made from them, and the per-step statistics.
 
 `RequestOutput` is a delta: the text and token ids that each choice gained in this step (a
-consumer joins them); the prompt's logprobs, when asked, ride on the first. `finished` is True on the last output of a request, when every choice
-has a `finish_reason` ("stop", "length", "abort", "error").
+consumer joins them); the prompt's logprobs, when asked, ride on the first. `finished` is True
+on the last output of a request, when every choice has a `finish_reason` ("stop", "length",
+"abort", "error"). `StepStats`, `EngineCoreOutputs` (and `scheduler.output.RequestStepOutput`)
+cross the engine core's pipe each step, pickled positionally (`positional_pickle`).
 """
 
 from __future__ import annotations

@@ -65,6 +65,7 @@ class Metrics:
         self._kept_steps: list = []
         self._kept_snapshot: dict | None = None
         self._kept_since = 0.0
+        self._batched = not os.environ.get("PROMETHEUS_MULTIPROC_DIR")   # see on_engine_stats
         labels = ["model_name"]
         self.model_name = model_name
 
@@ -185,8 +186,9 @@ class Metrics:
         engine idle (nothing running or waiting), after `FOLD_STEPS` steps, or `FOLD_S`
         seconds after the first one kept. Folded one step at a time, a single stream's
         figures cost ~10 % of the API process's time per token, each on caches the model's
-        weights had just swept (docs/architecture.md, step 7). With several API processes a
-        scrape of another process sees them up to `FOLD_S` late while the engine is busy."""
+        weights had just swept (docs/architecture.md, step 7). With several API processes
+        (`PROMETHEUS_MULTIPROC_DIR`) each call folds at once: a scrape that another process
+        answers cannot fold what this one kept, and only process 0 sees the idle snapshot."""
         with self._fold_lock:
             if step_stats:
                 if not self._kept_steps:
@@ -194,8 +196,9 @@ class Metrics:
                 self._kept_steps.extend(step_stats)
             if snapshot is not None:
                 self._kept_snapshot = snapshot
-            if not (snapshot is not None and not snapshot["num_running"]
-                    and not snapshot["num_waiting"]) and len(self._kept_steps) < FOLD_STEPS \
+            if self._batched and not (snapshot is not None and not snapshot["num_running"]
+                                      and not snapshot["num_waiting"]) \
+                    and len(self._kept_steps) < FOLD_STEPS \
                     and time.monotonic() - self._kept_since < FOLD_S:
                 return
             self._fold()

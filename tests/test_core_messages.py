@@ -106,3 +106,14 @@ def test_metrics_show_every_step_at_a_scrape_and_at_idle():
     assert value("continuum_prefix_cache_queries_total") == 4
     assert m.registry.get_sample_value("continuum_request_success_total",
                                        {"model_name": "m", "finished_reason": "stop"}) == 1
+
+
+def test_metrics_of_several_api_processes_fold_every_step_at_once(monkeypatch, tmp_path):
+    """With --api-server-count's multiprocess files another process may answer the scrape, and
+    only process 0 sees the idle snapshot: nothing may wait in this process."""
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    m = Metrics("m")
+    m.on_engine_stats([StepStats(0, 0, 0, 0.0, 0.0, 3, [("length", RequestMetrics(1.0), 4, 3)],
+                                 engine_wide=False)], None)
+    assert m.registry.get_sample_value("continuum_generation_tokens_total",
+                                       {"model_name": "m"}) == 3

@@ -12,10 +12,12 @@ size, the median over rounds of each tree's median and the ratio of the first tr
 each other's (> 1: that tree is faster).
 
 Usage (from the repository root; the old tree from `git archive OLD | tar -x -C build/device/old`,
-carried with build/device):
+carried with build/device; the GPU image lacks llguidance, whose wheel device_bundle.py puts
+there):
 
-    python benchmarks/device_ab.py --base-dir build/device/base --tree old=build/device/old \
-        --tree new=. --out $OUT/device_ab.json
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site build/device/wheels/*.whl
+    PYTHONPATH=/tmp/site python3 benchmarks/device_ab.py --base-dir build/device/base \
+        --tree old=build/device/old --tree new=. --out $OUT/device_ab.json
 """
 
 from __future__ import annotations

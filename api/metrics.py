@@ -196,12 +196,15 @@ class Metrics:
                 self._kept_steps.extend(step_stats)
             if snapshot is not None:
                 self._kept_snapshot = snapshot
-            if self._batched and not (snapshot is not None and not snapshot["num_running"]
-                                      and not snapshot["num_waiting"]) \
-                    and len(self._kept_steps) < FOLD_STEPS \
-                    and time.monotonic() - self._kept_since < FOLD_S:
-                return
-            self._fold()
+            if self._fold_due(snapshot):
+                self._fold()
+
+    def _fold_due(self, snapshot: dict | None) -> bool:
+        """Whether `on_engine_stats` folds now (see there)."""
+        idle = snapshot is not None and not snapshot["num_running"] \
+            and not snapshot["num_waiting"]
+        return (not self._batched or idle or len(self._kept_steps) >= FOLD_STEPS
+                or time.monotonic() - self._kept_since >= FOLD_S)
 
     def _fold(self) -> None:
         """Fold what `on_engine_stats` kept into the metrics (under `_fold_lock`)."""

@@ -372,11 +372,8 @@ class ProcessAsyncLLM(_StreamRouter):
         try:
             while True:
                 self._take(self._conn.recv())
-        except (EOFError, OSError):       # the pipe closed: shutdown, or the child died
-            self._closed()
-        except BaseException as e:      # a bug: say where, and never hang the streams
-            logger.exception("engine reader stopped")
-            self._fail_all(e)
+        except BaseException as e:
+            self._stopped_reading(e)
 
     def _attach(self) -> None:
         """On `reader_loop`: read the pipe there. The socket stays blocking: uvloop's
@@ -392,13 +389,18 @@ class ProcessAsyncLLM(_StreamRouter):
         stream's time here), and the loop's own poll calls this again while data is there."""
         try:                    # one message: the loop calls again while more are there
             self._take(self._conn.recv())
-        except (EOFError, OSError):
-            self.reader_loop.remove_reader(self._conn.fileno())
-            self._closed()
         except BaseException as e:
             self.reader_loop.remove_reader(self._conn.fileno())
-            logger.exception("engine reader stopped")
-            self._fail_all(e)
+            self._stopped_reading(e)
+
+    def _stopped_reading(self, error: BaseException) -> None:
+        """The reader ended on `error`: the pipe closed (EOFError, OSError: shutdown, or the
+        child died), else a bug — said where, and no stream left hanging."""
+        if isinstance(error, (EOFError, OSError)):
+            self._closed()
+        else:
+            logger.error("engine reader stopped", exc_info=error)
+            self._fail_all(error)
 
     def _take(self, message) -> None:
         if isinstance(message, Dead):   # it stopped itself and says why

@@ -142,3 +142,20 @@ def test_object_schemas_without_additional_properties_are_closed(engine, tokeniz
                               SamplingParams(max_tokens=60, temperature=0, structured_outputs=so))
     value = json.loads(text_of(engine, ids))
     assert set(value) <= {"name", "age"} and "name" in value
+
+
+def test_the_token_trie_is_built_by_the_first_constraint_and_a_bad_tokenizer_is_a_param_error(
+        tokenizer):
+    """llguidance's view of the tokenizer costs ~0.5 s, so an engine builds it at the first
+    constraint, not at start; a tokenizer llguidance cannot read refuses constraints with a
+    ParamError (a 400 in the servers), and a good one compiles after it."""
+    from engine.structured.grammar import GrammarCompiler
+
+    broken = GrammarCompiler(object(), vocab_size=49152)        # no error until it is used
+    with pytest.raises(ParamError, match="not available for this model's tokenizer") as e:
+        broken.compile(JSON, "response_format")
+    assert e.value.param == "response_format"
+    compiler = GrammarCompiler(tokenizer, vocab_size=49152)
+    assert compiler._ll_tokenizer is None
+    compiler.compile(JSON)
+    assert compiler._ll_tokenizer is not None and compiler.compiles == 1

@@ -76,6 +76,11 @@ class _Cursor:
             etype, count = self.read("I"), self.read("Q")
             if etype in _SCALARS:
                 self.pos += count * struct.calcsize(_SCALARS[etype])
+            elif etype == _STRING:          # a tokenizer's 49 k tokens: one loop, no calls
+                buf, pos, length = self.buf, self.pos, struct.Struct("<Q").unpack_from
+                for _ in range(count):
+                    pos += 8 + length(buf, pos)[0]
+                self.pos = pos
             else:
                 for _ in range(count):
                     self.skip_value(etype)

@@ -132,14 +132,17 @@ def test_all_at_once_matches_transformers(base_engine, prompts, assert_greedy):
     assert_greedy(run(base_engine, prompts.values()), list(prompts))
 
 
-def test_float_weights_match_transformers(prompts, assert_greedy):
+@pytest.mark.parametrize("alone", [False, pytest.param(True, marks=pytest.mark.extended)])
+def test_float_weights_match_transformers(prompts, assert_greedy, alone):
     """`--quantization none`: the GGUF dequantized to float32 at load, oneDNN's (or the
-    kernel's) GEMM."""
+    kernel's) GEMM; all prompts at once, and (the second variant) each alone."""
     eng = engine(quantization="none")
     assert eng.model.quant_types == [] and eng.model.linear_path != "quant"
-    for name, p in prompts.items():
-        assert_greedy(run(eng, [p]), [name])
-    assert_greedy(run(eng, prompts.values()), list(prompts))
+    if alone:
+        for name, p in prompts.items():
+            assert_greedy(run(eng, [p]), [name])
+    else:
+        assert_greedy(run(eng, prompts.values()), list(prompts))
 
 
 def test_kernel_path_is_in_use_on_cpu(base_engine):
@@ -191,7 +194,7 @@ def test_prefix_cache_hits_are_exact(shared_prefix_prompts, assert_greedy):
 
 
 @pytest.mark.parametrize("mode", ["recompute", pytest.param("swap", marks=pytest.mark.extended),
-                                  "auto"])
+                                  pytest.param("auto", marks=pytest.mark.extended)])
 def test_preemption_is_exact(mode, prompts, assert_greedy):
     # 72 blocks = 1152 slots: the ~1k-token prompt (first, so it runs throughout) plus the
     # others do not fit, so later arrivals are preempted while it decodes.

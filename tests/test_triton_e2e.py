@@ -41,14 +41,14 @@ TEST_MODELS = {
     "delayed": 'max_batch_size: 8 dynamic_batching { max_queue_delay_microseconds: 400000 }',
     "prio": 'max_batch_size: 1 dynamic_batching { priority_levels: 2 default_priority_level: 2 }',
     "reject": 'max_batch_size: 1 dynamic_batching { default_queue_policy { timeout_action: '
-              'REJECT default_timeout_microseconds: 100000 max_queue_size: 2 } }',
+              'REJECT default_timeout_microseconds: 800000 max_queue_size: 2 } }',
     "failing": 'max_batch_size: 8 dynamic_batching { max_queue_delay_microseconds: 300000 }',
     "pair": 'max_batch_size: 8 instance_group [ { count: 2 kind: KIND_CPU } ]',
     # cheap (it runs on the event loop once measured), batching with no queue delay
     "cheap": 'max_batch_size: 32 dynamic_batching { }',
 }
 MAX_INPUT = 1_000_000          # --http-max-input-size of the test server, bytes
-DELAY_MS = {"batch4": 200, "delayed": 0, "prio": 400, "reject": 600, "failing": 0, "pair": 200,
+DELAY_MS = {"batch4": 200, "delayed": 0, "prio": 400, "reject": 2000, "failing": 0, "pair": 200,
             "cheap": 0}
 
 
@@ -416,10 +416,12 @@ def test_queue_timeout_reject_and_queue_full(triton):
             with lock:
                 errors.append((e.status(), e.message()))
 
-    # the first executes for 600 ms; three more arrive while it runs
-    in_threads(base, run, [0, 0.2, 0.23, 0.26])
-    # two queue and time out after 100 ms (REJECT); the third finds the queue full (size 2),
-    # which Triton's statistics do not count as a failure
+    # the first executes for 2 s; three more arrive while it runs, within 60 ms of each other:
+    # whichever two come first queue and time out after 800 ms (REJECT), long before the first
+    # ends; the last finds the queue full (size 2), which Triton's statistics do not count as a
+    # failure. (The margins are wide: with a 100 ms timeout a busy host once delayed the last
+    # arrival past the first queued one's timeout.)
+    in_threads(base, run, [0, 0.3, 0.33, 0.36])
     assert sorted(errors) == [("503", "Request timeout expired"),
                               ("503", "Request timeout expired"),
                               ("503", "[request id: <id_unknown>] Exceeds maximum queue size")]

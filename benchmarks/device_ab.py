@@ -97,18 +97,17 @@ def summary(rounds: list[dict], names: list[str], batches: list[int]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    names = [t.split("=", 1)[0] for t in a.tree]
-    batches = [int(b) for b in a.batches.split(",")]
     work = Path(tempfile.mkdtemp(prefix="dab-"))      # the checkpoint: removed at the end
     try:
-        return _run(a, names, batches, work)
+        return _run(a, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _run(a: argparse.Namespace, names: list[str], batches: list[int], work: Path) -> int:
+def _run(a: argparse.Namespace, work: Path) -> int:
     """Build the checkpoint under `work`, time every tree each round, write `--out`."""
     t0, trees = time.perf_counter(), dict(t.split("=", 1) for t in a.tree)
+    names, batches = list(trees), [int(b) for b in a.batches.split(",")]
     ckpt = build_checkpoint(Path(a.base_dir).resolve(), work,
                             *(("tiny", "cpu") if a.smoke else ("llama-3.2-1b", "cuda")))
     child = {"ckpt": str(ckpt), "steps": a.steps, "batches": batches,

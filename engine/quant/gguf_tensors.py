@@ -27,6 +27,7 @@ _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: 
             12: "d"}
 _STRING, _ARRAY = 8, 9
 _FLOAT_DTYPES = {0: np.float32, 1: np.float16}      # F32, F16: typed views; others: bytes
+_U64 = struct.Struct("<Q")                          # a string's length
 
 
 @dataclass
@@ -77,7 +78,7 @@ class _Cursor:
             if etype in _SCALARS:
                 self.pos += count * struct.calcsize(_SCALARS[etype])
             elif etype == _STRING:          # a tokenizer's 49 k tokens: one loop, no calls
-                buf, pos, length = self.buf, self.pos, struct.Struct("<Q").unpack_from
+                buf, pos, length = self.buf, self.pos, _U64.unpack_from
                 for _ in range(count):
                     pos += 8 + length(buf, pos)[0]
                 self.pos = pos

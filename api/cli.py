@@ -65,7 +65,9 @@ def main(argv: list[str] | None = None) -> None:
         data_parallel = data_parallel_config(args)
         configure(config.log)
         started = _start_engine_early(config, data_parallel)
-        check_model(args, config)
+        if started is not None:             # this process's imports while the child checks
+            _import_server_modules()
+        check_model(args, config, started)
     except (ValueError, OSError, KeyboardInterrupt) as e:
         # a bad flag; a --log-file that cannot be opened; Ctrl-C before the server is up (its
         # handlers take over from there): the early child goes too, without a traceback
@@ -89,8 +91,8 @@ def main(argv: list[str] | None = None) -> None:
 def _start_engine_early(config, data_parallel):
     """One API process over a one-rank engine: its engine core's process started now
     (`engine.async_llm.spawn_engine_core`), so that the child's imports and model load overlap
-    this process's own (the flag checks that import torch, the app's modules): ~3 s of a
-    start of ~13 s on a 2-core AVX2 host. The port is checked first (taken: exit 1, no child
+    this process's own (the app's modules, the tokenizer), and the child checks the flags that
+    need torch (`engine.flag_checks`), which this process then never imports. The port is checked first (taken: exit 1, no child
     left). None where the engine starts elsewhere (--no-llm, Ray Serve replicas, several API
     processes, tensor parallelism, whose ranks the core spawns)."""
     if config.no_llm or data_parallel is not None or config.api_server_count > 1 or \
@@ -99,7 +101,18 @@ def _start_engine_early(config, data_parallel):
     from api.launch import check_port
     from engine.async_llm import spawn_engine_core
     check_port(config.host, config.port)
-    return spawn_engine_core(config.engine)
+    return spawn_engine_core(config.engine, check_flags=True)
+
+
+def _import_server_modules() -> None:
+    """The server's modules and transformers' tokenizer (`api.launch.build_server`,
+    `engine.tokenizer`), imported while the early engine core imports torch and checks the
+    flags (`api.serve_config.check_model` waits for its verdict next): on 2 cores the two
+    processes' imports run side by side."""
+    import uvicorn  # noqa: F401
+
+    import api.server  # noqa: F401
+    import transformers.tokenization_utils_tokenizers  # noqa: F401
 
 
 if __name__ == "__main__":

@@ -147,26 +147,27 @@ def _check_numbers(args: argparse.Namespace) -> None:
                          f"{args.http_max_input_size}")
 
 
-def check_model(args: argparse.Namespace, serve: ServeConfig) -> None:
+def check_model(args: argparse.Namespace, serve: ServeConfig, started: tuple | None = None
+                ) -> None:
     """The LLM's device, dtype, weights and tensor-parallel split (none with --no-llm); last,
-    as they import torch (seconds: a bad flag checked before is refused sooner). Raises
-    ValueError naming the bad flag."""
+    as they need torch (seconds: a bad flag checked before is refused sooner). With `started`,
+    the engine core spawned early with `check_flags` (`engine.async_llm.spawn_engine_core`), its
+    verdict on the flags that need torch (`engine.flag_checks`), waited for here: this process
+    then never imports torch. Raises ValueError naming the bad flag."""
     if args.no_llm:
         return
     config = serve.engine
-    from engine.device import DeviceUnavailableError, check_device_dtype
-    try:
-        check_device_dtype(args.device, args.dtype, args.kv_cache_dtype)
-    except DeviceUnavailableError as e:
-        raise ValueError(str(e)) from None
     if args.model is not None and not Path(args.model).exists():
         raise ValueError(f"model {args.model!r} is not a local path "
                          "(Continuum never downloads weights)")
-    if args.quantization not in (None, "none") or args.activation_quantization == "int8":
-        from engine.device import resolve_device
-        from engine.quant import resolve_quantization
-        resolve_quantization(args.quantization, args.model, resolve_device(args.device),
-                             args.activation_quantization)
+    if started is not None:
+        from engine.async_llm import flags_checked
+        error = flags_checked(started)
+    else:
+        from engine.flag_checks import flag_error
+        error = flag_error(config)
+    if error is not None:
+        raise ValueError(error)
     if config.tensor_parallel_size > 1:
         from engine.device import resolve_device
         from engine.distributed.parallel import check_tensor_parallel

@@ -37,9 +37,11 @@ from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
 from engine.messages import (AbortAll, AbortRequests, Acknowledged, AddRequest, Dead,
-                             FinishSequences, LoraAdapters, LoraCall, Ready, Stop)
+                             FinishSequences, FlagsChecked, LoraAdapters, LoraCall, Ready,
+                             Stop)
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineCoreOutputs, RequestOutput
+from engine.tokenizer import load_tokenizer
 from scheduler.futures import settle
 from scheduler.request import QueueFullError, SamplingParams
 
@@ -262,28 +264,65 @@ class AsyncLLM(_StreamRouter):
         self._thread.join(timeout)
 
 
-def _engine_core_main(config: EngineConfig, conn) -> None:
+def _engine_core_main(config: EngineConfig, conn, check_flags: bool = False) -> None:
     """The child's entry (`engine.core_proc.engine_core_main`), named here so that the parent
     spawns it before importing the engine's modules (torch: seconds of a cold start that the
     child's own imports then overlap). SIGINT is ignored from here, before those imports: a
-    terminal's Ctrl-C during a start reaches the child too, and the parent owns shutdown."""
+    terminal's Ctrl-C during a start reaches the child too, and the parent owns shutdown.
+    With `check_flags`, it first sends `FlagsChecked` (`engine.flag_checks`), as soon as torch
+    is imported, and exits there if a flag cannot run."""
     import signal
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if check_flags:
+        from engine.flag_checks import flag_error
+        error = flag_error(config)
+        conn.send(FlagsChecked(error))
+        if error is not None:
+            return
     from engine.core_proc import engine_core_main
     engine_core_main(config, conn)
 
 
-def spawn_engine_core(config: EngineConfig) -> tuple:
+def _early_tokenizer(model: str | None) -> tuple:
+    """(directory, tokenizer) for a model whose directory is known without a conversion
+    (`engine.loader.ready_model_dir`), loaded while the engine core starts; (None, None)
+    otherwise, or if it does not load (the core's own start then says why)."""
+    from engine.loader import ready_model_dir
+    try:
+        directory = ready_model_dir(model)
+        return (directory, load_tokenizer(directory)) if directory is not None else (None, None)
+    except Exception:                       # noqa: BLE001 - loaded again after Ready
+        return None, None
+
+
+def spawn_engine_core(config: EngineConfig, check_flags: bool = False) -> tuple:
     """Start the engine core's child process now (spawned: it imports and builds the engine
     itself) and return (process, this end of its pipe) for `ProcessAsyncLLM(started=...)`.
     `continuum serve` calls it before its own slower checks and imports, which the child's
-    start then overlaps; `stop_engine_core` ends one that will not be used."""
+    start then overlaps; `stop_engine_core` ends one that will not be used. With
+    `check_flags`, the child checks the flags that need torch first and says so
+    (`flags_checked`), so that the caller need not import torch to check them."""
     ctx = multiprocessing.get_context("spawn")
     conn, child = ctx.Pipe()
-    proc = ctx.Process(target=_engine_core_main, args=(config, child),
+    proc = ctx.Process(target=_engine_core_main, args=(config, child, check_flags),
                        name="continuum-engine-core", daemon=True)
     proc.start()
     return proc, conn
+
+
+def flags_checked(started: tuple, timeout: float = 600.0) -> str | None:
+    """Wait for the verdict of a child from `spawn_engine_core(check_flags=True)`: None (the
+    flags run here; the child goes on to build the engine), or the one-line reason. A child
+    that exits or stays silent for `timeout` seconds gives None: `ProcessAsyncLLM` then
+    reports it as a failed start."""
+    _, conn = started
+    try:
+        if not conn.poll(timeout):
+            return None
+        message = conn.recv()
+    except (EOFError, OSError):
+        return None
+    return message.error if isinstance(message, FlagsChecked) else None
 
 
 def stop_engine_core(started: tuple) -> None:
@@ -326,23 +365,16 @@ class ProcessAsyncLLM(_StreamRouter):
         else:
             self._proc, self._conn = started if started is not None else \
                 spawn_engine_core(config)
-        # transformers' modules while the engine core starts (seconds on a slow host, and
-        # type_validators is what AutoTokenizer.from_pretrained would import later: 1.7 s)
-        import transformers.utils.type_validators  # noqa: F401
-        from transformers import AutoTokenizer
-        if not self._conn.poll(start_timeout):
-            raise EngineDeadError("engine process did not start in time")
-        try:
-            first = self._conn.recv()
-        except EOFError:                   # it exited without a word (killed, os._exit)
-            raise EngineDeadError("engine process exited during start (exit code "
-                                  f"{self._exit_code()})") from None
+        # the tokenizer while the engine core starts, where its directory needs no conversion
+        early_dir, early = _early_tokenizer(config.model)
+        first = self._first_message(start_timeout)
         if not isinstance(first, Ready):
             self._exit_code()              # reap the child that stopped itself
             raise EngineDeadError(f"engine process failed to start: {first.reason}")
         self.info: dict = first.info
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(self.info["model_dir"])
+            self.tokenizer = early if early is not None and \
+                str(early_dir) == self.info["model_dir"] else load_tokenizer(self.info["model_dir"])
         except Exception as e:
             self.shutdown()
             raise EngineDeadError(f"the model's tokenizer did not load: {e}") from None
@@ -354,6 +386,24 @@ class ProcessAsyncLLM(_StreamRouter):
                              daemon=True).start()
         else:
             reader_loop.call_soon_threadsafe(self._attach)
+
+    def _first_message(self, timeout: float):
+        """The core's first message after a `FlagsChecked` one (`Ready` or `Dead`). Raises
+        EngineDeadError if none comes in `timeout` seconds or the process exits silently."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if not self._conn.poll(max(0.0, deadline - time.monotonic())):
+                raise EngineDeadError("engine process did not start in time")
+            try:
+                message = self._conn.recv()
+            except EOFError:                   # it exited without a word (killed, os._exit)
+                raise EngineDeadError("engine process exited during start (exit code "
+                                      f"{self._exit_code()})") from None
+            if isinstance(message, FlagsChecked):
+                if message.error is None:
+                    continue
+                message = Dead(message.error)
+            return message
 
     def _exit_code(self) -> int | None:
         """The engine process's exit code once it has exited (None: still running, or not

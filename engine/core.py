@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -44,6 +45,7 @@ from engine.models.llama import ModelConfig, load_model
 from engine.quant import resolve_quantization
 from engine.spec_decode.ngram import NgramProposer
 from engine.structured.grammar import GrammarCompiler, grammar_text
+from engine.tokenizer import eos_token_id, load_tokenizer
 from engine.outputs import EngineCoreOutputs, StepStats
 from scheduler.config import CacheConfig, SchedulerConfig
 from scheduler.output import ModelRunnerOutput, RequestStepOutput, SchedulerOutput
@@ -77,6 +79,7 @@ class EngineCore:
         check_kv_cache_dtype(config.kv_cache_dtype, self.device)
         self.kv_quant = resolve_kv_cache_dtype(config.kv_cache_dtype)
         self.model_dir = resolve_model(config.model)
+        self._tokenizer, self._tokenizer_lock = None, threading.Lock()
         self.model_config = mcfg = ModelConfig.from_dir(self.model_dir)
         self.max_model_len = self._max_model_len(mcfg)
         self.runner = None
@@ -89,6 +92,17 @@ class EngineCore:
         except BaseException:
             self.shutdown()
             raise
+
+    @property
+    def tokenizer(self):
+        """The model's HF tokenizer (`engine.tokenizer.load_tokenizer`), loaded at its first use
+        (thread-safe: the grammar thread may be first). A server's engine core starts without
+        it: it needs the end-of-sequence id alone (`eos_token_id`), and transformers' import
+        and the load are ~1.5 s on a 2-core host."""
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                self._tokenizer = load_tokenizer(self.model_dir)
+            return self._tokenizer
 
     def _start_tensor_parallel(self, mcfg: ModelConfig):
         """(group, workers) with ranks 1..N-1 started and joined (`engine.distributed`)."""
@@ -114,12 +128,10 @@ class EngineCore:
     def _build(self, config: EngineConfig, mcfg: ModelConfig) -> None:
         """Tokenizer, model (rank 0's shard under tensor parallelism), KV cache sizes,
         scheduler and runner."""
-        from transformers import AutoTokenizer
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         group = self._tp[0] if self._tp is not None else None
         self.model = load_model(self.model_dir, self.device, self.dtype, self.max_model_len,
                                 tp=group, quant=self.quant)
-        eos = self.tokenizer.eos_token_id
+        eos = eos_token_id(self.model_dir)
         self.eos_token_id = eos if eos is not None else (mcfg.eos_token_ids or (None,))[0]
         self.extra_eos_ids = tuple(t for t in mcfg.eos_token_ids if t != self.eos_token_id)
 
@@ -138,7 +150,8 @@ class EngineCore:
             logit_rows=sched.max_num_seqs * (sched.num_speculative_tokens + 1))
         num_cpu_blocks = (int(config.swap_space * GIB // block_bytes)
                           if config.preemption_mode in ("swap", "auto") else 0)
-        self.grammars = GrammarCompiler(self.tokenizer, mcfg.vocab_size)
+        self.grammars = GrammarCompiler(vocab_size=mcfg.vocab_size,
+                                        load_tokenizer=lambda: self.tokenizer)
         self._compile_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self.scheduler = Scheduler(
             sched, CacheConfig(config.block_size, num_gpu_blocks, num_cpu_blocks,
@@ -245,11 +258,10 @@ class EngineCore:
         spec = self.config.speculative_config
         if spec is None or spec.method != "draft_model":
             return None
-        from transformers import AutoTokenizer
         try:
             draft_dir = resolve_model(spec.model)
             dcfg = ModelConfig.from_dir(draft_dir)
-            vocab = AutoTokenizer.from_pretrained(str(draft_dir)).get_vocab()
+            vocab = load_tokenizer(draft_dir).get_vocab()
         except Exception as e:            # ModelLoadError, or the tokenizer's own errors
             raise ValueError(f"--speculative-config: model {spec.model!r} cannot be loaded: "
                              f"{e}") from None

@@ -106,6 +106,20 @@ def resolve_model(model: str | None) -> Path:
                          "file (Continuum never downloads weights)")
 
 
+def ready_model_dir(model: str | None) -> Path | None:
+    """`resolve_model(model)` where it needs no conversion (a checkpoint directory, or a GGUF
+    whose converted cache checks out), else None: the API process loads the tokenizer from it
+    while the engine core starts (`engine.async_llm`). Raises as `resolve_model` does."""
+    if model is None:
+        gguf = embedded_gguf_path()
+    else:
+        gguf = Path(model).expanduser()
+        if not (gguf.is_file() and gguf.suffix == ".gguf"):
+            return resolve_model(model)
+    target = cache_root() / "models" / _cache_key(gguf)
+    return target if cache_is_valid(target) else None
+
+
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 

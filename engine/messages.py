@@ -5,7 +5,8 @@ and SGLang's `TypeBasedDispatcher` do.
 
 Front end -> core: `AddRequest`, `AbortRequests`, `FinishSequences` (a stop string the front
 end found), `AbortAll`, `LoraCall`, `Stop`.
-Core -> front end: `Ready` (once, the process back end), `Acknowledged` (per `AddRequest` and
+Core -> front end: `FlagsChecked` (first, from a core `continuum serve` spawned before its
+own checks: the verdict on the flags that need torch), `Ready` (once, the process back end), `Acknowledged` (per `AddRequest` and
 `LoraCall`: `error` None or the exception to raise to the caller), `engine.outputs.
 EngineCoreOutputs` (per step, and after aborts that changed the scheduler without a step),
 `Dead` (the core stopped itself and says why), `LoraAdapters` (after every LoRA call, to every
@@ -65,6 +66,15 @@ class LoraCall:
 @dataclass(slots=True)
 class Stop:
     """Leave the loop after the current step."""
+
+
+@dataclass(slots=True)
+class FlagsChecked:
+    """A core spawned early (`engine.async_llm.spawn_engine_core(check_flags=True)`) checked
+    the device / dtype / quantization flags (`engine.flag_checks.flag_error`): `error` None, or
+    the one-line reason, after which it exits without building."""
+
+    error: str | None = None
 
 
 @dataclass(slots=True)

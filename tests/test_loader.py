@@ -217,3 +217,38 @@ def test_a_conversion_leaves_the_callers_process_as_it_was(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[] True"
     assert "leaked" not in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("model_type,extra", [
+    ("llama", {}),                                     # built directly (engine/tokenizer.py)
+    ("qwen2", {}),                                     # AutoTokenizer picks Qwen2Tokenizer
+    ("llama", {"special_tokens_map.json": {"eos_token": "<|endoftext|>"}}),   # read over
+], ids=["llama", "qwen2", "special-tokens-map"])
+def test_the_tokenizer_is_the_one_autotokenizer_loads(model_dir, tmp_path, model_type, extra):
+    """`engine.tokenizer.load_tokenizer` skips AutoTokenizer's AutoConfig only where that
+    choice is TokenizersBackend anyway, and `eos_token_id` (the engine core's only use of
+    the tokenizer at start) reads the id AutoTokenizer's tokenizer has, also where a
+    special_tokens_map.json overrides tokenizer_config.json."""
+    from transformers import AutoTokenizer
+
+    from engine.tokenizer import direct_class, eos_token_id, load_tokenizer
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(model_dir / name, tmp_path / name)
+    config = json.loads((model_dir / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
+    for name, content in extra.items():
+        (tmp_path / name).write_text(json.dumps(content))
+    reference = AutoTokenizer.from_pretrained(str(tmp_path))
+    ours = load_tokenizer(tmp_path)
+    assert direct_class(tmp_path) == (model_type == "llama")
+    assert type(ours) is type(reference)
+    assert eos_token_id(tmp_path) == ours.eos_token_id == reference.eos_token_id
+    assert ours.get_vocab() == reference.get_vocab()
+    assert ours.all_special_tokens == reference.all_special_tokens
+    chat = [{"role": "user", "content": "Écris « bonjour » 3 fois, s'il te plaît."}]
+    ids = reference.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+    assert ours.apply_chat_template(chat, add_generation_prompt=True, tokenize=True) == ids
+    ids = list(ids if isinstance(ids, list) else ids["input_ids"])
+    assert ours.decode(ids, skip_special_tokens=True) == \
+        reference.decode(ids, skip_special_tokens=True)

@@ -109,6 +109,9 @@ def test_stop_exits_0_without_traceback(tmp_path, how):
     proc, base = start_server(ARGS, "/health/ready", log, new_session=True)
     try:
         _complete(base)
+        # the engine core checked the flags that need torch (engine/flag_checks.py): the API
+        # process answers without ever loading it (~2 s of its start)
+        assert "libtorch" not in open(f"/proc/{proc.pid}/maps").read()
         times = {"twice": 2, "three times": 3}.get(how.partition(" ")[2], 1)
         for i in range(times):
             time.sleep(0.05 if i else 0)

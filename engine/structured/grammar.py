@@ -24,9 +24,9 @@ import json
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 import llguidance
-import llguidance.hf
 import llguidance.numpy
 
 from scheduler.request import ParamError, StructuredOutputs
@@ -100,8 +100,10 @@ def _grammar_text(so: StructuredOutputs, param: str) -> str:
 class GrammarCompiler:
     """Compiles constraints for one tokenizer and caches the compiled matchers (LRU).
 
-    Args: `tokenizer` an HF fast tokenizer; `vocab_size` the model's logits width (tokens; may
-    exceed the tokenizer's size); `cache_size` distinct constraints kept compiled.
+    Args: `tokenizer` an HF fast tokenizer, or `load_tokenizer` a function that returns one at
+    the first compile (the engine core loads its tokenizer only then); `vocab_size` the model's
+    logits width (tokens; may exceed the tokenizer's size); `cache_size` distinct constraints
+    kept compiled.
     llguidance's view of the tokenizer (its token trie: ~0.5 s for a 49 k vocabulary on a 2-core
     AVX2 host) is built by the first compile, as vLLM builds its structured-output backend at
     the first request that asks for one: an engine or server that never sees a constraint does
@@ -111,8 +113,10 @@ class GrammarCompiler:
     Counters: `compiles`, `hits`, `compile_seconds` (total wall time spent compiling).
     """
 
-    def __init__(self, tokenizer, vocab_size: int | None = None, cache_size: int = 256) -> None:
-        self._hf_tokenizer, self._n_vocab = tokenizer, vocab_size
+    def __init__(self, tokenizer=None, vocab_size: int | None = None, cache_size: int = 256,
+                 load_tokenizer: Callable[[], object] | None = None) -> None:
+        self._load_hf = load_tokenizer if tokenizer is None else (lambda: tokenizer)
+        self._n_vocab = vocab_size
         self._ll_tokenizer = None
         self._tokenizer_lock = threading.Lock()
         self.cache_size = cache_size
@@ -126,7 +130,9 @@ class GrammarCompiler:
         """llguidance's tokenizer, built at the first use (thread-safe)."""
         with self._tokenizer_lock:
             if self._ll_tokenizer is None:
-                self._ll_tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer,
+                import llguidance.hf       # imports transformers: not before a constraint needs it
+
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(self._load_hf(),
                                                                   n_vocab=self._n_vocab)
             return self._ll_tokenizer
 

@@ -8,6 +8,7 @@ LoraError naming it. The server side is tests/test_lora_server.py."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -69,8 +70,12 @@ def adapters(model_dir, prompt, tmp_path_factory):
     out = {}
     for name, spec in SPECS.items():
         model = make_adapter(model_dir, root / name, *spec)
-        ref = hf_greedy(model, prompt)
-        assert hf_greedy(model.merge_and_unload(), prompt) == ref, name
+        # generated with the adapter merged (a plain model: ~2x faster a token), then checked
+        # unmerged in one teacher-forced pass: each position's argmax is the next token
+        ref = hf_greedy(copy.deepcopy(model).merge_and_unload(), prompt)
+        with torch.inference_mode():
+            logits = model(torch.tensor([prompt + ref[:-1]])).logits[0, len(prompt) - 1:]
+        assert logits.argmax(-1).tolist() == ref, name
         out[name] = (str(root / name), ref)
     base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     out[None] = (None, hf_greedy(base, prompt))

@@ -341,10 +341,11 @@ class ProcessAsyncLLM(_StreamRouter):
                  on_stats=None, on_dead=None, on_lora=None, conn=None,
                  started: tuple | None = None,
                  reader_loop: asyncio.AbstractEventLoop | None = None) -> None:
-        """Starts the child (or takes `started`, `spawn_engine_core`'s), waits until its engine
-        is loaded, then loads the tokenizer. With `conn`, this front end's pipe to an engine
-        core another process started (one of `--api-server-count`'s API processes,
-        `engine.core_clients`), no child is started.
+        """Starts the child (or takes `started`, `spawn_engine_core`'s) and waits until its
+        engine is loaded; the tokenizer loads meanwhile where the model's directory needs no
+        conversion (`_early_tokenizer`), after it otherwise. With `conn`, this front end's pipe
+        to an engine core another process started (one of `--api-server-count`'s API
+        processes, `engine.core_clients`), no child is started.
 
         `on_stats(step_stats, snapshot)` is called from the pipe's reader after every step and
         after aborts (snapshot None: only this front end's requests' stats); `on_dead(message)`

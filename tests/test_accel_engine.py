@@ -249,16 +249,9 @@ def test_interpreter_refuses_bfloat16_and_the_log_names_the_backend(tiny, caplog
     assert "attention: triton kernels, eager" in caplog.text
 
 
-@pytest.mark.parametrize("architecture, window_cfg", [
-    ("MistralForCausalLM", dict(sliding_window=8)),                       # every layer
-    ("Qwen2ForCausalLM", dict(sliding_window=6, use_sliding_window=True,  # layer 1 only
-                              max_window_layers=1))])
-def test_sliding_window_layers_match_transformers(model_dir, tmp_path, architecture,
-                                                  window_cfg):
-    """With the Triton kernels the engine serves past a model's sliding window (the CPU paths
-    cap max_model_len at it) and applies each layer's window as transformers does: prompts
-    and outputs several windows long, decodes, a chunked prompt; where every layer has a
-    window the blocks behind it are freed, so a cache smaller than one sequence serves it."""
+def _window_model(model_dir, tmp_path, architecture: str, window_cfg: dict):
+    """(checkpoint path, two prompts' ids, transformers' greedy tokens for them) of a tiny
+    random `architecture` model with `window_cfg`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = str(build_checkpoint(model_dir, tmp_path / "w", "tiny", architecture=architecture,
@@ -270,16 +263,40 @@ def test_sliding_window_layers_match_transformers(model_dir, tmp_path, architect
         ref = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                            max_new_tokens=MAX_TOKENS, do_sample=False,
                            pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    return path, prompts, ref
+
+
+@pytest.mark.parametrize("architecture, window_cfg", [
+    ("MistralForCausalLM", dict(sliding_window=8)),                       # every layer
+    ("Qwen2ForCausalLM", dict(sliding_window=6, use_sliding_window=True,  # layer 1 only
+                              max_window_layers=1))])
+def test_sliding_window_layers_match_transformers(model_dir, tmp_path, architecture,
+                                                  window_cfg):
+    """With the Triton kernels the engine serves past a model's sliding window (the CPU paths
+    cap max_model_len at it) and applies each layer's window as transformers does: prompts
+    and outputs several windows long, decodes, a chunked prompt; where every layer has a
+    window the blocks behind it are freed (the test below: so far that a cache smaller than
+    one sequence serves it)."""
+    path, prompts, ref = _window_model(model_dir, tmp_path, architecture, window_cfg)
     eng = engine(path, max_num_batched_tokens=16)
     assert eng.max_model_len == 512 and eng.model.cfg.sliding_window == window_cfg["sliding_window"]
     assert run(eng, prompts) == ref
-    if architecture == "MistralForCausalLM":    # blocks behind every layer's window are freed:
-        assert eng.scheduler.kv.num_window_freed > 0     # a cache smaller than one sequence
-        small = engine(path, max_num_batched_tokens=16, block_size=4, num_gpu_blocks_override=9)
-        longest = max(len(p) for p in prompts) + MAX_TOKENS
-        assert small.num_gpu_blocks * 4 < longest and run(small, prompts) == ref
+    if architecture == "MistralForCausalLM":    # blocks behind every layer's window are freed
+        assert eng.scheduler.kv.num_window_freed > 0
     else:                                       # a full layer reads every block: none freed
         assert eng.scheduler.cache_config.sliding_window == 0
         assert eng.scheduler.kv.num_window_freed == 0
     assert engine(path, backend="auto", max_model_len=None).max_model_len \
         == window_cfg["sliding_window"]                      # the CPU path: capped
+
+
+@pytest.mark.extended          # ~6 s in the interpreter; the freeing itself is checked above
+def test_a_cache_smaller_than_one_sequence_serves_a_windowed_model(model_dir, tmp_path):
+    """Every layer has a window (Mistral): the blocks behind it are freed as decoding goes, so
+    9 blocks of 4 tokens serve sequences longer than 36 tokens, with transformers' tokens."""
+    path, prompts, ref = _window_model(model_dir, tmp_path, "MistralForCausalLM",
+                                       dict(sliding_window=8))
+    small = engine(path, max_num_batched_tokens=16, block_size=4, num_gpu_blocks_override=9)
+    longest = max(len(p) for p in prompts) + MAX_TOKENS
+    assert small.num_gpu_blocks * 4 < longest and run(small, prompts) == ref
+    assert small.scheduler.kv.num_window_freed > 0

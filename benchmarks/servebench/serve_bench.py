@@ -232,8 +232,8 @@ def run(args) -> list[dict]:
     if not tok_path or not Path(tok_path).exists():
         raise ValueError("no local tokenizer: pass --tokenizer PATH (the server's model root "
                          f"{root!r} is not a local path)")
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(tok_path)
+    from engine.tokenizer import load_tokenizer     # AutoTokenizer's choice, without AutoConfig
+    tokenizer = load_tokenizer(tok_path)
     points = ([int(c) for c in str(args.max_concurrency).split(",")]
               if args.max_concurrency else [None])
     results = []

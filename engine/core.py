@@ -126,8 +126,8 @@ class EngineCore:
             self._tp = None
 
     def _build(self, config: EngineConfig, mcfg: ModelConfig) -> None:
-        """Tokenizer, model (rank 0's shard under tensor parallelism), KV cache sizes,
-        scheduler and runner."""
+        """Model (rank 0's shard under tensor parallelism), end-of-sequence ids, KV cache
+        sizes, scheduler and runner (the tokenizer loads at its first use: `tokenizer`)."""
         group = self._tp[0] if self._tp is not None else None
         self.model = load_model(self.model_dir, self.device, self.dtype, self.max_model_len,
                                 tp=group, quant=self.quant)

@@ -93,8 +93,9 @@ def _start_engine_early(config, data_parallel):
     (`engine.async_llm.spawn_engine_core`), so that the child's imports and model load overlap
     this process's own (the app's modules, the tokenizer), and the child checks the flags that
     need torch (`engine.flag_checks`), which this process then never imports. The port is
-    checked first (taken: exit 1, no child left). None where the engine starts elsewhere (--no-llm, Ray Serve replicas, several API
-    processes, tensor parallelism, whose ranks the core spawns)."""
+    checked first (taken: exit 1, no child left). None where the engine starts elsewhere
+    (--no-llm, Ray Serve replicas, several API processes, tensor parallelism, whose ranks the
+    core spawns)."""
     if config.no_llm or data_parallel is not None or config.api_server_count > 1 or \
             config.engine.tensor_parallel_size > 1:
         return None

@@ -116,12 +116,17 @@ def ready_model_dir(model: str | None) -> Path | None:
         gguf = Path(model).expanduser()
         if not (gguf.is_file() and gguf.suffix == ".gguf"):
             return resolve_model(model)
-    target = cache_root() / "models" / _cache_key(gguf)
+    target = _cache_dir(gguf)
     return target if cache_is_valid(target) else None
 
 
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _cache_dir(gguf: Path) -> Path:
+    """Where `convert_gguf` keeps `gguf`'s converted directory."""
+    return cache_root() / "models" / _cache_key(gguf)
 
 
 def _cache_key(gguf: Path) -> str:
@@ -219,7 +224,7 @@ def convert_gguf(gguf: Path) -> Path:
     Returns the cached directory (reused when its manifest checks out; rebuilt otherwise).
     Raises: UnsupportedArchitectureError, ModelLoadError if the conversion fails.
     """
-    target = cache_root() / "models" / _cache_key(gguf)
+    target = _cache_dir(gguf)
     if cache_is_valid(target):
         logger.info("using converted model cache %s", target)
         return target

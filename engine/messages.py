@@ -6,8 +6,9 @@ and SGLang's `TypeBasedDispatcher` do.
 Front end -> core: `AddRequest`, `AbortRequests`, `FinishSequences` (a stop string the front
 end found), `AbortAll`, `LoraCall`, `Stop`.
 Core -> front end: `FlagsChecked` (first, from a core `continuum serve` spawned before its
-own checks: the verdict on the flags that need torch), `Ready` (once, the process back end), `Acknowledged` (per `AddRequest` and
-`LoraCall`: `error` None or the exception to raise to the caller), `engine.outputs.
+own checks: the verdict on the flags that need torch), `Ready` (once, the process back end),
+`Acknowledged` (per `AddRequest` and `LoraCall`: `error` None or the exception to raise to the
+caller), `engine.outputs.
 EngineCoreOutputs` (per step, and after aborts that changed the scheduler without a step),
 `Dead` (the core stopped itself and says why), `LoraAdapters` (after every LoRA call, to every
 front end: the adapters the core serves now).

@@ -93,11 +93,16 @@ def hf_greedy_batch(hf_model, batch):
 
 
 @pytest.fixture(scope="module")
-def reference(hf_model, prompts, shared_prefix_prompts):
+def named(prompts, shared_prefix_prompts):
+    """Every prompt by the name its reference has: `prompts`' and shared0..2."""
+    return dict(prompts, **{f"shared{i}": p for i, p in enumerate(shared_prefix_prompts)})
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model, named):
     """The short prompts in one padded batch, the ~1k-token one alone (padding ten short prompts
     to its length would cost more than it saves); any difference a padded batch makes is a
     near tie, which `assert_greedy` measures unpadded."""
-    named = dict(prompts, **{f"shared{i}": p for i, p in enumerate(shared_prefix_prompts)})
     short = [name for name in named if name != "long"]
     ref = dict(zip(short, hf_greedy_batch(hf_model, [named[n] for n in short])))
     ref["long"] = hf_greedy(hf_model, named["long"])
@@ -105,10 +110,9 @@ def reference(hf_model, prompts, shared_prefix_prompts):
 
 
 @pytest.fixture(scope="module")
-def assert_greedy(hf_model, prompts, shared_prefix_prompts, reference):
+def assert_greedy(hf_model, named, reference):
     """assert_greedy(outputs, names): each output equals its reference, or first differs where
     the reference's top-2 logit gap is below NEAR_TIE (printed and counted)."""
-    by_name = dict(prompts, **{f"shared{i}": p for i, p in enumerate(shared_prefix_prompts)})
 
     def check(outputs, names):
         assert len(outputs) == len(names)
@@ -120,7 +124,7 @@ def assert_greedy(hf_model, prompts, shared_prefix_prompts, reference):
                 assert len(out) == len(ref), name
                 continue
             with torch.inference_mode():
-                top = hf_model(torch.tensor([by_name[name] + ref[:i]])).logits[0, -1].topk(2)
+                top = hf_model(torch.tensor([named[name] + ref[:i]])).logits[0, -1].topk(2)
             gap = float(top.values[0] - top.values[1])
             assert gap < NEAR_TIE, f"{name}: token {i} differs ({out[i]} vs {ref[i]}), gap {gap}"
             ties.append((name, i, gap))

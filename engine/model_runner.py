@@ -39,7 +39,7 @@ from engine.accel.step import decode_rows, prepare_step
 from engine.attention import (SMALL_DECODE_BATCH, AttentionMetadata, DecodeGroup, PrefillChunk,
                               build_prefill_mask, head_major_cache_shape)
 from engine.cpu_step import DecodeInputs
-from engine.device import Device
+from engine.device import Device, host_zeros
 from engine.models.llama import LlamaForCausalLM
 from engine.prompt_logprobs import chunks_to_score
 from engine.prompt_logprobs import score as score_prompt_logprobs
@@ -170,11 +170,12 @@ class ModelRunner:
         row, dtype = ((kv.row_bytes(cfg.head_dim), torch.uint8) if kv is not None
                       else (cfg.head_dim, model.dtype))
         shape = layout(cfg.num_layers, cfg.num_kv_heads, num_gpu_blocks, self.block_size, row)
-        gpu = torch.zeros(shape, dtype=dtype, device=self.device.torch_device)
+        gpu = self.device.zeros(shape, dtype)
         cpu = None
         if num_cpu_blocks:
-            cpu = torch.zeros(shape[:bd] + (num_cpu_blocks,) + shape[bd + 1:], dtype=dtype,
-                              pin_memory=self.device.pin_memory)
+            cpu_shape = shape[:bd] + (num_cpu_blocks,) + shape[bd + 1:]
+            cpu = (torch.zeros(cpu_shape, dtype=dtype, pin_memory=True) if self.device.pin_memory
+                   else host_zeros(cpu_shape, dtype))
         return gpu, cpu
 
     def capture_graphs(self, enforce_eager: bool = False) -> None:

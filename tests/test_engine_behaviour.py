@@ -110,6 +110,27 @@ def test_abort_in_every_state_returns_every_block(tokenizer):
     assert not eng.runner.states
 
 
+def _rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def test_kv_cache_and_swap_pool_take_memory_only_as_used(eng):
+    """`--kv-cache-memory` and `--swap-space` are zero pages the kernel maps on first touch
+    (`engine.device.host_zeros`): a 4 GiB swap pool costs neither start-up time nor resident
+    memory until blocks are swapped out (torch.zeros wrote every page: 3.7 s here), and both
+    caches read as zeros. `eng` first: the model's own memory is resident already."""
+    before = _rss_bytes()
+    big = LLMEngine(EngineConfig(kv_cache_memory=0.5, max_model_len=1024, device="cpu",
+                                 preemption_mode="swap", swap_space=4))
+    runner = big.runner
+    assert runner.cpu_cache.numel() * runner.cpu_cache.element_size() >= 3.9 * 2**30
+    assert not runner.kv_cache.any() and not runner.cpu_cache[:, :, :, :64].any()
+    assert _rss_bytes() - before < 1 << 30, (before, _rss_bytes())
+    assert big.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))[0][0]
+    big.shutdown()
+
+
 def test_admission_errors(eng, tokenizer):
     with pytest.raises(RequestTooLongError, match="1024 tokens"):
         eng.add_request("too-long", [1] * 1000, SamplingParams(max_tokens=100))

@@ -105,9 +105,9 @@ def engine(**overrides) -> LLMEngine:
     return LLMEngine(EngineConfig(**cfg))
 
 
-def run(eng: LLMEngine, prompt_lists) -> list[list[int]]:
+def run(eng: LLMEngine, prompt_lists, params: SamplingParams = GREEDY) -> list[list[int]]:
     try:
-        return [choices[0] for choices in eng.generate(prompt_lists, GREEDY)]
+        return [choices[0] for choices in eng.generate(prompt_lists, params)]
     finally:
         eng.shutdown()
 
@@ -118,12 +118,20 @@ def single_rank(prompts, shared_prefix_prompts):  # noqa: F811 (fixtures)
     return everything, run(engine(), everything)
 
 
-def test_three_ranks_match_one_rank_with_chunked_prefill(single_rank):
-    everything, expected = single_rank
+def test_three_ranks_match_one_rank_with_chunked_prefill(prompts, shared_prefix_prompts):  # noqa: F811
+    """Five 64-token chunks of a 320-token prompt beside the other prompts' prefills and
+    decodes, and the shared system prompt's blocks hit in the prefix cache: every rank's shard
+    in step, the single rank's tokens. (A subset of `single_rank`'s prompts with 12 tokens
+    each: 3 ranks on 2 cores take ~0.4 s a step; the extended tests run them all.)"""
+    some = [prompts["long"][:320], prompts["capital"], prompts["chinese"],
+            *shared_prefix_prompts[:2]]
+    params = SamplingParams(max_tokens=12, temperature=0)
+    expected = run(engine(), some, params)
     eng = engine(tensor_parallel_size=3, max_num_batched_tokens=64)
     assert eng.model.cfg.num_kv_heads == 1 and eng.runner.kv_cache.shape[2] == 1
     assert eng.model.quant_types == ["Q4_1", "Q8_0"]      # each rank's shard of the blocks
-    assert run(eng, everything) == expected
+    assert run(eng, some, params) == expected
+    assert eng.scheduler.counters.prefix_cache_hits > 0
 
 
 @pytest.mark.extended    # make test keeps the chunked-prefill parity and the server run

@@ -3,9 +3,10 @@
 Owns: the choice among `cpu`, `cuda` and `npu` (Ascend, through `torch_npu`, imported lazily),
 dtype resolution (`--dtype auto`: bfloat16 on an accelerator, on a CPU with bfloat16 matmul
 units (AMX, AVX512-BF16) and for quantized weights on AVX-512; float32 on other CPUs),
-memory figures used to size the KV cache and synchronisation for timing (the process's heap:
-`engine.heap`). Every other module in the engine talks to
-the device through torch with the `torch.device` returned here.
+memory figures used to size the KV cache, the zero tensors the KV cache and its swap pool live
+in (`Device.zeros`, `Device.swap_pool`: lazily mapped pages on the CPU) and synchronisation for
+timing (the process's heap: `engine.heap`). Every other module in the engine talks to the device
+through torch with the `torch.device` returned here.
 """
 
 from __future__ import annotations
@@ -117,6 +118,13 @@ class Device:
         if self.kind == "cpu":
             return host_zeros(shape, dtype)
         return torch.zeros(shape, dtype=dtype, device=self.torch_device)
+
+    def swap_pool(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A zero host tensor for swapped-out KV blocks: pinned where an accelerator copies
+        from it (`pin_memory`), else `host_zeros`'s lazily mapped pages."""
+        if self.pin_memory:
+            return torch.zeros(shape, dtype=dtype, pin_memory=True)
+        return host_zeros(shape, dtype)
 
 
 def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

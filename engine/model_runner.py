@@ -39,7 +39,7 @@ from engine.accel.step import decode_rows, prepare_step
 from engine.attention import (SMALL_DECODE_BATCH, AttentionMetadata, DecodeGroup, PrefillChunk,
                               build_prefill_mask, head_major_cache_shape)
 from engine.cpu_step import DecodeInputs
-from engine.device import Device, host_zeros
+from engine.device import Device
 from engine.models.llama import LlamaForCausalLM
 from engine.prompt_logprobs import chunks_to_score
 from engine.prompt_logprobs import score as score_prompt_logprobs
@@ -173,9 +173,7 @@ class ModelRunner:
         gpu = self.device.zeros(shape, dtype)
         cpu = None
         if num_cpu_blocks:
-            cpu_shape = shape[:bd] + (num_cpu_blocks,) + shape[bd + 1:]
-            cpu = (torch.zeros(cpu_shape, dtype=dtype, pin_memory=True) if self.device.pin_memory
-                   else host_zeros(cpu_shape, dtype))
+            cpu = self.device.swap_pool(shape[:bd] + (num_cpu_blocks,) + shape[bd + 1:], dtype)
         return gpu, cpu
 
     def capture_graphs(self, enforce_eager: bool = False) -> None:

@@ -18,6 +18,7 @@ from engine.config import EngineConfig
 from engine.profiles import TUNING_PROFILES, resolve_profile
 from engine.llm_engine import LLMEngine
 from scheduler.request import SamplingParams
+from tests.greedy import ends_as_generate_would, eos_ids, teacher_forced_argmax
 
 MAX_TOKENS = 24
 NEAR_TIE = 1e-3          # logits: a top-2 gap below this may flip with the summation order
@@ -76,28 +77,19 @@ def hf_greedy(hf_model, prompt, max_tokens=MAX_TOKENS):
 
 def hf_verified(hf_model, prompts: list[list[int]], candidates: list[list[int]]):
     """transformers' greedy tokens for each prompt, found from a candidate continuation (the
-    engine's) in one teacher-forced forward pass of the prompts, right-padded (positions stay
-    0..n-1; causal attention never reads the padding): where every position's argmax is the
-    candidate's next token, and the candidate ends at MAX_TOKENS or at an end-of-sequence
-    token, it is the greedy continuation `generate` makes step by step (up to float32
-    summation order). From the first position that differs, the rest is `hf_greedy`'s."""
-    eos = hf_model.generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, list) else [eos])
-    rows = [p + c[:-1] for p, c in zip(prompts, candidates)]
-    width = max(map(len, rows))
-    ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
-    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
-    with torch.inference_mode():
-        argmax = hf_model(ids, attention_mask=mask).logits.argmax(-1)
+    engine's) in one teacher-forced pass (`tests.greedy`): a candidate whose every token is
+    the argmax at its position, and which ends as `generate` would end it, is the greedy
+    continuation (up to float32 summation order). From the first position that differs, the
+    rest is `hf_greedy`'s."""
+    eos = eos_ids(hf_model)
     out = []
-    for row, p, c in zip(argmax, prompts, candidates):
-        greedy = row[len(p) - 1:len(p) - 1 + len(c)].tolist()
+    for greedy, p, c in zip(teacher_forced_argmax(hf_model, prompts, candidates), prompts,
+                            candidates):
         i = next((i for i, (a, b) in enumerate(zip(greedy, c)) if a != b), None)
-        if i is None and (len(c) == MAX_TOKENS or c[-1] in eos):
+        if i is None and ends_as_generate_would(c, MAX_TOKENS, eos):
             out.append(c)
             continue
-        i = len(c) if i is None else i
-        head = c[:i] + [greedy[i]] if i < len(c) else c
+        head = c if i is None else c[:i] + [greedy[i]]
         rest = [] if head[-1] in eos else hf_greedy(hf_model, p + head, MAX_TOKENS - len(head))
         out.append(head + rest)
     return out

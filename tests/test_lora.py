@@ -18,6 +18,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.lora.adapter import LoraError, load_adapter
 from scheduler.request import ParamError, SamplingParams
+from tests.greedy import ends_as_generate_would, eos_ids, teacher_forced_argmax
 
 peft = pytest.importorskip("peft", reason="peft is not installed (pip install -e '.[test]')")
 
@@ -32,16 +33,22 @@ SPECS = {"attn8": (1, 8, ["q_proj", "v_proj"], False),
 
 def make_adapter(model_dir, path, seed: int, rank: int, targets: list[str], rslora: bool):
     """A peft adapter with random non-zero A and B (lora_alpha = 4 x rank, so that it shows),
-    saved to `path`; returns the peft model (float32, eval)."""
+    saved to `path`; returns the peft model (float32, eval) over a base model of its own."""
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    return add_adapter(base, path, seed, rank, targets, rslora).eval()
+
+
+def add_adapter(base, path, seed: int, rank: int, targets: list[str], rslora: bool):
+    """`make_adapter`'s adapter over the transformers model `base`, whose modules peft wraps in
+    place (`unload()` on the result gives them back unchanged); saved to `path`."""
+    torch.manual_seed(seed)
     model = peft.get_peft_model(base, peft.LoraConfig(
         r=rank, lora_alpha=4 * rank, target_modules=targets, init_lora_weights=False,
         use_rslora=rslora))
     model.save_pretrained(str(path))
-    return model.eval()
+    return model
 
 
 def hf_greedy(model, prompt: list[int]) -> list[int]:
@@ -69,13 +76,8 @@ def adapters(model_dir, prompt, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("adapters")
     base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    for name, (seed, rank, targets, rslora) in SPECS.items():
-        torch.manual_seed(seed)
-        model = peft.get_peft_model(base, peft.LoraConfig(
-            r=rank, lora_alpha=4 * rank, target_modules=targets, init_lora_weights=False,
-            use_rslora=rslora))
-        model.save_pretrained(str(root / name))
-        model.unload()                            # the base's own modules back, unchanged
+    for name, spec in SPECS.items():
+        add_adapter(base, root / name, *spec).unload()    # the base's own modules back
     paths = {name: str(root / name) for name in SPECS}
     eng = engine({name: (path, None) for name, path in paths.items()}, quantization="none")
     names = [*SPECS, None]                        # one batch: a request per adapter, and base
@@ -92,16 +94,13 @@ def adapters(model_dir, prompt, tmp_path_factory):
 
 def check_peft_greedy(model, prompt: list[int], tokens: list[int], name) -> None:
     """Assert that `tokens` are `model`'s greedy continuation of `prompt`, up to MAX_TOKENS or
-    its end-of-sequence token: in one forward pass over prompt + tokens, the argmax at every
-    position is the next token (what `generate` picks step by step, up to float32 summation
+    its end-of-sequence token: one teacher-forced pass (`tests.greedy`), the argmax at every
+    position the next token (what `generate` picks step by step, up to float32 summation
     order)."""
-    eos = model.generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, list) else [eos])
-    assert len(tokens) == MAX_TOKENS or tokens[-1] in eos, (name, tokens)
+    eos = eos_ids(model)
+    assert ends_as_generate_would(tokens, MAX_TOKENS, eos), (name, tokens)
     assert not eos & set(tokens[:-1]), (name, tokens)
-    with torch.inference_mode():
-        logits = model(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1:]
-    assert logits.argmax(-1).tolist() == tokens, name
+    assert teacher_forced_argmax(model, [prompt], [tokens]) == [tokens], name
 
 
 def engine(adapters, **overrides) -> LLMEngine:

@@ -15,6 +15,7 @@ import torch
 
 from benchmarks.checkpoints import random_blocks  # noqa: F401  (the tests' import of it)
 from engine.quant.formats import KERNEL_TYPES, TYPE_IDS, QuantWeight, quantize_int8
+from tests.greedy import ends_as_generate_would, eos_ids
 
 GGUF_TYPES = ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"]
 
@@ -207,10 +208,9 @@ def test_int8_serves_its_dequantized_model_and_stays_near_float32(model_dir, tok
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     ids = [tokenizer.encode(p) for p in PROMPTS]
     outs = [c[0] for c in eng.generate(ids, SamplingParams(max_tokens=16, temperature=0))]
-    eos = hq.generation_config.eos_token_id
     kls = []
     for p, out in zip(ids, outs):
-        assert len(out) == 16 or out[-1] in (eos if isinstance(eos, list) else [eos]), out
+        assert ends_as_generate_would(out, 16, eos_ids(hq)), out
         with torch.inference_mode():
             full = torch.tensor([p + out])
             a, b = hf(full).logits[0].log_softmax(-1), hq(full).logits[0].log_softmax(-1)

@@ -12,17 +12,22 @@ class (steps that carry prefill tokens; decode-only steps), from rank 0:
 - `compute_ms`: step - collective - control;
 and `throughput_tok_s` (output tokens / wall time), `outputs_equal_to_n1` (greedy tokens).
 
+A size written `N:gloo` runs N ranks with their collectives through gloo
+(`CONTINUUM_TP_SHM=0`) instead of shared memory (engine/distributed/shm.py): `--sizes
+1,3,3:gloo` compares the two transports in one run.
+
 On this project's 2-core machine N = 3 puts three ranks on two cores: the figures show what the
 split and its communication cost, not a speed-up (there is none to have without more cores or
 devices). Prints one JSON line (and writes it to `--save-result FILE`).
 
-    python benchmarks/tp_bench.py [--sizes 1,3] [--num-prompts 8] [--input-len 128]
+    python benchmarks/tp_bench.py [--sizes 1,3,3:gloo] [--num-prompts 8] [--input-len 128]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -87,22 +92,25 @@ def measure(size: int, prompts: list[list[int]], output_len: int) -> tuple[dict,
 def main(argv: list[str] | None = None) -> dict:
     """Parse flags, run every size; print, save and return the result."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sizes", default="1,3", help="tensor-parallel sizes (default: 1,3)")
+    p.add_argument("--sizes", default="1,3", help="tensor-parallel sizes, N or N:gloo "
+                   "(default: 1,3)")
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens")
     p.add_argument("--output-len", type=int, default=32, help="output tokens")
     p.add_argument("--seed", type=int, default=0)
     add_save_result(p)
     args = p.parse_args(argv)
-    sizes = [int(s) for s in args.sizes.split(",")]
     prompts = random_prompts(args.num_prompts, args.input_len, 49152, args.seed)
     result, first = {}, None
-    for size in sizes:
-        figures, outs = measure(size, prompts, args.output_len)
+    for entry in args.sizes.split(","):
+        size, _, transport = entry.partition(":")
+        os.environ["CONTINUUM_TP_SHM"] = "0" if transport == "gloo" else "1"   # workers inherit
+        figures, outs = measure(int(size), prompts, args.output_len)
         first = outs if first is None else first
         figures["outputs_equal_to_first_size"] = outs == first
-        result[f"tp{size}"] = figures
-        print(f"tp={size}: {json.dumps(figures)}", file=sys.stderr)
+        name = f"tp{size}" + (f"_{transport}" if transport else "")
+        result[name] = figures
+        print(f"{name}: {json.dumps(figures)}", file=sys.stderr)
     result = {"workload": {k: v for k, v in vars(args).items() if k != "save_result"}, **result}
     print(json.dumps(result))
     save_result(args.save_result, result)

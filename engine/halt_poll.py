@@ -246,19 +246,28 @@ def find_compiler() -> str | None:
 def build() -> Path:
     """The helper library, compiled once per source into `$CONTINUUM_CACHE/halt_poll/`.
     Raises OSError (no compiler, unwritable cache) or subprocess.SubprocessError."""
+    return build_helper("halt_poll", SOURCE)
+
+
+def build_helper(name: str, source: str) -> Path:
+    """A small C helper library (`source`: one translation unit, stdlib + Linux headers; no
+    -march, so it runs on any x86-64 or arm64 host), compiled once per source into
+    `$CONTINUUM_CACHE/<name>/<name>-<key>.so` and returned. Processes that build it at once
+    each compile and rename into place (atomic). Raises OSError (no compiler, unwritable
+    cache) or subprocess.SubprocessError (the compiler failed or ran over 60 s)."""
     compiler = find_compiler()
     if compiler is None:
         raise OSError("no C compiler (cc, gcc or $CC)")
     from engine.loader import cache_root
 
-    key = hashlib.sha256(SOURCE.encode()).hexdigest()[:16]
-    target = cache_root() / "halt_poll" / f"halt_poll-{key}.so"
+    key = hashlib.sha256(source.encode()).hexdigest()[:16]
+    target = cache_root() / name / f"{name}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        src, out = Path(tmp) / "halt_poll.c", Path(tmp) / target.name
-        src.write_text(SOURCE)
+        src, out = Path(tmp) / f"{name}.c", Path(tmp) / target.name
+        src.write_text(source)
         subprocess.run([compiler, "-O2", "-std=gnu11", "-shared", "-fPIC", str(src), "-o", str(out)],
                        check=True, capture_output=True, text=True, timeout=60)
         os.replace(out, target)            # atomic: a concurrent builder sees all or nothing

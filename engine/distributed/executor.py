@@ -145,8 +145,8 @@ def start_tensor_parallel(world_size: int, device, dtype: torch.dtype, model_dir
         message = workers.diagnose() or f"{type(e).__name__}: {e}"
         workers.shutdown(timeout=1.0)
         raise TensorParallelError(f"tensor-parallel group did not form: {message}") from None
-    logger.info("tensor parallel: %d ranks (%s), %d torch threads each", world_size,
-                device.dist_backend, threads_per_rank(world_size))
+    logger.info("tensor parallel: %d ranks (%s, collectives through %s), %d torch threads each",
+                world_size, device.dist_backend, group.transport, threads_per_rank(world_size))
     return group, workers
 
 

@@ -60,36 +60,57 @@ def check_tensor_parallel(cfg, size: int, device=None) -> None:
 class TensorParallelGroup:
     """One rank's membership in the group of `world_size` ranks (the default process group).
 
-    The collectives run in place on the calling rank's tensor; `comm_seconds` accumulates the
-    wall time spent in them (seconds; per-step communication vs compute in the benchmark)."""
+    The collectives run in place on the calling rank's tensor: through shared memory
+    (`engine.distributed.shm`) for CPU tensors where the group set it up, else through
+    torch.distributed; `comm_seconds` accumulates the wall time spent in them (seconds;
+    per-step communication vs compute in the benchmark)."""
 
-    def __init__(self, rank: int, world_size: int) -> None:
-        self.rank, self.world_size = rank, world_size
+    def __init__(self, rank: int, world_size: int, shm=None) -> None:
+        self.rank, self.world_size, self.shm = rank, world_size, shm
         self.comm_seconds = 0.0
 
     @classmethod
     def init(cls, backend: str, rank: int, world_size: int, port: int) -> TensorParallelGroup:
         """Join the group whose rank 0 listens on 127.0.0.1:`port` (rank 0 hosts the TCP
-        store). Blocks until every rank has joined; raises RuntimeError (torch's) after
+        store), and with `backend` "gloo" (CPU ranks) set up the shared-memory collectives.
+        Blocks until every rank has joined; raises RuntimeError (torch's) after
         `COLLECTIVE_TIMEOUT`."""
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
-        return cls(rank, world_size)
+        shm = None
+        if backend == "gloo" and world_size > 1:
+            from engine.distributed.shm import connect
+            shm = connect(rank, world_size)
+        return cls(rank, world_size, shm)
+
+    @property
+    def transport(self) -> str:
+        """How the collectives travel, for the log: "shared memory" or "gloo" / "nccl" ..."""
+        return "shared memory" if self.shm is not None else dist.get_backend()
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum `x` over the ranks, in place; returns `x`."""
+        """Sum `x` over the ranks, in place; returns `x`. Raises RuntimeError when a peer is
+        gone (torch's, or `ShmCommunicator`'s)."""
         t0 = time.perf_counter()
-        dist.all_reduce(x)
+        if self.shm is not None and self.shm.handles(x):
+            self.shm.all_reduce(x)
+        else:
+            dist.all_reduce(x)
         self.comm_seconds += time.perf_counter() - t0
         return x
 
     def all_gather_columns(self, x: torch.Tensor) -> torch.Tensor:
         """`[N, C]` on each rank → `[N, world_size * C]`, rank r's columns at r*C."""
         t0 = time.perf_counter()
-        parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x.contiguous())
+        x = x.contiguous()
+        if self.shm is not None and self.shm.handles(x, gather=True):
+            out = self.shm.all_gather_rows(x)
+        else:
+            parts = [torch.empty_like(x) for _ in range(self.world_size)]
+            dist.all_gather(parts, x)
+            out = torch.cat(parts, dim=1)
         self.comm_seconds += time.perf_counter() - t0
-        return torch.cat(parts, dim=1)
+        return out
 
     def barrier(self) -> None:
         """Wait until every rank reaches this point (start-up: every shard is loaded)."""
@@ -97,6 +118,9 @@ class TensorParallelGroup:
 
     def destroy(self) -> None:
         """Leave the group (the process may build another engine afterwards)."""
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
         if dist.is_initialized():
             dist.destroy_process_group()
 

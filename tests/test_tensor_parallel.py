@@ -18,6 +18,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.distributed.parallel import check_tensor_parallel, shard_weights
+from engine.halt_poll import find_compiler
 from engine.llm_engine import LLMEngine
 from engine.models.llama import ModelConfig
 from scheduler.request import SamplingParams
@@ -129,6 +130,8 @@ def test_three_ranks_match_one_rank_with_chunked_prefill(prompts, shared_prefix_
     expected = run(engine(), some, params)
     eng = engine(tensor_parallel_size=3, max_num_batched_tokens=64)
     assert eng.model.cfg.num_kv_heads == 1 and eng.runner.kv_cache.shape[2] == 1
+    if find_compiler() is not None:          # the CPU ranks' collectives (test_tp_shm.py)
+        assert eng._tp[0].transport == "shared memory"
     assert eng.model.quant_types == ["Q4_1", "Q8_0"]      # each rank's shard of the blocks
     assert run(eng, some, params) == expected
     assert eng.scheduler.counters.prefix_cache_hits > 0

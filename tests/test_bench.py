@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 
+import httpx
 import pytest
 
 from benchmarks.servebench.bench_datasets import iter_sharegpt_records, random_dataset
@@ -94,6 +95,19 @@ def test_bench_serve_against_a_live_server(server, tmp_path):
             assert p[key] > 0, key
         assert p["request_goodput"] == pytest.approx(p["request_throughput"])
     assert png.stat().st_size > 10_000
+
+
+def test_bench_serve_names_a_tokenizer_that_is_not_a_local_path(server):
+    """A hub name for --tokenizer is refused as that flag's error (nothing is downloaded),
+    not blamed on the server's model root; the server keeps serving."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "api", "bench", "serve", "--base-url", server, "--api-key", KEY,
+         "--tokenizer", "HuggingFaceTB/SmolLM2-135M-Instruct", "--num-prompts", "1",
+         "--no-progress"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "--tokenizer 'HuggingFaceTB/SmolLM2-135M-Instruct' is not a local path" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert httpx.get(f"{server}/health", timeout=10).status_code == 200
 
 
 def test_summary_prints_a_run_without_a_concurrency_cap(capsys):

@@ -228,6 +228,9 @@ def run(args) -> list[dict]:
     """Run the benchmark described by parsed `args`; returns one result dict per point."""
     slos = parse_goodput(args.goodput)
     model, root = _resolve_model(args)
+    if args.tokenizer and not Path(args.tokenizer).exists():
+        raise ValueError(f"--tokenizer {args.tokenizer!r} is not a local path (nothing is "
+                         "downloaded)")
     tok_path = args.tokenizer or root
     if not tok_path or not Path(tok_path).exists():
         raise ValueError("no local tokenizer: pass --tokenizer PATH (the server's model root "

@@ -130,7 +130,8 @@ def test_three_ranks_match_one_rank_with_chunked_prefill(prompts, shared_prefix_
     expected = run(engine(), some, params)
     eng = engine(tensor_parallel_size=3, max_num_batched_tokens=64)
     assert eng.model.cfg.num_kv_heads == 1 and eng.runner.kv_cache.shape[2] == 1
-    if find_compiler() is not None:          # the CPU ranks' collectives (test_tp_shm.py)
+    if find_compiler() is not None and os.environ.get("CONTINUUM_TP_SHM") != "0":
+        # the CPU ranks' collectives (test_tp_shm.py)
         assert eng._tp[0].transport == "shared memory"
     assert eng.model.quant_types == ["Q4_1", "Q8_0"]      # each rank's shard of the blocks
     assert run(eng, some, params) == expected

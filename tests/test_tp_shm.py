@@ -82,8 +82,9 @@ def _rank(rank: int, world: int, port: int, errors) -> None:
 
 
 @pytest.mark.parametrize("world", [2, 3], ids=["spinning", "more-ranks-than-cpus"])
-def test_collectives_match_torch_fall_back_together_and_name_a_dead_rank(world):
+def test_collectives_match_torch_fall_back_together_and_name_a_dead_rank(world, monkeypatch):
     """2 ranks on the 2-CPU hosts spin before sleeping; 3 sleep at once (shm_comm.c)."""
+    monkeypatch.setenv("CONTINUUM_TP_SHM", "1")        # the ranks inherit it
     from engine.halt_poll import find_compiler
     if find_compiler() is None:
         pytest.skip("needs a C compiler (cc, gcc or $CC) for the shared-memory helper")

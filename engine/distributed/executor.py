@@ -12,7 +12,6 @@ facts (`WorkerSpec`, then `CacheSpec`), one `SchedulerOutput` per step and, betw
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 import socket
 import subprocess
@@ -25,6 +24,7 @@ import torch
 
 from engine.distributed.parallel import TensorParallelError, TensorParallelGroup
 from engine.distributed.worker import CacheSpec, WorkerSpec
+from engine.kernels.isa import usable_cpus
 from engine.lora.manager import LoraSpec, LoraUpdate
 from engine.model_runner import ModelRunner
 from engine.quant import Quantization
@@ -35,8 +35,7 @@ logger = logging.getLogger("continuum.tp")
 
 def threads_per_rank(world_size: int) -> int:
     """torch intra-op threads for each of `world_size` ranks sharing this host's cores."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // world_size)
+    return max(1, usable_cpus() // world_size)
 
 
 def _free_port() -> int:

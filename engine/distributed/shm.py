@@ -159,8 +159,8 @@ def connect(rank: int, world: int) -> ShmCommunicator | None:
             logger.warning("tensor parallel: rank %d: collectives through gloo (no shared "
                            "memory: %s)", rank, why or "another rank could not set it up")
         return None
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    comm = ShmCommunicator(lib, mm, rank, world, SPIN_NS if world <= (cpus or 1) else 0)
+    from engine.kernels.isa import usable_cpus
+    comm = ShmCommunicator(lib, mm, rank, world, SPIN_NS if world <= usable_cpus() else 0)
     dist.barrier()                      # every pid recorded before the first collective
     return comm
 

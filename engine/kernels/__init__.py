@@ -172,8 +172,8 @@ def _compile_units(compiler: str, flags: list[str], tmp: Path) -> list[Path]:
         _run_compiler([compiler, *flags, *extra, "-c", str(source), "-o", str(obj)])
         return obj
 
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    with ThreadPoolExecutor(max_workers=cpus or 1) as pool:
+    from engine.kernels.isa import usable_cpus
+    with ThreadPoolExecutor(max_workers=usable_cpus()) as pool:
         return list(pool.map(compile_one, range(len(UNITS))))
 
 

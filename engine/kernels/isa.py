@@ -13,8 +13,8 @@ Levels: `amx` is `avx512` with AMX tiles for bfloat16 (`amx_tile`, `amx_bf16`) a
 `avx2` needs AVX2 and FMA (x86-64-v3); `generic` is anything else, non-x86 hosts included.
 In: /proc/cpuinfo and the environment. Out: `cpu_isa()`, `host_isa()`, `at_least(floor)`,
 `march_flags(isa)`, `flags_and_level()`, `bf16_matmul()` (whether `--dtype auto` is bfloat16
-here), `slow_bf16_dot()` (bfloat16 units slower than int8 ones: Intel without AMX) and
-`isa_label()` (the ready log's `cpu isa: ...`).
+here), `slow_bf16_dot()` (bfloat16 units slower than int8 ones: Intel without AMX),
+`isa_label()` (the ready log's `cpu isa: ...`) and `usable_cpus()`.
 """
 
 from __future__ import annotations
@@ -70,6 +70,15 @@ def _proc_flags() -> set[str]:
 # What hiding a flag hides with it: an Ice Lake has no AMX either, and the tile kernels need
 # AVX512-BF16 (amx.h), so a host with AVX512-BF16 hidden has no bfloat16 matmul units at all.
 HIDES_ALSO = {"avx512_bf16": {"amx_bf16", "amx_tile", "amx_int8"}}
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask where the OS has one, else the
+    machine's count; at least 1): the kernel build's parallel compiles, the tensor-parallel
+    ranks' share of the cores."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
 
 
 def cpu_flags() -> set[str]:

@@ -43,7 +43,10 @@ def test_kernels_build_and_bind_for_every_host_class(host_class, tmp_path):
         pytest.skip("needs a C compiler and binutils' nm")
     flags = kernels.BASE_CFLAGS + CROSS_BUILDS[host_class] + [
         "-Werror=implicit-function-declaration", "-Wl,-z,defs"]
-    path = kernels.build(compiler, flags, tmp_path)
+    try:
+        path = kernels.build(compiler, flags, tmp_path)
+    except subprocess.CalledProcessError as e:
+        pytest.fail(f"{host_class}: the build failed:\n{e.stderr[-3000:]}")
     exported = set(subprocess.run([nm, "-D", "--defined-only", "--format=posix", str(path)],
                                   capture_output=True, text=True, check=True).stdout.split())
     names = [f"{name}_{sfx}" for name in kernels._SIGNATURES for sfx in kernels._SUFFIX.values()]

@@ -63,6 +63,18 @@ async def prepare_chat(state, body: ChatCompletionRequest
         raise bad_request(str(e), e.param) from None
     if tool_so is not None:
         so, field = tool_so, "tools"
+    prompt = render_chat(state, body)
+    await checked_constraint(state.grammars, so, field)
+    return _truncated(state, body, prompt), so, mode is not None
+
+
+def render_chat(state, body) -> list[int]:
+    """The token ids of a conversation: `body.messages` (and `tools`) through the chat template
+    (the request's `chat_template` only with `--trust-request-chat-template`, else
+    `--chat-template` or the model's, with `chat_template_kwargs`, `add_generation_prompt`,
+    `continue_final_message`), then tokenized with `add_special_tokens`. `body`: a chat
+    completions or a chat `/tokenize` body. Raises: APIError 400 (an untrusted template, a
+    template that rejects the conversation)."""
     kwargs = dict(body.chat_template_kwargs or {})       # the template's own variables
     if body.tools:
         kwargs["tools"] = template_tools(body)
@@ -79,9 +91,7 @@ async def prepare_chat(state, body: ChatCompletionRequest
             continue_final_message=body.continue_final_message, tokenize=False, **kwargs)
     except Exception as e:       # a template that rejects the conversation
         raise bad_request(f"chat template failed: {e}", "messages") from None
-    await checked_constraint(state.grammars, so, field)
-    prompt = state.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
-    return _truncated(state, body, prompt), so, mode is not None
+    return state.tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
 
 
 def completion_prompts(state, body: CompletionRequest) -> tuple[list, list[list[int]]]:

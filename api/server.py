@@ -24,13 +24,13 @@ from functools import partial
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from api.beam_search import beam_search
 from api.chat import (chat_context, completion_context, completion_prompts, engine_params,
                       prepare_chat, request_constraint)
 from api.errors import APIError, bad_request, engine_error, error_response
-from api import embeddings, lora, openapi
+from api import embeddings, lora, openapi, tokenization
 from api.lifecycle import InFlightGate, Lifecycle
 from api.metrics import Metrics
 from api.network import grpc_credentials, log_request
@@ -230,15 +230,19 @@ def _too_large(size: int, limit: int) -> APIError:
                     "invalid_request_error")
 
 
-async def _parse(request: Request, model: type[BaseModel], limit: int, strict: bool = False):
-    """The body as `model`; fields it does not define are refused if `strict`
-    (`--strict-openai`), else dropped with vLLM's warning line. Raises APIError 400 / 413."""
+async def _parse(request: Request, model, limit: int, strict: bool = False):
+    """The body as `model` (a pydantic model class, or a function of the JSON object that
+    returns the class, for a route with two body shapes); fields it does not define are
+    refused if `strict` (`--strict-openai`), else dropped with vLLM's warning line. Raises
+    APIError 400 / 413."""
     try:
         data = json.loads(await read_body(request, limit, _too_large))
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise bad_request(f"request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise bad_request("request body must be a JSON object")
+    if not isinstance(model, type):
+        model = model(data)
     if not strict:
         data, ignored = split_unknown(model, data)
         if ignored:
@@ -398,10 +402,13 @@ def build_app(state: ServerState, load_in_background: bool = True):
 
     embeddings.install(app, state, partial(_parse, strict=state.config.strict_openai))
     lora.install(app, state, _parse)
+    tokenization.install(app, state, partial(_parse, strict=state.config.strict_openai),
+                         engine_or_503)
     schemas: dict = {"ChatCompletionRequest": ChatCompletionRequest,
                      "CompletionRequest": CompletionRequest}
+    schemas |= tokenization.SCHEMAS
     bodies = {("post", "/v1/chat/completions"): "ChatCompletionRequest",
-              ("post", "/v1/completions"): "CompletionRequest"}
+              ("post", "/v1/completions"): "CompletionRequest", **tokenization.BODIES}
     from triton_compat.frontend.openapi_schemas import BODIES, SCHEMAS
     schemas |= SCHEMAS
     bodies |= BODIES

@@ -362,3 +362,55 @@ def test_bad_values_get_vllm_status(servers, path, body):
     ref, ours = post(vbase, path, body), post(base, path, body)
     assert ours.status_code == ref.status_code, (ref.text, ours.text)
     assert post(base, "/v1/completions", {"prompt": "Hi", "max_tokens": 1}).status_code == 200
+
+
+# vLLM's tokenizer routes (outside /v1; `model` optional there, so some bodies leave it out).
+TOKENIZER_CASES = {
+    "prompt": ("/tokenize", {"prompt": "Hello world, it's me."}),
+    "prompt_strs_no_special": ("/tokenize", {"prompt": "Hello world", "return_token_strs": True,
+                                             "add_special_tokens": False}),
+    "empty_prompt": ("/tokenize", {"prompt": ""}),
+    "longer_than_the_model": ("/tokenize", {"prompt": "x " * 1500}),
+    "chat": ("/tokenize", {"messages": CHAT}),
+    "chat_closed_strs": ("/tokenize", {"messages": CHAT, "add_generation_prompt": False,
+                                       "return_token_strs": True}),
+    "chat_continue_final": ("/tokenize", {"messages": [*CHAT, {"role": "assistant",
+                                                               "content": "Par"}],
+                                          "add_generation_prompt": False,
+                                          "continue_final_message": True}),
+    "chat_special_tokens": ("/tokenize", {"messages": CHAT, "add_special_tokens": True}),
+    "chat_with_tools_and_kwargs": ("/tokenize", {
+        "messages": CHAT, "chat_template_kwargs": {"enable_thinking": False},
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {}}}}]}),
+    "chat_beside_a_prompt": ("/tokenize", {"prompt": "ignored", "messages": CHAT}),
+    "detokenize": ("/detokenize", {"tokens": [1, 19556, 905, 2]}),
+    "detokenize_empty": ("/detokenize", {"tokens": []}),
+    "detokenize_unknown_ids": ("/detokenize", {"tokens": [19556, 49152, 10 ** 9]}),
+}
+BAD_TOKENIZER_CASES = [
+    ("/tokenize", {}), ("/tokenize", {"prompt": ["a", "b"]}), ("/tokenize", {"prompt": [1, 2]}),
+    ("/tokenize", {"model": "nope", "prompt": "x"}), ("/tokenize", {"messages": []}),
+    ("/tokenize", {"messages": CHAT, "continue_final_message": True}),
+    ("/tokenize", {"messages": CHAT, "chat_template": "{{ messages }}"}),
+    ("/detokenize", {}), ("/detokenize", {"tokens": [-1]}), ("/detokenize", {"tokens": ["a"]}),
+    ("/detokenize", {"tokens": [1.5]}), ("/detokenize", {"tokens": [2 ** 32]}),
+    ("/detokenize", {"tokens": [2 ** 63]}), ("/detokenize", {"model": "nope", "tokens": [1]}),
+]
+
+
+@pytest.mark.parametrize("name", sorted(TOKENIZER_CASES))
+def test_tokenizer_routes_match_vllm(servers, name):
+    path, body = TOKENIZER_CASES[name]
+    for with_model in (False, True):
+        sent = {"model": MODEL, **body} if with_model else body
+        ref, ours = (httpx.post(b + path, json=sent, timeout=60) for b in servers)
+        assert ours.status_code == ref.status_code == 200, (ref.text, ours.text)
+        assert ours.json() == ref.json()
+
+
+@pytest.mark.parametrize("path,body", BAD_TOKENIZER_CASES)
+def test_bad_tokenizer_bodies_get_vllm_status(servers, path, body):
+    ref, ours = (httpx.post(b + path, json=body, timeout=60) for b in servers)
+    assert ours.status_code == ref.status_code, (ref.text, ours.text)
+    assert post(servers[1], "/v1/completions", {"prompt": "Hi", "max_tokens": 1}).status_code == 200

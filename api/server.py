@@ -30,7 +30,7 @@ from api.beam_search import beam_search
 from api.chat import (chat_context, completion_context, completion_prompts, engine_params,
                       prepare_chat, request_constraint)
 from api.errors import APIError, bad_request, engine_error, error_response
-from api import embeddings, lora, openapi, tokenization
+from api import embeddings, lora, openapi, responses, tokenization
 from api.lifecycle import InFlightGate, Lifecycle
 from api.metrics import Metrics
 from api.network import grpc_credentials, log_request
@@ -404,11 +404,14 @@ def build_app(state: ServerState, load_in_background: bool = True):
     lora.install(app, state, _parse)
     tokenization.install(app, state, partial(_parse, strict=state.config.strict_openai),
                          engine_or_503)
+    responses.install(app, state, partial(_parse, strict=state.config.strict_openai),
+                      engine_or_503, refuse_if_full, partial(_respond, state=state))
     schemas: dict = {"ChatCompletionRequest": ChatCompletionRequest,
                      "CompletionRequest": CompletionRequest}
-    schemas |= tokenization.SCHEMAS
+    schemas |= tokenization.SCHEMAS | {"ResponsesRequest": responses.ResponsesRequest}
     bodies = {("post", "/v1/chat/completions"): "ChatCompletionRequest",
-              ("post", "/v1/completions"): "CompletionRequest", **tokenization.BODIES}
+              ("post", "/v1/completions"): "CompletionRequest",
+              ("post", "/v1/responses"): "ResponsesRequest", **tokenization.BODIES}
     from triton_compat.frontend.openapi_schemas import BODIES, SCHEMAS
     schemas |= SCHEMAS
     bodies |= BODIES
@@ -469,9 +472,10 @@ async def _start_grpc(state: ServerState):
 
 async def _respond(request: Request, llm: ProcessAsyncLLM, ctx: ResponseContext, *, body,
                    prompts: list[list[int]], params: SamplingParams, param: str,
-                   state: ServerState):
+                   state: ServerState, stream_body=None):
     """Submit `prompts` (token ids; one engine request each) with `params`, then stream SSE or
-    wait for the whole body; errors before output → HTTP error naming `param`."""
+    wait for the whole body; errors before output → HTTP error naming `param`. `stream_body`
+    (first output, the rest) → the stream's bytes: default `sse_events`' chunks."""
     if body.stream_options is not None:
         ctx.include_usage = body.stream_options.include_usage
         ctx.continuous_usage = body.stream_options.continuous_usage_stats
@@ -497,8 +501,9 @@ async def _respond(request: Request, llm: ProcessAsyncLLM, ctx: ResponseContext,
     if body.stream:
         # starlette's StreamingResponse, as vLLM streams (a task per stream watching for the
         # client's disconnect; per event one `send`); sse_events frames the events itself
-        return StreamingResponse(sse_events(ctx, first, merged), media_type="text/event-stream",
-                                 headers=SSE_HEADERS)
+        events = (sse_events(ctx, first, merged) if stream_body is None
+                  else stream_body(first, merged))
+        return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
 
     async def collect():
         if first is not None:

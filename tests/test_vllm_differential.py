@@ -414,3 +414,69 @@ def test_bad_tokenizer_bodies_get_vllm_status(servers, path, body):
     ref, ours = (httpx.post(b + path, json=body, timeout=60) for b in servers)
     assert ours.status_code == ref.status_code, (ref.text, ours.text)
     assert post(servers[1], "/v1/completions", {"prompt": "Hi", "max_tokens": 1}).status_code == 200
+
+
+# OpenAI's Responses API. vLLM's response objects also carry these keys, which OpenAI's do not
+# (its sampling penalties, disaggregation internals, and the harmony messages when asked).
+VLLM_ONLY_RESPONSE_KEYS = {"frequency_penalty", "presence_penalty", "kv_transfer_params",
+                           "ec_transfer_params", "input_messages", "output_messages"}
+RESPONSES_CASES = {
+    "string_input": {"input": "What is the capital of France?", "max_output_tokens": 16},
+    "instructions_and_parts": {"instructions": "Be brief.", "max_output_tokens": 12, "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}]},
+    "token_limit": {"input": "Tell me a story.", "max_output_tokens": 5},
+    "history": {"max_output_tokens": 20, "input": [
+        {"role": "user", "content": "Hi"},
+        {"type": "message", "role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "Name a color."}]},
+    "metadata_and_user": {"input": "Hi", "metadata": {"k": "v"}, "user": "u1",
+                          "max_output_tokens": 4},
+    "no_model": {"input": "Hi", "max_output_tokens": 4, "model": None},
+}
+BAD_RESPONSES_CASES = [
+    {"input": "Hi", "previous_response_id": "resp_unknown"}, {"input": "Hi", "model": "nope"},
+    {"input": "Hi", "max_output_tokens": 0}, {"input": "Hi", "temperature": -1}, {},
+    {"input": 5}, {"input": "Hi", "max_output_tokens": 10 ** 6},
+    {"input": "Hi", "text": {"format": {"type": "json_schema", "name": "x"}}},
+    {"input": "Hi", "text": {"format": {"type": "json_schema", "name": "x",
+                                        "schema": {"type": "nonsense"}}}},
+]
+
+
+def responses_event_types(base: str, body: dict) -> tuple[list[str], str]:
+    """(the event types of the streamed response, its final output text)."""
+    with httpx.stream("POST", base + "/v1/responses", json={**body, "stream": True},
+                      timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        raw = b"".join(r.iter_raw()).decode()
+    datas = [json.loads(line[6:]) for line in raw.split("\n") if line.startswith("data: ")]
+    final = datas[-1]["response"]["output"][0]["content"][0]["text"]
+    return [d["type"] for d in datas], final
+
+
+@pytest.mark.parametrize("name", sorted(RESPONSES_CASES))
+def test_responses_match_vllm(servers, name):
+    body = {"model": MODEL, "temperature": 0, **RESPONSES_CASES[name]}
+    body = {k: v for k, v in body.items() if v is not None}
+    ref, ours = (httpx.post(b + "/v1/responses", json=body, timeout=120) for b in servers)
+    assert ours.status_code == ref.status_code == 200, (ref.text, ours.text)
+    r, o = ref.json(), ours.json()
+    assert set(o) == set(r) - VLLM_ONLY_RESPONSE_KEYS
+    text = [x["output"][0]["content"][0]["text"] for x in (o, r)]
+    assert text[0] == text[1] and o["status"] == r["status"]
+    if r["incomplete_details"] is not None:
+        assert o["incomplete_details"] == r["incomplete_details"]
+    for k in ("input_tokens", "output_tokens", "total_tokens"):
+        assert o["usage"][k] == r["usage"][k], k
+    for k in ("instructions", "metadata", "user", "max_output_tokens", "temperature", "model"):
+        assert o[k] == r[k], k
+    (rtypes, rtext), (otypes, otext) = (responses_event_types(b, body) for b in servers)
+    assert otypes == rtypes and otext == rtext == text[0]
+
+
+@pytest.mark.parametrize("body", BAD_RESPONSES_CASES)
+def test_bad_responses_get_vllm_status(servers, body):
+    ref, ours = (httpx.post(b + "/v1/responses", json={"model": MODEL, **body}, timeout=60)
+                 for b in servers)
+    assert ours.status_code == ref.status_code, (ref.text, ours.text)
+    assert post(servers[1], "/v1/completions", {"prompt": "Hi", "max_tokens": 1}).status_code == 200

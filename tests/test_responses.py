@@ -16,6 +16,13 @@ import pytest
 from tests.conftest import KEY, MODEL
 
 
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                          "required": ["city"]}}
+CHAT_WEATHER = {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}
+NAMED = {"type": "function", "name": "get_weather"}
+
+
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0)
@@ -75,11 +82,14 @@ def test_a_json_schema_format_gives_that_json(client):
 
 
 @pytest.mark.parametrize("extra,status,param", [
-    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, 400, "tools"),
+    ({"tools": [{"type": "web_search"}]}, 400, "tools"),
+    ({"tools": [WEATHER]}, 400, "tool_choice"),        # auto needs --enable-auto-tool-choice
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "other"}}, 400,
+     "tool_choice"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, 400, "input"),
     ({"background": True}, 400, "background"),
     ({"previous_response_id": "resp_unknown"}, 404, "response_id"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, 400,
-     "input"),
+    ({"input": [{"type": "file_search_call", "id": "c", "queries": []}]}, 400, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400,
      "input"),
     ({"input": []}, 400, "input"),
@@ -107,3 +117,51 @@ def test_nothing_is_stored_and_the_key_is_required(server, client):
                            timeout=60)
     assert anonymous.status_code == 401
     alive(client)
+
+
+def test_a_function_call_is_an_output_item_and_its_result_goes_back(client):
+    r = client.responses.create(model=MODEL, input="What is the weather in Rome?",
+                                tools=[WEATHER], tool_choice=NAMED, temperature=0,
+                                max_output_tokens=40)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the weather in Rome?"}],
+        tools=[CHAT_WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        temperature=0, max_tokens=40)
+    call, expected = r.output[0], chat.choices[0].message.tool_calls[0]
+    assert call.type == "function_call" and call.name == "get_weather" and call.status == "completed"
+    assert call.arguments == expected.function.arguments and "city" in json.loads(call.arguments)
+    # the call and its output go back as input items: the chat route's tool turn
+    result = "Sunny, 24 C"
+    again = client.responses.create(
+        model=MODEL, tools=[WEATHER], tool_choice="none", temperature=0, max_output_tokens=24,
+        input=[{"role": "user", "content": "What is the weather in Rome?"},
+               {"type": "function_call", "call_id": call.call_id, "name": call.name,
+                "arguments": call.arguments},
+               {"type": "function_call_output", "call_id": call.call_id, "output": result}])
+    answer = client.chat.completions.create(
+        model=MODEL, tools=[CHAT_WEATHER], tool_choice="none", temperature=0, max_tokens=24,
+        messages=[{"role": "user", "content": "What is the weather in Rome?"},
+                  {"role": "assistant", "content": None, "tool_calls": [{
+                      "id": call.call_id, "type": "function",
+                      "function": {"name": call.name, "arguments": call.arguments}}]},
+                  {"role": "tool", "tool_call_id": call.call_id, "content": result}])
+    assert again.output_text == answer.choices[0].message.content != ""
+    assert [o.type for o in again.output] == ["message"]
+
+
+def test_a_streamed_function_call_adds_up_to_the_final_response(client):
+    args = dict(model=MODEL, input="What is the weather in Rome?", tools=[WEATHER],
+                tool_choice=NAMED, temperature=0, max_output_tokens=40)
+    with client.responses.stream(**args) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    whole = client.responses.create(**args)
+    kinds = [e.type for e in events]
+    assert "response.output_text.delta" not in kinds
+    assert kinds[-3:] == ["response.function_call_arguments.done", "response.output_item.done",
+                          "response.completed"]
+    pieces = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert [(o.type, o.name, o.arguments) for o in final.output] == [
+        (o.type, o.name, o.arguments) for o in whole.output]
+    assert pieces == final.output[0].arguments
+    assert [e.sequence_number for e in events] == list(range(len(events)))

@@ -97,8 +97,11 @@ def server_pair(tmp_path_factory, extra: list[str], env: dict | None = None,
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    """(vLLM base URL, Continuum base URL): see `server_pair`."""
-    yield from server_pair(tmp_path_factory, [])
+    """(vLLM base URL, Continuum base URL): see `server_pair`; both parse hermes tool calls
+    where `tool_choice` is auto (a vLLM given by CONTINUUM_VLLM_URL must be started with
+    these flags too)."""
+    yield from server_pair(tmp_path_factory, ["--enable-auto-tool-choice",
+                                              "--tool-call-parser", "hermes"])
 
 
 def post(base: str, path: str, body: dict, headers: dict | None = None) -> httpx.Response:
@@ -433,10 +436,30 @@ RESPONSES_CASES = {
                           "max_output_tokens": 4},
     "no_model": {"input": "Hi", "max_output_tokens": 4, "model": None},
 }
+WEATHER = {"type": "function", "name": "get_weather", "description": "Get the weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                          "required": ["city"]}}
+RESPONSES_CASES |= {
+    "tools_auto": {"input": "What is the weather in Paris?", "tools": [WEATHER],
+                   "max_output_tokens": 40},
+    "tools_none": {"input": "What is the weather in Paris?", "tools": [WEATHER],
+                   "tool_choice": "none", "max_output_tokens": 20},
+    "tool_result_back": {"tools": [WEATHER], "max_output_tokens": 30, "input": [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+         "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "Sunny, 24 C"}]},
+}
+# Deviation: a `required` or named tool_choice is grammar-constrained to hermes calls here (as
+# on the chat route, docs/vllm-compat.md); vLLM's own constraint gives other arguments. Both
+# answer with function_call items naming the function.
+FORCED_TOOL_CASES = {"required": "required",
+                     "named": {"type": "function", "name": "get_weather"}}
 BAD_RESPONSES_CASES = [
     {"input": "Hi", "previous_response_id": "resp_unknown"}, {"input": "Hi", "model": "nope"},
     {"input": "Hi", "max_output_tokens": 0}, {"input": "Hi", "temperature": -1}, {},
     {"input": 5}, {"input": "Hi", "max_output_tokens": 10 ** 6},
+    {"input": "Hi", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "other"}},
     {"input": "Hi", "text": {"format": {"type": "json_schema", "name": "x"}}},
     {"input": "Hi", "text": {"format": {"type": "json_schema", "name": "x",
                                         "schema": {"type": "nonsense"}}}},
@@ -450,8 +473,13 @@ def responses_event_types(base: str, body: dict) -> tuple[list[str], str]:
         assert r.status_code == 200, r.read()
         raw = b"".join(r.iter_raw()).decode()
     datas = [json.loads(line[6:]) for line in raw.split("\n") if line.startswith("data: ")]
-    final = datas[-1]["response"]["output"][0]["content"][0]["text"]
-    return [d["type"] for d in datas], final
+    return [d["type"] for d in datas], output_of(datas[-1]["response"])
+
+
+def output_of(response: dict) -> list[tuple]:
+    """A response's output items as (type, text or (name, arguments))."""
+    return [(o["type"], o["content"][0]["text"] if o["type"] == "message"
+             else (o["name"], o["arguments"])) for o in response["output"]]
 
 
 @pytest.mark.parametrize("name", sorted(RESPONSES_CASES))
@@ -462,16 +490,30 @@ def test_responses_match_vllm(servers, name):
     assert ours.status_code == ref.status_code == 200, (ref.text, ours.text)
     r, o = ref.json(), ours.json()
     assert set(o) == set(r) - VLLM_ONLY_RESPONSE_KEYS
-    text = [x["output"][0]["content"][0]["text"] for x in (o, r)]
-    assert text[0] == text[1] and o["status"] == r["status"]
+    assert output_of(o) == output_of(r) and o["status"] == r["status"]
     if r["incomplete_details"] is not None:
         assert o["incomplete_details"] == r["incomplete_details"]
     for k in ("input_tokens", "output_tokens", "total_tokens"):
         assert o["usage"][k] == r["usage"][k], k
-    for k in ("instructions", "metadata", "user", "max_output_tokens", "temperature", "model"):
+    for k in ("instructions", "metadata", "user", "max_output_tokens", "temperature", "model",
+              "tool_choice"):
         assert o[k] == r[k], k
-    (rtypes, rtext), (otypes, otext) = (responses_event_types(b, body) for b in servers)
-    assert otypes == rtypes and otext == rtext == text[0]
+    set_fields = [[{k: v for k, v in t.items() if v is not None} for t in x["tools"]]
+                  for x in (o, r)]             # vLLM also lists the fields left unset, as null
+    assert set_fields[0] == set_fields[1]
+    (rtypes, rout), (otypes, oout) = (responses_event_types(b, body) for b in servers)
+    assert otypes == rtypes and oout == rout == output_of(o)
+
+
+@pytest.mark.parametrize("name", sorted(FORCED_TOOL_CASES))
+def test_forced_tool_calls_are_function_call_items_as_in_vllm(servers, name):
+    body = {"model": MODEL, "temperature": 0, "input": "What is the weather in Paris?",
+            "tools": [WEATHER], "tool_choice": FORCED_TOOL_CASES[name], "max_output_tokens": 60}
+    ref, ours = (httpx.post(b + "/v1/responses", json=body, timeout=120) for b in servers)
+    assert ours.status_code == ref.status_code == 200, (ref.text, ours.text)
+    for r in (ref.json(), ours.json()):
+        assert r["output"] and {(o["type"], o["name"]) for o in r["output"]} == {
+            ("function_call", "get_weather")}, r["output"]
 
 
 @pytest.mark.parametrize("body", BAD_RESPONSES_CASES)

@@ -46,7 +46,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from api.errors import APIError, bad_request
 from api.openai_serving import ResponseContext
-from api.protocol import ChatCompletionRequest
+from api import lora
+from api.chat import engine_params, prepare_chat, response_id
+from api.protocol import ChatCompletionRequest, FunctionDefinition
 from api.tools import HermesToolParser
 from engine.outputs import RequestOutput
 from scheduler.request import ParamError
@@ -76,7 +78,6 @@ class TextFormat(BaseModel):
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
 
-
     @model_validator(mode="after")
     def _check(self):
         if self.type == "json_schema" and (self.name is None or self.schema_ is None):
@@ -90,14 +91,9 @@ class TextConfig(BaseModel):
     format: TextFormat | None = None
 
 
-class FunctionTool(BaseModel):
-    """A `tools` entry: a function (Responses' flattened form of the chat route's tool)."""
-    model_config = ConfigDict(extra="forbid")
+class FunctionTool(FunctionDefinition):
+    """A `tools` entry: the chat route's function, flattened into the tool (Responses' form)."""
     type: Literal["function"]
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
 
 
 class FunctionCallItem(BaseModel):
@@ -249,6 +245,7 @@ class ResponsesContext(ResponseContext):
         self.items: list[dict] | None = None     # streamed: the output items so far
         self.open: dict | None = None            # streamed: the item being written
         self.parser = HermesToolParser() if tool_parsing else None
+        self.tools = [t.model_dump(exclude_none=True) for t in _tools(body.tools or [])]
 
     # ------------------------------------------------------------------ the response object
     def _response(self, status: str) -> dict:
@@ -267,7 +264,7 @@ class ResponsesContext(ResponseContext):
                      "total_tokens": used["total_tokens"]}
         output = [] if status == "in_progress" else (
             self.items if self.items is not None else self._output_items())
-        tools = [t.model_dump(exclude_none=True) for t in _tools(b.tools or [])]
+        tools = self.tools
         return {
             "id": self.request_id, "object": "response", "created_at": self.created,
             "status": status, "model": self.model,
@@ -420,22 +417,19 @@ def response_context(state, request, body: ResponsesRequest, chat: ChatCompletio
                      tool_parsing: bool) -> ResponsesContext:
     """The response builder of a `/v1/responses` request (id `resp_<X-Request-Id, the body's
     request_id, or random>`)."""
-    rid = request.headers.get("X-Request-Id") or body.request_id or uuid.uuid4().hex
-    return ResponsesContext(body=body, request_id=f"resp_{rid}", model=chat.model,
-                            tokenizer=state.tokenizer, created=int(time.time()),
-                            tool_parsing=tool_parsing)
+    return ResponsesContext(body=body, request_id=f"resp_{response_id(request, body)}",
+                            model=chat.model, tokenizer=state.tokenizer,
+                            created=int(time.time()), tool_parsing=tool_parsing)
 
 
 # chat request fields -> the /v1/responses fields they came from (errors name the latter)
 CHAT_FIELDS = {"max_tokens": "max_output_tokens", "response_format": "text.format",
-               "messages": "input", "tool_choice": "tool_choice", "tools": "tools"}
+               "messages": "input"}
 
 
 def install(app, state, parse, engine_or_503, refuse_if_full, respond) -> None:
     """Add `POST /v1/responses` and `GET /v1/responses/{id}` to `app`, with the server's body
     parser, readiness and capacity checks, and its `_respond` (bound to the server's state)."""
-    from api import lora
-    from api.chat import engine_params, prepare_chat
 
     @app.post("/v1/responses")
     async def create_response(request: Request):

@@ -117,6 +117,7 @@ test-conformance: install $(TRITON_STAMP) $(VLLM_STAMP)
 	  $(PY) -m pytest -q -m "$(TEST_MARKS)" $(V2_TESTS)
 	CONTINUUM_VLLM_PYTHON=$(VLLM_VENV)/bin/python \
 	  $(PY) -m pytest -q -m "$(TEST_MARKS)" tests/test_vllm_differential.py \
+	    tests/test_vllm_differential_apis.py \
 	    tests/test_vllm_lora_differential.py
 
 bench: install

@@ -12,7 +12,7 @@ Data flow: JSON body → `ResponsesRequest` (pydantic; unknown fields ignored wi
 `top_p`, function `tools` and `tool_choice` (Responses' flattened form → the chat route's),
 `text.format` (`json_schema` / `json_object`) → `response_format` → `ChatCompletionRequest` →
 the chat route's prompt, constraint, tool mode and engine parameters (api/chat.py) → the
-server's `_respond` with `ResponsesContext`, which builds:
+server's `respond` (api/respond.py) with `ResponsesContext`, which builds:
 - not streamed: the `response` object (`output`: an assistant `message` with one
   `output_text` part, then a `function_call` item per hermes tool call parsed out of the text
   where tools are on — the message left out when only calls were written; `status`
@@ -429,7 +429,7 @@ CHAT_FIELDS = {"max_tokens": "max_output_tokens", "response_format": "text.forma
 
 def install(app, state, parse, engine_or_503, refuse_if_full, respond) -> None:
     """Add `POST /v1/responses` and `GET /v1/responses/{id}` to `app`, with the server's body
-    parser, readiness and capacity checks, and its `_respond` (bound to the server's state)."""
+    parser, readiness and capacity checks, and its `respond` (bound to the server's state)."""
 
     @app.post("/v1/responses")
     async def create_response(request: Request):

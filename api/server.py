@@ -23,20 +23,19 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import ValidationError
 
-from api.beam_search import beam_search
 from api.chat import (chat_context, completion_context, completion_prompts, engine_params,
                       prepare_chat, request_constraint)
 from api.errors import APIError, bad_request, engine_error, error_response
-from api import embeddings, lora, openapi, responses, tokenization
+from api import embeddings, lora, messages, openapi, responses, tokenization
 from api.lifecycle import InFlightGate, Lifecycle
 from api.metrics import Metrics
-from api.network import grpc_credentials, log_request
-from api.openai_serving import ResponseContext, merge, sse_events
+from api.network import grpc_credentials
+from api.respond import respond
 from api.protocol import ChatCompletionRequest, CompletionRequest, split_unknown
-from engine.async_llm import ProcessAsyncLLM, RequestFailedError
+from engine.async_llm import ProcessAsyncLLM
 from engine.heap import freeze_heap
 from api.serve_config import ServeConfig
 from triton_compat.frontend.http_infer import read_body
@@ -45,7 +44,6 @@ from scheduler.request import ParamError, QueueFullError, SamplingParams
 
 logger = logging.getLogger("continuum.api")
 VERSION = "0.1.0"
-SSE_HEADERS = {"cache-control": "no-store", "x-accel-buffering": "no"}   # no proxy buffering
 
 
 @dataclass
@@ -191,22 +189,25 @@ class ServerState:
 
 
 class BearerAuth:
-    """Pure ASGI middleware: `Authorization: Bearer KEY` on `/v1/*` (401 otherwise).
+    """Pure ASGI middleware: `Authorization: Bearer KEY` on `/v1/*` (401 otherwise); also
+    `x-api-key: KEY`, the header the `anthropic` SDK sends (vLLM takes only the bearer form).
 
     Not Starlette's `BaseHTTPMiddleware`: that wraps `receive` and hides client disconnects
     from the routes, which must abort the requests of clients that went away.
     """
 
     def __init__(self, app, api_key: str) -> None:
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+        self.app, self.expected, self.key = app, f"Bearer {api_key}".encode(), api_key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            auth = dict(scope["headers"]).get(b"authorization", b"")
-            if auth != self.expected:
-                response = error_response(APIError(401, "invalid or missing API key",
-                                                   "authentication_error", None,
-                                                   "invalid_api_key"))
+            headers = dict(scope["headers"])
+            if headers.get(b"authorization") != self.expected \
+                    and headers.get(b"x-api-key") != self.key:
+                err = APIError(401, "invalid or missing API key", "authentication_error",
+                               None, "invalid_api_key")
+                response = messages.error_response(err) \
+                    if scope["path"].startswith("/v1/messages") else error_response(err)
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -379,7 +380,7 @@ def build_app(state: ServerState, load_in_background: bool = True):
         prompt, so, tool_parsing = await prepare_chat(state, body)
         ctx = chat_context(state, request, body, prompt, tool_parsing)
         params = engine_params(state, body, prompt, so, adapter)
-        return await _respond(request, llm, ctx, body=body, prompts=[prompt], params=params,
+        return await respond(request, llm, ctx, body=body, prompts=[prompt], params=params,
                               param="messages", state=state)
 
     @app.post("/v1/completions")
@@ -397,21 +398,26 @@ def build_app(state: ServerState, load_in_background: bool = True):
         ctx = completion_context(state, request, body, raw, prompts)
         params = engine_params(state, body, min(prompts, key=len),
                                await request_constraint(state, body), adapter)
-        return await _respond(request, llm, ctx, body=body, prompts=prompts, params=params,
+        return await respond(request, llm, ctx, body=body, prompts=prompts, params=params,
                               param="prompt", state=state)
 
     embeddings.install(app, state, partial(_parse, strict=state.config.strict_openai))
     lora.install(app, state, _parse)
     tokenization.install(app, state, partial(_parse, strict=state.config.strict_openai),
                          engine_or_503)
-    responses.install(app, state, partial(_parse, strict=state.config.strict_openai),
-                      engine_or_503, refuse_if_full, partial(_respond, state=state))
+    for module in (responses, messages):
+        module.install(app, state, partial(_parse, strict=state.config.strict_openai),
+                       engine_or_503, refuse_if_full, partial(respond, state=state))
     schemas: dict = {"ChatCompletionRequest": ChatCompletionRequest,
                      "CompletionRequest": CompletionRequest}
-    schemas |= tokenization.SCHEMAS | {"ResponsesRequest": responses.ResponsesRequest}
+    schemas |= tokenization.SCHEMAS | {"ResponsesRequest": responses.ResponsesRequest,
+                                       "MessagesRequest": messages.MessagesRequest,
+                                       "CountTokensRequest": messages.CountTokensRequest}
     bodies = {("post", "/v1/chat/completions"): "ChatCompletionRequest",
               ("post", "/v1/completions"): "CompletionRequest",
-              ("post", "/v1/responses"): "ResponsesRequest", **tokenization.BODIES}
+              ("post", "/v1/responses"): "ResponsesRequest",
+              ("post", "/v1/messages"): "MessagesRequest",
+              ("post", "/v1/messages/count_tokens"): "CountTokensRequest", **tokenization.BODIES}
     from triton_compat.frontend.openapi_schemas import BODIES, SCHEMAS
     schemas |= SCHEMAS
     bodies |= BODIES
@@ -470,81 +476,3 @@ async def _start_grpc(state: ServerState):
         return None
 
 
-async def _respond(request: Request, llm: ProcessAsyncLLM, ctx: ResponseContext, *, body,
-                   prompts: list[list[int]], params: SamplingParams, param: str,
-                   state: ServerState, stream_body=None):
-    """Submit `prompts` (token ids; one engine request each) with `params`, then stream SSE or
-    wait for the whole body; errors before output → HTTP error naming `param`. `stream_body`
-    (first output, the rest) → the stream's bytes: default `sse_events`' chunks."""
-    if body.stream_options is not None:
-        ctx.include_usage = body.stream_options.include_usage
-        ctx.continuous_usage = body.stream_options.continuous_usage_stats
-    log_request(state.config.network, ctx.request_id, prompts, params, state.tokenizer)
-    tag = uuid.uuid4().hex[:8]              # engine ids stay unique when clients reuse an id
-    beam = body.beam_params(params)
-    generate = llm.generate if beam is None else (     # api/beam_search.py: n beams
-        lambda rid, p, _, prio: beam_search(llm, beam, state.tokenizer,
-                                            state.tokenizer.eos_token_id, rid, p, prio))
-    span = None if state.tracer is None else (state.tracer, state.tracer.context(
-        request.headers), params, body.model)
-    streams = [_timed(generate(f"{ctx.request_id}-{tag}-{i}", p, params, body.priority), state,
-                      span)
-               for i, p in enumerate(prompts)]
-    merged = merge(streams)
-    try:
-        first = await merged.__anext__()
-    except StopAsyncIteration:
-        first = None
-    except Exception as e:
-        await merged.aclose()
-        raise engine_error(e, param) from None
-    if body.stream:
-        # starlette's StreamingResponse, as vLLM streams (a task per stream watching for the
-        # client's disconnect; per event one `send`); sse_events frames the events itself
-        events = (sse_events(ctx, first, merged) if stream_body is None
-                  else stream_body(first, merged))
-        return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
-
-    async def collect():
-        if first is not None:
-            ctx.absorb(*first)
-        async for group, out in merged:
-            ctx.absorb(group, out)
-
-    task = asyncio.create_task(collect())
-    try:
-        while not task.done():
-            await asyncio.wait({task}, timeout=0.25)
-            if not task.done() and await request.is_disconnected():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                return Response(status_code=499)
-        task.result()
-    except RequestFailedError as e:
-        raise APIError(500, str(e), "internal_error") from None
-    finally:
-        await merged.aclose()
-    return JSONResponse(ctx.final_body())
-
-
-async def _timed(stream, state: ServerState, span=None):
-    """Pass outputs through, observing TTFT and ITL as the client sees them; with `span`
-    ((RequestTracer, trace context, params, model) under --otlp-traces-endpoint) the request's
-    span goes out with its last output."""
-    start = last = time.perf_counter()
-    first = True
-    try:
-        async for out in stream:
-            now = time.perf_counter()
-            if first:
-                state.metrics.ttft.observe(now - start)
-                first = False
-            else:
-                state.metrics.itl.observe(now - last)
-            last = now
-            if span is not None and out.finished:
-                tracer, context, params, model = span
-                tracer.record(out, params, model, context)
-            yield out
-    finally:
-        await stream.aclose()       # closing us must abort the engine request now, not at GC

@@ -219,7 +219,7 @@ def conversation(body: CountTokensRequest) -> list[dict]:
     return out
 
 
-def to_chat(body: CountTokensRequest, served_model: str) -> ChatCompletionRequest:
+def to_chat(body: CountTokensRequest) -> ChatCompletionRequest:
     """The chat request that computes `body` (a count_tokens body gives the same prompt).
     Raises APIError 400 naming the field."""
     fields: dict[str, Any] = {"model": body.model, "messages": conversation(body),
@@ -418,7 +418,7 @@ def install(app, state, parse, engine_or_503, refuse_if_full, respond) -> None:
     async def create(request: Request):
         refuse_if_full()
         body = await parse(request, MessagesRequest, state.http_max_input_size)
-        chat = to_chat(body, state.served_model_name)
+        chat = to_chat(body)
         adapter = lora.resolve_model(state, chat.model)
         llm = engine_or_503()
         prompt, so, tool_parsing = await prepare_chat(state, chat)
@@ -430,7 +430,7 @@ def install(app, state, parse, engine_or_503, refuse_if_full, respond) -> None:
 
     async def count(request: Request):
         body = await parse(request, CountTokensRequest, state.http_max_input_size)
-        chat = to_chat(body, state.served_model_name)
+        chat = to_chat(body)
         lora.resolve_model(state, chat.model)
         engine_or_503()
         n = len(render_chat(state, chat))

@@ -153,7 +153,7 @@ class _SamplingFields(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    model: str
+    model: str | None = None         # left out: the served model (vLLM's default)
     n: int = Field(1, ge=1, le=16)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)

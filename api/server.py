@@ -255,6 +255,21 @@ async def _parse(request: Request, model, limit: int, strict: bool = False):
         raise _validation_error(e) from None
 
 
+def _replayed(request: Request, body: bytes) -> Request:
+    """`request` with its body, already read, to be read again; later `receive`s (a
+    disconnect) still come from the client."""
+    sent = False
+
+    async def receive():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await request.receive()
+
+    return Request(request.scope, receive)
+
+
 def _front(app: FastAPI, state: ServerState):
     """The pure-ASGI layers in front of the FastAPI app, outermost first: the drain gate, the
     restricted-API check, the API key, then the v2 infer fast path. They sit outside
@@ -375,6 +390,7 @@ def build_app(state: ServerState, load_in_background: bool = True):
         refuse_if_full()
         body = await _parse(request, ChatCompletionRequest, state.http_max_input_size,
                             state.config.strict_openai)
+        body.model = body.model or state.served_model_name      # vLLM's default
         adapter = lora.resolve_model(state, body.model)
         llm = engine_or_503()
         prompt, so, tool_parsing = await prepare_chat(state, body)
@@ -388,6 +404,7 @@ def build_app(state: ServerState, load_in_background: bool = True):
         refuse_if_full()
         body = await _parse(request, CompletionRequest, state.http_max_input_size,
                             state.config.strict_openai)
+        body.model = body.model or state.served_model_name      # vLLM's default
         adapter = lora.resolve_model(state, body.model)
         llm = engine_or_503()
         raw, prompts = completion_prompts(state, body)
@@ -400,6 +417,22 @@ def build_app(state: ServerState, load_in_background: bool = True):
                                await request_constraint(state, body), adapter)
         return await respond(request, llm, ctx, body=body, prompts=prompts, params=params,
                               param="prompt", state=state)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():
+        """SageMaker's health check (vLLM's `/ping`): `/health`."""
+        return await health()
+
+    @app.post("/invocations")
+    async def invocations(request: Request):
+        """SageMaker's inference route, as vLLM routes it: a body with `messages` is a chat
+        completion, any other body a completion (whose errors it then gets)."""
+        raw = await read_body(request, state.http_max_input_size, _too_large)
+        try:
+            chat = "messages" in json.loads(raw)
+        except (ValueError, TypeError, RecursionError):
+            chat = False
+        return await (chat_completions if chat else completions)(_replayed(request, raw))
 
     embeddings.install(app, state, partial(_parse, strict=state.config.strict_openai))
     lora.install(app, state, _parse)

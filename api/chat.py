@@ -171,6 +171,7 @@ def chat_context(state, request, body: ChatCompletionRequest, prompt: list[int],
                         n=body.n, tokenizer=state.tokenizer, want_logprobs=body.logprobs,
                         num_logprobs=body.top_logprobs or 0, echo_texts=echo,
                         tool_parsing=tool_parsing,
+                        tokens_details=state.config.enable_prompt_tokens_details,
                         prompt_ids=[prompt] if body.return_token_ids else None,
                         tokens_as_ids=body.return_tokens_as_token_ids)
 
@@ -187,6 +188,7 @@ def completion_context(state, request, body: CompletionRequest, raw: list,
                               want_logprobs=body.logprobs is not None, echo_texts=echo,
                               num_logprobs=body.logprobs or 0,
                               echo_ids=prompts if body.echo else None,
+                              tokens_details=state.config.enable_prompt_tokens_details,
                               prompt_ids=prompts if body.return_token_ids else None,
                               tokens_as_ids=body.return_tokens_as_token_ids)
 

@@ -302,8 +302,15 @@ class MessagesContext(ResponseContext):
         self.called = False
 
     def _usage(self) -> dict:
+        """Anthropic's usage; with `tokens_details` the prefix-cache hits are
+        `cache_read_input_tokens`, out of `input_tokens` (vLLM's split)."""
         used = self.usage()
-        return {"input_tokens": used["prompt_tokens"], "output_tokens": used["completion_tokens"]}
+        if not self.tokens_details:
+            return {"input_tokens": used["prompt_tokens"],
+                    "output_tokens": used["completion_tokens"]}
+        cached = used["prompt_tokens_details"]["cached_tokens"]
+        return {"input_tokens": used["prompt_tokens"] - cached,
+                "output_tokens": used["completion_tokens"], "cache_read_input_tokens": cached}
 
     def _stop(self, called: bool) -> tuple[str | None, str | None]:
         """(stop_reason, stop_sequence) of the finished choice (vLLM's mapping)."""
@@ -384,6 +391,7 @@ class MessagesContext(ResponseContext):
         try:
             if first is not None:
                 self.prompt_tokens = [first[1].num_prompt_tokens]
+                self.cached_tokens = [first[1].num_cached_tokens]
             start = self._event("message_start", message={
                 "id": self.request_id, "type": "message", "role": "assistant", "content": [],
                 "model": self.model, "stop_reason": None, "stop_sequence": None,
@@ -423,7 +431,8 @@ def install(app, state, parse, engine_or_503, refuse_if_full, respond) -> None:
         llm = engine_or_503()
         prompt, so, tool_parsing = await prepare_chat(state, chat)
         ctx = MessagesContext(request_id=f"msg_{response_id(request, body)}", model=chat.model,
-                              tokenizer=state.tokenizer, tool_parsing=tool_parsing)
+                              tokenizer=state.tokenizer, tool_parsing=tool_parsing,
+                              tokens_details=state.config.enable_prompt_tokens_details)
         params = engine_params(state, chat, prompt, so, adapter)
         return await respond(request, llm, ctx, body=chat, prompts=[prompt], params=params,
                              param="messages", stream_body=ctx.events)

@@ -61,6 +61,8 @@ class ResponseContext:
     prompt_lps: dict[int, list] = field(default_factory=dict)   # group -> prompt logprobs
     created: int = field(default_factory=lambda: int(time.time()))
     prompt_tokens: list[int] = field(default_factory=list)   # per group
+    cached_tokens: list[int] = field(default_factory=list)   # per group: prefix-cache hits
+    tokens_details: bool = False                 # --enable-prompt-tokens-details
     choices: dict[int, _Choice] = field(default_factory=dict)
 
     def choice(self, group: int, index: int) -> tuple[int, _Choice]:
@@ -69,11 +71,16 @@ class ResponseContext:
         return i, self.choices.setdefault(i, _Choice())
 
     def usage(self) -> dict:
-        """OpenAI usage in tokens: prompt (all prompts), completion (all choices), total."""
+        """OpenAI usage in tokens: prompt (all prompts), completion (all choices), total; with
+        `tokens_details`, `prompt_tokens_details.cached_tokens` (the prompts' prefix-cache
+        hits, as vLLM's `--enable-prompt-tokens-details`)."""
         prompt = sum(self.prompt_tokens)
         completion = sum(c.num_tokens for c in self.choices.values())
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion}
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion,
+                 "total_tokens": prompt + completion}
+        if self.tokens_details:
+            usage["prompt_tokens_details"] = {"cached_tokens": sum(self.cached_tokens)}
+        return usage
 
     # ------------------------------------------------------------------ logprobs
     def _token(self, token_id: int, context: list[int] = ()) -> str:
@@ -118,8 +125,11 @@ class ResponseContext:
         """Fold one RequestOutput in; yields (choice index, choice, delta text, new logprobs,
         finish reason, new token ids)."""
         if len(self.prompt_tokens) <= group:
-            self.prompt_tokens.extend([0] * (group + 1 - len(self.prompt_tokens)))
+            grow = [0] * (group + 1 - len(self.prompt_tokens))
+            self.prompt_tokens.extend(grow)
+            self.cached_tokens.extend(grow)
         self.prompt_tokens[group] = out.num_prompt_tokens
+        self.cached_tokens[group] = out.num_cached_tokens
         if out.prompt_logprobs is not None:
             self.prompt_lps[group] = out.prompt_logprobs
         for c in out.outputs:

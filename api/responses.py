@@ -258,7 +258,7 @@ class ResponsesContext(ResponseContext):
         if status != "in_progress":
             used = self.usage()
             usage = {"input_tokens": used["prompt_tokens"],
-                     "input_tokens_details": {"cached_tokens": 0},
+                     "input_tokens_details": {"cached_tokens": sum(self.cached_tokens)},
                      "output_tokens": used["completion_tokens"],
                      "output_tokens_details": {"reasoning_tokens": 0},
                      "total_tokens": used["total_tokens"]}

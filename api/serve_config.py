@@ -49,6 +49,7 @@ class ServeConfig:
     metrics_port: int = 0                     # also /metrics here (Triton's 8002); 0: off
     strict_openai: bool = False               # unknown request fields: 400, not ignored
     trust_request_chat_template: bool = False  # a request's chat_template may be used
+    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
     network: NetworkConfig = field(default_factory=NetworkConfig)   # TLS, CORS, request logs
     log: LogSettings = field(default_factory=LogSettings)          # --log-* (Triton's)
     trace: dict = field(default_factory=dict)   # --trace-config, TraceManager's arguments
@@ -91,6 +92,7 @@ def serve_config(args: argparse.Namespace, model_checks: bool = True) -> ServeCo
         host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout,
         http_max_input_size=args.http_max_input_size, strict_openai=args.strict_openai,
         trust_request_chat_template=args.trust_request_chat_template,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         network=network_config(args),
         uvicorn_log_level=args.uvicorn_log_level,
         chat_template=_chat_template(args.chat_template),

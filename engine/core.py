@@ -494,11 +494,12 @@ class EngineCore:
         return EngineCoreOutputs(updates)
 
     @staticmethod
-    def _first_scheduled(sched_out: SchedulerOutput) -> list[tuple[str, float]]:
-        """(request id, `time.monotonic()`) of the requests (re)started this step: the front
-        end keeps the first as the request's `first_scheduled_time`."""
+    def _first_scheduled(sched_out: SchedulerOutput) -> list[tuple[str, float, int]]:
+        """(request id, `time.monotonic()`, tokens already computed: prefix-cache hits) of the
+        requests (re)started this step: the front end keeps the first as the request's
+        `first_scheduled_time` and `num_cached_tokens`."""
         now = time.monotonic()
-        return [(s.request_id, now) for s in sched_out.scheduled if s.is_new]
+        return [(s.request_id, now, s.start_position) for s in sched_out.scheduled if s.is_new]
 
     @staticmethod
     def _stats(sched_out: SchedulerOutput, t0: float, scheduler_time: float) -> StepStats:

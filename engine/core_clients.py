@@ -130,8 +130,8 @@ def split_outputs(out: EngineCoreOutputs, owners: dict[str, int],
 
     for o in out.outputs:
         parts[owner(o.request_id)].outputs.append(o)
-    for rid, t in out.scheduled:
-        parts[owner(rid)].scheduled.append((rid, t))
+    for entry in out.scheduled:
+        parts[owner(entry[0])].scheduled.append(entry)
     for rid, value in (out.prompt_logprobs or {}).items():
         part = parts[owner(rid)]
         if part.prompt_logprobs is None:

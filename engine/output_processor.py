@@ -51,6 +51,7 @@ class _RequestState:
     choices: dict[int, _Choice] = field(default_factory=dict)
     prompt_logprobs: list | None = None   # [None, PromptLogprob...] while being scored
     sent_prompt_logprobs: bool = False
+    num_cached_tokens: int = 0            # prompt tokens read from the prefix cache
 
     @property
     def finished(self) -> bool:
@@ -114,10 +115,11 @@ class OutputProcessor:
     def process_step(self, core: EngineCoreOutputs) -> tuple[list[RequestOutput], list[str]]:
         """One core step's outputs: (the `RequestOutput` deltas, sequence ids ended by a stop
         string). Fills `core.stats`' generated tokens and finished requests, when it has stats."""
-        for rid, when in core.scheduled:
+        for rid, when, cached in core.scheduled:
             state = self.requests.get(rid)
             if state is not None and state.metrics.first_scheduled_time is None:
                 state.metrics.first_scheduled_time = when
+                state.num_cached_tokens = cached
         if core.prompt_logprobs:
             self.add_prompt_logprobs(core.prompt_logprobs)
         outputs, stopped = self.process(core.outputs)
@@ -161,7 +163,7 @@ class OutputProcessor:
                 state.metrics.finished_time = now
                 del self.requests[rid]
             result = RequestOutput(rid, outs, len(state.prompt_token_ids), finished,
-                                   state.metrics)
+                                   state.metrics, num_cached_tokens=state.num_cached_tokens)
             if state.params.prompt_logprobs is not None and not state.sent_prompt_logprobs:
                 result.prompt_logprobs = state.prompt_logprobs or [None]
                 state.sent_prompt_logprobs, state.prompt_logprobs = True, None
@@ -221,5 +223,6 @@ class OutputProcessor:
                     for i in range(state.params.n)
                     if not (choice := self._choice(state, i)).finished]
             outputs.append(RequestOutput(rid, outs, len(state.prompt_token_ids), True,
-                                         state.metrics, error=error))
+                                         state.metrics, error=error,
+                                         num_cached_tokens=state.num_cached_tokens))
         return outputs

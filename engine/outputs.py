@@ -88,6 +88,9 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing
     # precedes it); on the request's first output only.
     prompt_logprobs: list[PromptLogprob | None] | None = None
+    # Prompt tokens the prefix cache gave (computed before the request's first step; 0 until
+    # it is first scheduled), as vLLM's `RequestOutput.num_cached_tokens`.
+    num_cached_tokens: int = 0
 
 
 @positional_pickle
@@ -118,12 +121,12 @@ class EngineCoreOutputs:
     it into `RequestOutput`s): `outputs`, the scheduler's `RequestStepOutput` per sequence that
     gained tokens, finished, or failed (`error` set: a grammar that did not compile, a runner
     error); `prompt_logprobs`, `ModelRunnerOutput.prompt_logprobs`; `scheduled`, (request id,
-    `time.monotonic()`) of each request (re)started this step; `stats`, the step's core-side
+    `time.monotonic()`, tokens already computed) of each request (re)started this step; `stats`, the step's core-side
     `StepStats` (None off a step); `snapshot`, the scheduler's snapshot for the metrics layer
     (`engine.core_proc.engine_snapshot`; set by the core loop, None in-process)."""
 
     outputs: list[Any] = field(default_factory=list)
     prompt_logprobs: dict[str, tuple[int, list[PromptLogprob]]] | None = None
-    scheduled: list[tuple[str, float]] = field(default_factory=list)
+    scheduled: list[tuple[str, float, int]] = field(default_factory=list)
     stats: StepStats | None = None
     snapshot: dict | None = None

@@ -191,12 +191,12 @@ def test_the_core_routes_each_message_to_its_api_process():
             assert pairs[1][0].recv().call_id == "r7" and not pairs[0][0].poll(0)
     outputs = [RequestStepOutput(f"r{i}", [5], RequestStatus.RUNNING) for i in range(600)]
     outputs.append(RequestStepOutput("r9#1", [6], RequestStatus.RUNNING, parent_id="r9", index=1))
-    outbox(EngineCoreOutputs(outputs=outputs, scheduled=[("r3", 1.0), ("r4", 1.0)],
+    outbox(EngineCoreOutputs(outputs=outputs, scheduled=[("r3", 1.0, 0), ("r4", 1.0, 16)],
                              stats=StepStats(600, 600, 0, 0.1, 0.01), snapshot={"x": 1}))
     first, second = pairs[0][0].recv(), pairs[1][0].recv()
     assert [o.request_id for o in first.outputs] == [f"r{i}" for i in range(0, 600, 2)]
     assert [o.request_id for o in second.outputs] == [f"r{i}" for i in range(1, 600, 2)] + ["r9#1"]
-    assert first.scheduled == [("r4", 1.0)] and second.scheduled == [("r3", 1.0)]
+    assert first.scheduled == [("r4", 1.0, 16)] and second.scheduled == [("r3", 1.0, 0)]
     assert first.stats.batch_size == 600 and first.snapshot == {"x": 1}
     assert second.stats.engine_wide is False and second.snapshot is None
     abort = take(1, AbortAll())

@@ -22,7 +22,7 @@ def test_step_messages_read_back_unchanged():
                                  error="bad" if s is RequestStatus.FINISHED_ERROR else None)
                for s in RequestStatus]
     msg = EngineCoreOutputs(outputs=outputs, prompt_logprobs={"r0": (3, [])},
-                            scheduled=[("r1", 12.5)],
+                            scheduled=[("r1", 12.5, 32)],
                             stats=StepStats(2, 9, 7, 0.004, 0.0001, 3,
                                             [("stop", RequestMetrics(1.0, 1.5), 5, 3)], False),
                             snapshot={"num_running": 1})

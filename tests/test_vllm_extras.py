@@ -210,3 +210,43 @@ def test_sagemaker_routes_serve_chat_and_completions(server, client):
         r = httpx.post(f"{server}/invocations", content=bad, timeout=60)
         assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1).choices
+
+
+LONG = " ".join(["The quick brown fox jumps over the lazy dog."] * 12)     # 120 tokens
+
+
+@pytest.mark.extended          # a second server: the non-default usage details
+def test_prompt_tokens_details_count_prefix_cache_hits(tmp_path):
+    """`--enable-prompt-tokens-details`: usage names the prompt tokens the prefix cache gave
+    (whole 16-token blocks, none the first time a prompt is seen), on completions, streamed
+    chat, `/v1/messages` (`cache_read_input_tokens`, out of `input_tokens`) and
+    `/v1/responses`."""
+    proc, base = start_server(["--enable-prompt-tokens-details", "--max-model-len", "512",
+                               "--kv-cache-memory", "0.25"], "/health/ready",
+                              tmp_path / "server.log")
+    try:
+        c = openai.OpenAI(base_url=base + "/v1", api_key="x")
+        first, again = (c.completions.create(model=MODEL, prompt=LONG, max_tokens=2).usage
+                        for _ in range(2))
+        assert first.prompt_tokens_details.cached_tokens == 0
+        cached = again.prompt_tokens_details.cached_tokens
+        assert 0 < cached < again.prompt_tokens and cached % 16 == 0
+        chat = [{"role": "user", "content": LONG}]
+        chunks = list(c.chat.completions.create(model=MODEL, messages=chat, max_tokens=2,
+                                                stream=True,
+                                                stream_options={"include_usage": True}))
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 0   # a new prefix
+        m = httpx.post(f"{base}/v1/messages", json={"model": MODEL, "max_tokens": 2,
+                                                    "messages": chat}).json()["usage"]
+        assert m["cache_read_input_tokens"] > 0 and m["cache_read_input_tokens"] % 16 == 0
+        assert m["input_tokens"] + m["cache_read_input_tokens"] == chunks[-1].usage.prompt_tokens
+        r = c.responses.create(model=MODEL, input=LONG, max_output_tokens=2).usage
+        assert 0 < r.input_tokens_details.cached_tokens < r.input_tokens
+    finally:
+        stop_server(proc)
+
+
+def test_usage_has_no_details_unless_asked(client):
+    for _ in range(2):
+        r = client.completions.create(model=MODEL, prompt=LONG, max_tokens=1)
+    assert r.usage.prompt_tokens_details is None

@@ -322,23 +322,32 @@ class MessagesContext(ResponseContext):
         return ("tool_use" if called else "end_turn"), None
 
     @staticmethod
-    def _tool_block(call: dict, arguments: bool = True) -> dict:
-        args = call["function"].get("arguments") or "{}"
+    def _tool_block(call: dict, arguments: dict | None = None) -> dict:
         return {"type": "tool_use", "id": f"toolu_{call['id'].removeprefix('call_')}",
-                "name": call["function"]["name"],
-                "input": json.loads(args) if arguments else {}}
+                "name": call["function"]["name"], "input": arguments or {}}
 
     def final_body(self) -> dict:
-        """The non-streamed `message`."""
+        """The non-streamed `message`. A call whose arguments are not a JSON object (cut short
+        by `max_tokens`, or written so) stays in the text as the model wrote it: a `tool_use`
+        block's `input` must be an object, and a client must not run half a call."""
         text = self.choices[0].text if 0 in self.choices else ""
-        calls = []
+        blocks = []
         if self.tool_parsing:
             parser = HermesToolParser()
             text = "".join(d.get("content", "") for d in parser.feed(text) + parser.finish())
-            calls = parser.calls
-        content = ([{"type": "text", "text": text}] if text else []) + [
-            self._tool_block(c) for c in calls]
-        reason, sequence = self._stop(bool(calls))
+            for call, whole in zip(parser.calls, parser.complete):
+                args = call["function"]["arguments"]
+                try:
+                    value = json.loads(args) if whole else None
+                except ValueError:
+                    value = None
+                if isinstance(value, dict):
+                    blocks.append(self._tool_block(call, value))
+                else:
+                    text += (f'<tool_call>\n{{"name": {json.dumps(call["function"]["name"])}, '
+                             f'"arguments": {args}')
+        content = ([{"type": "text", "text": text}] if text else []) + blocks
+        reason, sequence = self._stop(bool(blocks))
         return {"id": self.request_id, "type": "message", "role": "assistant",
                 "content": content or [{"type": "text", "text": ""}], "model": self.model,
                 "stop_reason": reason, "stop_sequence": sequence, "usage": self._usage()}
@@ -373,7 +382,7 @@ class MessagesContext(ResponseContext):
         for tc in d.get("tool_calls", []):
             if "id" in tc:                        # a call starts
                 self.called = True
-                out += self._start(self._tool_block(tc, arguments=False))
+                out += self._start(self._tool_block(tc))
             if piece := tc["function"].get("arguments"):
                 out += self._event("content_block_delta", index=self.index,
                                    delta={"type": "input_json_delta", "partial_json": piece})

@@ -131,7 +131,9 @@ class HermesToolParser:
     `feed(text)` and `finish()` return deltas: dicts with "content" (str) and/or "tool_calls"
     (OpenAI's `[{index, id, type, function: {name, arguments}}]` on a call's first delta, then
     `[{index, function: {arguments}}]`). Text that may still turn into a marker is held back
-    until it is decided. `calls` accumulates the complete calls (id, name, arguments text).
+    until it is decided. `calls` accumulates the calls (id, name, arguments text);
+    `complete[i]` is whether call i's JSON was whole (False: cut short, e.g. by max_tokens —
+    its arguments are then what was streamed, or "{}").
     """
 
     def __init__(self) -> None:
@@ -139,6 +141,7 @@ class HermesToolParser:
         self.call = None          # text of the open call, or None
         self.name_sent = False    # the open call's first delta (id, name) is out
         self.calls: list[dict] = []
+        self.complete: list[bool] = []
 
     def feed(self, text: str) -> list[dict]:
         """Deltas for newly generated `text`."""
@@ -206,6 +209,7 @@ class HermesToolParser:
             return
         if not self.name_sent:
             self._start_call(deltas, name)
+        self.complete[-1] = name is not None
         final = self._arguments_text(text, args)
         sent = self.calls[-1]["function"]["arguments"]
         # What was streamed is a prefix of `final` for every complete hermes block; a call cut
@@ -232,6 +236,7 @@ class HermesToolParser:
         call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                 "function": {"name": name or "", "arguments": ""}}
         self.calls.append(call)
+        self.complete.append(False)
         self.name_sent = True
         deltas.append({"tool_calls": [{"index": len(self.calls) - 1, "id": call["id"],
                                        "type": "function",

@@ -136,6 +136,19 @@ def test_a_streamed_tool_call_adds_up_to_the_final_message(client):
     assert final.content[-1].name == "get_weather"
 
 
+@pytest.mark.parametrize("max_tokens", [14, 20, 26])
+def test_a_call_cut_short_stays_text(client, max_tokens):
+    """`max_tokens` ending a forced call before its arguments close: the call is left in the
+    text as written (a tool_use block's input must be a whole object), never a 500."""
+    m = client.messages.create(model=MODEL, max_tokens=max_tokens, extra_body=GREEDY,
+                               tools=[WEATHER], tool_choice=NAMED,
+                               messages=[{"role": "user", "content": "What is the weather in Paris?"}])
+    assert m.stop_reason == "max_tokens" and m.usage.output_tokens == max_tokens
+    assert [b.type for b in m.content] == ["text"]
+    assert m.content[0].text.startswith("<tool_call>")
+    alive(client)
+
+
 def test_count_tokens_is_the_prompt_the_engine_gets(client, server):
     messages = [{"role": "user", "content": QUESTION}]
     n = client.messages.count_tokens(model=MODEL, system=SYSTEM, messages=messages)

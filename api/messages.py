@@ -183,11 +183,16 @@ def _text(blocks: str | list[Block], where: str) -> str:
     return "".join(b.text for b in blocks if b.type == "text" and b.text)
 
 
-def _result_text(block: Block) -> str:
-    """A tool_result's content as text (its text parts, newline-joined, as vLLM joins them)."""
-    if isinstance(block.content, list):
-        return "\n".join(p.get("text", "") for p in block.content if p.get("type") == "text")
-    return block.content or ""
+def _result_text(block: Block, where: str) -> str:
+    """A tool_result's content as text (its text parts, newline-joined, as vLLM joins them).
+    Raises APIError 400 for media in it."""
+    if not isinstance(block.content, list):
+        return block.content or ""
+    for p in block.content:
+        if p.get("type") in ("image", "document"):
+            raise bad_request(f"{where}: {p['type']} blocks are not served: this server's "
+                              "models read text only", where)
+    return "\n".join(p.get("text", "") for p in block.content if p.get("type") == "text")
 
 
 def conversation(body: CountTokensRequest) -> list[dict]:
@@ -208,9 +213,9 @@ def conversation(body: CountTokensRequest) -> list[dict]:
         results = [b for b in m.content if b.type == "tool_result"]
         if m.role == "user":
             out += [{"role": "tool", "tool_call_id": b.tool_use_id or "",
-                     "content": _result_text(b)} for b in results]
+                     "content": _result_text(b, where)} for b in results]
         elif results:        # a result in an assistant turn stays in its text (vLLM)
-            text += "".join(f"Tool result: {_result_text(b)}" for b in results)
+            text += "".join(f"Tool result: {_result_text(b, where)}" for b in results)
         if text or calls or m.role != "user":
             msg: dict = {"role": m.role, "content": text or None}
             if calls:

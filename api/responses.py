@@ -55,8 +55,8 @@ from scheduler.request import ParamError
 
 
 class InputPart(BaseModel):
-    """A text content part of an input message."""
-    model_config = ConfigDict(extra="forbid")
+    """A text content part of an input message (an `output_text` part echoed back from an
+    earlier response keeps its `annotations` and `logprobs`, which are ignored)."""
     type: Literal["input_text", "output_text"]
     text: str
 

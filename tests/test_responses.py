@@ -70,6 +70,25 @@ def test_streamed_events_add_up_to_the_final_response(client):
     assert final.usage.output_tokens == 12
 
 
+def test_output_items_go_back_as_input_unchanged(client):
+    """The multi-turn pattern of agent frameworks: the previous response's `output` items,
+    as the SDK returns them (`annotations`, `logprobs`, `status`, `id` included), then the
+    next user turn; the answer is the chat route's answer to that conversation."""
+    first = client.responses.create(model=MODEL, input="Hi", temperature=0,
+                                    max_output_tokens=12)
+    turn = [{"role": "user", "content": "Hi"}, *(o.model_dump(exclude_none=True)
+                                                   for o in first.output),
+            {"role": "user", "content": "Name a color."}]
+    r = client.responses.create(model=MODEL, input=turn, temperature=0, max_output_tokens=12,
+                                extra_body={"include": [], "truncation": "disabled"})
+    chat = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=12, messages=[
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "Name a color."}])
+    assert r.output_text == chat.choices[0].message.content
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+
+
 def test_a_json_schema_format_gives_that_json(client):
     schema = {"type": "object", "properties": {"name": {"type": "string"},
                                                "age": {"type": "integer"}},

@@ -47,6 +47,13 @@ RESPONSES_CASES = {
         {"role": "user", "content": "Hi"},
         {"type": "message", "role": "assistant", "content": "Hello! How can I help?"},
         {"role": "user", "content": "Name a color."}]},
+    "output_echoed_back": {"max_output_tokens": 12, "include": [], "truncation": "disabled",
+                           "input": [
+        {"role": "user", "content": "Hi"},
+        {"id": "msg_1", "type": "message", "role": "assistant", "status": "completed",
+         "content": [{"type": "output_text", "text": "Hello! How can I help?",
+                      "annotations": [], "logprobs": []}]},
+        {"role": "user", "content": [{"type": "input_text", "text": "Name a color."}]}]},
     "metadata_and_user": {"input": "Hi", "metadata": {"k": "v"}, "user": "u1",
                           "max_output_tokens": 4},
     "no_model": {"input": "Hi", "max_output_tokens": 4, "model": None},

@@ -19,7 +19,7 @@ Responses are built as plain dicts by `api.openai_serving` in OpenAI's shapes.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -152,6 +152,11 @@ class _SamplingFields(BaseModel):
     """Fields shared by both endpoints (NaN and infinity are refused in every float)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # Fields whose explicit null means "not given" (the default), as vLLM 0.32's optional
+    # fields take it; a null elsewhere is a 400, as there (`drop_nulls`).
+    NULL_MEANS_DEFAULT: ClassVar[frozenset[str]] = frozenset({
+        "temperature", "top_p", "presence_penalty", "frequency_penalty", "stream", "top_k",
+        "min_p", "repetition_penalty", "return_token_ids", "return_tokens_as_token_ids"})
 
     model: str | None = None         # left out: the served model (vLLM's default)
     n: int = Field(1, ge=1, le=16)
@@ -335,6 +340,8 @@ class NamedToolChoice(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     """`POST /v1/chat/completions` body."""
+    NULL_MEANS_DEFAULT = _SamplingFields.NULL_MEANS_DEFAULT | {"n", "logprobs",
+                                                               "parallel_tool_calls"}
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
@@ -381,6 +388,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 class CompletionRequest(_SamplingFields):
     """`POST /v1/completions` body."""
+    NULL_MEANS_DEFAULT = _SamplingFields.NULL_MEANS_DEFAULT | {"echo"}
 
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
@@ -426,3 +434,12 @@ def split_unknown(model: type[BaseModel], data: dict) -> tuple[dict, list[str]]:
     if not unknown:
         return data, []
     return {k: v for k, v in data.items() if k in known}, unknown
+
+
+def drop_nulls(model: type[BaseModel], data: dict) -> dict:
+    """`data` without the explicit nulls of the fields `model.NULL_MEANS_DEFAULT` names: such a
+    null means "not given" (clients such as LangChain send `"temperature": null`), so the
+    default applies, as in vLLM. Other nulls stay, for validation to judge."""
+    nullable = getattr(model, "NULL_MEANS_DEFAULT", ())
+    drop = [k for k, v in data.items() if v is None and k in nullable]
+    return {k: v for k, v in data.items() if k not in drop} if drop else data

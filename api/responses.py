@@ -39,7 +39,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -119,6 +119,8 @@ ITEMS = {"message": InputMessage, "function_call": FunctionCallItem,
 
 class ResponsesRequest(BaseModel):
     """`POST /v1/responses` body (the fields served; see the module docstring)."""
+    NULL_MEANS_DEFAULT: ClassVar[frozenset[str]] = frozenset({"stream", "store",
+                                                              "parallel_tool_calls"})
 
     model: str | None = None
     input: str | list[dict[str, Any]]

@@ -34,7 +34,7 @@ from api.lifecycle import InFlightGate, Lifecycle
 from api.metrics import Metrics
 from api.network import grpc_credentials
 from api.respond import respond
-from api.protocol import ChatCompletionRequest, CompletionRequest, split_unknown
+from api.protocol import ChatCompletionRequest, CompletionRequest, drop_nulls, split_unknown
 from engine.async_llm import ProcessAsyncLLM
 from engine.heap import freeze_heap
 from api.serve_config import ServeConfig
@@ -244,6 +244,7 @@ async def _parse(request: Request, model, limit: int, strict: bool = False):
         raise bad_request("request body must be a JSON object")
     if not isinstance(model, type):
         model = model(data)
+    data = drop_nulls(model, data)
     if not strict:
         data, ignored = split_unknown(model, data)
         if ignored:

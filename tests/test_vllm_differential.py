@@ -417,3 +417,32 @@ def test_bad_tokenizer_bodies_get_vllm_status(servers, path, body):
     ref, ours = (httpx.post(b + path, json=body, timeout=60) for b in servers)
     assert ours.status_code == ref.status_code, (ref.text, ours.text)
     assert post(servers[1], "/v1/completions", {"prompt": "Hi", "max_tokens": 1}).status_code == 200
+
+
+# Explicit nulls (clients such as LangChain send `"temperature": null`): vLLM takes them as
+# "not given" for its optional fields and refuses them for the others; so does Continuum.
+NULL_FIELDS = {
+    "/v1/chat/completions": (
+        {"messages": CHAT, "max_completion_tokens": 2},
+        ["n", "temperature", "top_p", "presence_penalty", "frequency_penalty", "stream", "top_k",
+         "min_p", "repetition_penalty", "return_token_ids", "return_tokens_as_token_ids",
+         "logprobs", "parallel_tool_calls", "max_tokens", "stop", "seed", "logit_bias", "user",
+         "tools", "tool_choice", "response_format", "stream_options", "top_logprobs",
+         # refused by both:
+         "min_tokens", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+         "add_generation_prompt", "continue_final_message", "echo", "messages"]),
+    "/v1/completions": (
+        {"prompt": "Hi", "max_tokens": 2},
+        ["temperature", "top_p", "presence_penalty", "frequency_penalty", "stream", "top_k",
+         "min_p", "repetition_penalty", "echo", "stop", "seed", "logprobs", "suffix",
+         # refused by both:
+         "n", "min_tokens", "ignore_eos", "skip_special_tokens", "add_special_tokens", "prompt"]),
+}
+
+
+@pytest.mark.parametrize("path,field", [(p, f) for p, (_, fields) in NULL_FIELDS.items()
+                                        for f in fields])
+def test_explicit_nulls_get_vllm_status(servers, path, field):
+    body = {**NULL_FIELDS[path][0], field: None}
+    ref, ours = (post(b, path, body) for b in servers)
+    assert ours.status_code == ref.status_code, (field, ref.text, ours.text)

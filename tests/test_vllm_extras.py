@@ -250,3 +250,18 @@ def test_usage_has_no_details_unless_asked(client):
     for _ in range(2):
         r = client.completions.create(model=MODEL, prompt=LONG, max_tokens=1)
     assert r.usage.prompt_tokens_details is None
+
+
+def test_explicit_nulls_mean_not_given_where_vllm_takes_them(server, client):
+    """LangChain-style bodies with `"temperature": null` and the like: the defaults apply (as
+    in vLLM); a null where vLLM refuses one (`min_tokens`) is a 400 naming it."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
+            "temperature": None, "top_p": None, "n": None, "stream": None, "logprobs": None,
+            "presence_penalty": None, "frequency_penalty": None, "stop": None}
+    r = httpx.post(f"{server}/v1/chat/completions", json=body, headers=headers, timeout=60)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+    r = httpx.post(f"{server}/v1/chat/completions", json={**body, "min_tokens": None},
+                   headers=headers, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
+    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1).choices

@@ -22,7 +22,8 @@ from api.errors import bad_request
 from api.chat_response import ChatResponse
 from api.completion_response import CompletionResponse
 from api.protocol import ChatCompletionRequest, CompletionRequest
-from api.tools import template_messages, template_tools, tool_constraint, tool_mode
+from api.tools import (system_for_developer, template_messages, template_tools,
+                       tool_constraint, tool_mode)
 from scheduler.request import ParamError, SamplingParams, StructuredOutputs
 
 
@@ -85,9 +86,11 @@ def render_chat(state, body) -> list[int]:
     template = body.chat_template or state.config.chat_template
     if template is not None:
         kwargs["chat_template"] = template
+    messages = system_for_developer(template_messages(body),
+                                    str(template or state.tokenizer.chat_template or ""))
     try:
         text = state.tokenizer.apply_chat_template(
-            template_messages(body), add_generation_prompt=body.add_generation_prompt,
+            messages, add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message, tokenize=False, **kwargs)
     except Exception as e:       # a template that rejects the conversation
         raise bad_request(f"chat template failed: {e}", "messages") from None
@@ -164,9 +167,7 @@ def chat_context(state, request, body: ChatCompletionRequest, prompt: list[int],
     echo = None
     last = body.messages[-1]
     if body.echo and last.role == "assistant":
-        content = last.content
-        echo = [content if isinstance(content, str) else
-                "".join(p.text for p in content or [])]
+        echo = [last.text()]
     return ChatResponse(request_id=f"chatcmpl-{response_id(request, body)}", model=body.model,
                         n=body.n, tokenizer=state.tokenizer, want_logprobs=body.logprobs,
                         num_logprobs=body.top_logprobs or 0, echo_texts=echo,

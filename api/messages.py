@@ -172,15 +172,16 @@ class MessagesRequest(CountTokensRequest):
         return self
 
 
-def _text(blocks: str | list[Block], where: str) -> str:
-    """The text blocks of `blocks` joined (vLLM's join). Raises APIError 400 for media."""
+def _text(blocks: str | list[Block], where: str, sep: str = "\n") -> str:
+    """The text blocks of `blocks` joined with `sep` (vLLM: "" for `system`, a message's
+    text parts "\n"). Raises APIError 400 for media."""
     if isinstance(blocks, str):
         return blocks
     for b in blocks:
         if b.type in ("image", "document"):
             raise bad_request(f"{where}: {b.type} blocks are not served: this server's models "
                               "read text only", where)
-    return "".join(b.text for b in blocks if b.type == "text" and b.text)
+    return sep.join(b.text for b in blocks if b.type == "text" and b.text)
 
 
 def _result_text(block: Block, where: str) -> str:
@@ -199,23 +200,27 @@ def conversation(body: CountTokensRequest) -> list[dict]:
     """The chat messages of `system` and `messages` (see the module docstring).
     Raises APIError 400 for image or document blocks."""
     out = []
-    if body.system and (system := _text(body.system, "system")):
+    if body.system and (system := _text(body.system, "system", "")):
         out.append({"role": "system", "content": system})
     for i, m in enumerate(body.messages):
         where = f"messages[{i}]"
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
             continue
-        text = _text(m.content, where)
+        _text(m.content, where)                       # media refused
+        parts = []                                    # the text parts, in block order
+        for b in m.content:
+            if b.type == "text" and b.text:
+                parts.append(b.text)
+            elif b.type == "tool_result" and m.role == "user":
+                out.append({"role": "tool", "tool_call_id": b.tool_use_id or "",
+                            "content": _result_text(b, where)})
+            elif b.type == "tool_result":             # in an assistant turn: its text (vLLM)
+                parts.append(f"Tool result: {_result_text(b, where)}")
+        text = "\n".join(parts)
         calls = [{"id": b.id or f"toolu_{uuid.uuid4().hex}", "type": "function",
                   "function": {"name": b.name or "", "arguments": json.dumps(b.input or {})}}
                  for b in m.content if b.type == "tool_use"]
-        results = [b for b in m.content if b.type == "tool_result"]
-        if m.role == "user":
-            out += [{"role": "tool", "tool_call_id": b.tool_use_id or "",
-                     "content": _result_text(b, where)} for b in results]
-        elif results:        # a result in an assistant turn stays in its text (vLLM)
-            text += "".join(f"Tool result: {_result_text(b, where)}" for b in results)
         if text or calls or m.role != "user":
             msg: dict = {"role": m.role, "content": text or None}
             if calls:

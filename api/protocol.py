@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from api.beam_search import BeamParams
 from scheduler.request import ParamError, SamplingParams, StructuredOutputs
@@ -53,11 +53,21 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
+TEXT_PARTS = ("text", "refusal")
+
+
 class TextPart(BaseModel):
-    """A text content part of a chat message (the only part type served)."""
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["text"]
-    text: str
+    """A text content part of a chat message: the part types vLLM's chat route reads as text
+    (`refusal`'s text in its `refusal` field). Other types (images, audio) are refused by name: the served
+    models read text."""
+    model_config = ConfigDict(extra="allow")
+    type: str               # one of TEXT_PARTS (ChatMessage checks)
+    text: str | None = None
+    refusal: str | None = None
+
+    def value(self) -> str | None:
+        """The part's text (None: a part with none, skipped as vLLM skips it)."""
+        return self.refusal if self.type == "refusal" else self.text
 
 
 class FunctionCall(BaseModel):
@@ -76,22 +86,40 @@ class ToolCall(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """One chat message; `content` is a string or a list of text parts. Assistant messages may
-    carry `tool_calls`; `tool` messages answer one, named by `tool_call_id`."""
+    """One chat message; `content` is a string or a list of text parts. Any `role` is taken
+    to the template as vLLM takes it (system, developer, user, assistant, tool, the old
+    function, or a custom one). Assistant messages may carry `tool_calls` and their
+    `reasoning` (`reasoning_content`: vLLM's older name), which reach the template; `tool`
+    messages answer a call, named by `tool_call_id`."""
     model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, v):
+        """A part of another type is a 400 naming it (not pydantic's union error)."""
+        for p in v if isinstance(v, list) else ():
+            kind = p.get("type") if isinstance(p, dict) else None
+            if kind not in TEXT_PARTS:
+                raise ParamError(f"{kind!r} content parts are not served: this server's "
+                                 f"models read text (parts of type "
+                                 f"{', '.join(TEXT_PARTS)})", "messages")
+        return v
 
     def text(self) -> str:
-        """The message's text (parts joined, None as empty)."""
+        """The message's text: its text parts newline-joined, as vLLM joins them for
+        templates that take a string; None as empty."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return "\n".join(v for p in self.content if (v := p.value()) is not None)
 
 
 class JsonSchemaFormat(BaseModel):

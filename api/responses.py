@@ -219,7 +219,7 @@ def conversation(items: list[dict]) -> list[dict]:
         x = _validated(ITEMS[kind], f"input[{i}]", item, "input")
         if kind == "message":
             messages.append({"role": x.role, "content": x.content if isinstance(x.content, str)
-                             else "".join(p.text for p in x.content)})
+                             else "\n".join(p.text for p in x.content)})   # vLLM's join
         elif kind == "function_call":
             call = {"id": x.call_id, "type": "function",
                     "function": {"name": x.name, "arguments": x.arguments}}

@@ -90,8 +90,27 @@ def template_messages(body: ChatCompletionRequest) -> list[dict]:
             msg["tool_call_id"] = m.tool_call_id
         if m.name is not None:
             msg["name"] = m.name
+        if m.role == "assistant" and (m.reasoning or m.reasoning_content) is not None:
+            msg["reasoning"] = msg["reasoning_content"] = m.reasoning or m.reasoning_content
         out.append(msg)
     return out
+
+
+def system_for_developer(messages: list[dict], template: str) -> list[dict]:
+    """`developer` messages as `system` ones where the chat template knows no developer role,
+    all system messages then merged into one at the start ("\n\n"-joined) when there is more
+    than one or one not first (vLLM's `_convert_developer_to_system` and
+    `_consolidate_system_messages`)."""
+    if not any(m["role"] == "developer" for m in messages) or \
+            '"developer"' in template or "'developer'" in template:
+        return messages
+    messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+    systems = [i for i, m in enumerate(messages) if m["role"] == "system"]
+    if len(systems) < 2 and systems != [] and systems[0] == 0:
+        return messages
+    merged = "\n\n".join(c for i in systems if (c := messages[i]["content"]))
+    return [{"role": "system", "content": merged},
+            *(m for m in messages if m["role"] != "system")]
 
 
 def template_tools(body: ChatCompletionRequest) -> list[dict] | None:

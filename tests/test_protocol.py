@@ -24,10 +24,11 @@ def test_chat_defaults_and_translation():
         {"model": "m", "messages": CHAT}).to_sampling_params(100).max_tokens == 100
 
 
-def test_text_parts_are_joined():
+def test_text_parts_are_joined_as_vllm_joins_them():
     req = ChatCompletionRequest.model_validate({"model": "m", "messages": [
-        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})
-    assert req.messages[0].text() == "ab"
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": None},
+                                     {"type": "refusal", "refusal": "b"}]}]})
+    assert req.messages[0].text() == "a\nb"            # newline-joined, a part without text skipped
 
 
 @pytest.mark.parametrize("prompt,expected", [

@@ -258,6 +258,24 @@ CHAT_CASES = {
                           "structured_outputs": {"choice": ["Paris", "Lyon", "Nice"]}},
     "structured_regex": {"messages": CHAT, "max_tokens": 10,
                          "structured_outputs": {"regex": "[A-Z][a-z]{2,8}"}},
+    # message shapes: the template gets what vLLM gives it
+    "developer_role": {"max_tokens": 6, "messages": [{"role": "developer", "content": "Be brief."},
+                                                     *CHAT]},
+    "developer_after_system": {"max_tokens": 6, "messages": [
+        {"role": "system", "content": "A"}, {"role": "user", "content": "Hi"},
+        {"role": "developer", "content": [{"type": "text", "text": "B"},
+                                          {"type": "text", "text": "C"}]}, *CHAT]},
+    "parts_joined": {"max_tokens": 6, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Hi"}, {"type": "text", "text": None},
+        {"type": "text", "text": "there"}]}]},
+    "refusal_and_reasoning": {"max_tokens": 6, "messages": [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}],
+         "reasoning_content": "think"},
+        {"role": "assistant", "content": "Hello", "reasoning": "think"}, *CHAT]},
+    "custom_and_function_roles": {"max_tokens": 6, "messages": [
+        {"role": "narrator", "content": "A story."}, {"role": "user", "content": "Hi"},
+        {"role": "function", "name": "f", "content": "x"}, *CHAT]},
 }
 PERSON = {"type": "object", "properties": {"name": {"type": "string"},
                                            "age": {"type": "integer"}}, "required": ["name"]}
@@ -286,6 +304,11 @@ BAD_CASES = [
     ("/v1/completions", {"prompt": "Hi", "use_beam_search": True, "n": 2, "stream": True}),
     ("/v1/chat/completions", {"messages": CHAT, "structured_outputs": {"json": "{not json"}}),
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "nope"}}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "input_text", "text": "Hi"}]}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]}),
+    ("/v1/chat/completions", {"messages": [{"content": "Hi"}]}),
 ]
 
 

@@ -339,18 +339,20 @@ class _SamplingFields(BaseModel):
 
 
 class FunctionDefinition(BaseModel):
-    """A tool's function: its name and the JSON schema of its arguments."""
+    """A tool's function: its name (any string, as vLLM takes it; OpenAI's own API allows
+    `[a-zA-Z0-9_-]{1,64}`) and the JSON schema of its arguments."""
     model_config = ConfigDict(extra="forbid")
-    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
 class Tool(BaseModel):
-    """One entry of `tools` (only function tools exist in the Chat Completions API)."""
+    """One entry of `tools` (only function tools are served; `type` may be left out, as vLLM
+    takes it)."""
     model_config = ConfigDict(extra="forbid")
-    type: Literal["function"]
+    type: Literal["function"] = "function"
     function: FunctionDefinition
 
 
@@ -390,6 +392,9 @@ class ChatCompletionRequest(_SamplingFields):
     def _check_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        if self.tools == []:               # vLLM's words
+            raise ParamError("`tools` must not be an empty array. Either provide at least "
+                             "one tool or omit the field.", "tools")
         if self.tool_choice not in (None, "none") and not self.tools:
             raise ParamError("tool_choice is set but no tools are given", "tool_choice")
         if self.continue_final_message and self.add_generation_prompt:

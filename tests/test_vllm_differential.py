@@ -273,6 +273,9 @@ CHAT_CASES = {
         {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}],
          "reasoning_content": "think"},
         {"role": "assistant", "content": "Hello", "reasoning": "think"}, *CHAT]},
+    "tool_shapes": {"max_tokens": 6, "tool_choice": "none", "messages": CHAT, "tools": [
+        {"function": {"name": "get weather", "parameters": {"type": "object"}}},   # no type
+        {"type": "function", "function": {"name": "f", "strict": True}}]},
     "custom_and_function_roles": {"max_tokens": 6, "messages": [
         {"role": "narrator", "content": "A story."}, {"role": "user", "content": "Hi"},
         {"role": "function", "name": "f", "content": "x"}, *CHAT]},
@@ -309,6 +312,8 @@ BAD_CASES = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]}),
     ("/v1/chat/completions", {"messages": [{"content": "Hi"}]}),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": []}),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [], "tool_choice": "none"}),
 ]
 
 

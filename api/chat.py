@@ -188,7 +188,7 @@ def completion_context(state, request, body: CompletionRequest, raw: list,
                               tokenizer=state.tokenizer,
                               want_logprobs=body.logprobs is not None, echo_texts=echo,
                               num_logprobs=body.logprobs or 0,
-                              echo_ids=prompts if body.echo else None,
+                              echo_ids=prompts if body.echo else None, echo_only=body.echo_only,
                               tokens_details=state.config.enable_prompt_tokens_details,
                               prompt_ids=prompts if body.return_token_ids else None,
                               tokens_as_ids=body.return_tokens_as_token_ids)

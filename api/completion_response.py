@@ -24,6 +24,7 @@ class CompletionResponse(ResponseContext):
     object_name = "text_completion"
     chunk_object = "text_completion"
     echo_ids: list[list[int]] | None = None
+    echo_only: bool = False           # echo with max_tokens 0: the generated token left out
 
     def completion_logprobs(self, lps: list[TokenLogprob], offset: int,
                             group: int | None = None, before: list[int] = ()) -> dict | None:
@@ -53,6 +54,9 @@ class CompletionResponse(ResponseContext):
 
     def _choice_chunks(self, group: int, i: int, ch: _Choice, text: str, lps: list,
                        finish: str | None, out_ids: list[int]) -> list[dict]:
+        if self.echo_only:                # the prompt, then the finish; the token left out
+            text, lps, out_ids = "", [], []
+            finish = "length" if finish is not None else None
         echo = self.echo_texts[group] if self.echo_texts is not None else ""
         prefix = "" if ch.started else echo        # the prompt rides on the first chunk
         offset = len(echo) + len(ch.text) - len(text)
@@ -73,6 +77,12 @@ class CompletionResponse(ResponseContext):
         g = i // self.n
         echo = self.echo_texts is not None
         offset = 0 if self.echo_ids is not None else len(self.echo_texts[g]) if echo else 0
+        if self.echo_only:                # the prompt alone (see CompletionRequest.echo_only)
+            return {"index": i, "text": self.echo_texts[g],
+                    "logprobs": self.completion_logprobs([], 0, g), "finish_reason": "length",
+                    "stop_reason": None, "prompt_logprobs": self.prompt_logprobs(g),
+                    **({"prompt_token_ids": self.prompt_ids[g], "token_ids": self.prompt_ids[g]}
+                       if self.prompt_ids is not None else {})}
         choice = {"index": i, "text": (self.echo_texts[g] if echo else "") + ch.text,
                   "logprobs": self.completion_logprobs(ch.logprobs, offset,
                                                        g if echo else None),

@@ -173,7 +173,7 @@ class ResponseContext:
             ch = self.choices[i]
             choices.append(self._final_choice(i, ch))
             if self.prompt_ids is not None:           # return_token_ids (vLLM)
-                choices[-1]["token_ids"] = ch.token_ids
+                choices[-1].setdefault("token_ids", ch.token_ids)
         return {"id": self.request_id, "object": self.object_name, "created": self.created,
                 "model": self.model, "choices": choices, "usage": self.usage(),
                 **self._final_fields()}

@@ -26,15 +26,18 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from api.beam_search import BeamParams
 from scheduler.request import ParamError, SamplingParams, StructuredOutputs
 
-# OpenAI request fields that exist in the API but are not implemented here: a request that sets
-# one gets a 400 naming it.
+# OpenAI request fields that exist in the API but are not implemented here: under
+# --strict-openai a request that sets one gets a 400 naming it (by default they are unknown
+# fields: ignored with vLLM's warning, as vLLM ignores them).
 UNSUPPORTED_FIELDS = (
     "functions", "function_call", "audio", "modalities", "prediction", "web_search_options",
-    "reasoning_effort", "service_tier", "store", "metadata", "suffix", "best_of",
+    "reasoning_effort", "service_tier", "store", "metadata", "best_of",
 )
 
 
-MAX_STOP = 64            # stop strings, and stop token ids, per request (OpenAI allows 4)
+MAX_STOP = 64            # stop token ids per request
+MAX_STOP_STRINGS = 4     # stop strings per request (vLLM's VLLM_MAX_STOP_STRINGS; OpenAI's 4)
+INT64 = (-2 ** 63, 2 ** 63 - 1)     # `seed`'s range (vLLM's)
 MAX_LOGIT_BIAS = 300     # logit_bias entries per request (OpenAI's limit)
 MAX_LOGPROBS = 20        # top logprobs per token (vLLM's default max_logprobs)
 
@@ -126,7 +129,7 @@ class JsonSchemaFormat(BaseModel):
     """`response_format.json_schema`: the schema is always enforced (`strict` or not), as vLLM
     does."""
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
-    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    name: str                  # any string, as vLLM takes it (OpenAI: [a-zA-Z0-9_-]{1,64})
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
@@ -191,7 +194,7 @@ class _SamplingFields(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64[0], le=INT64[1])
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
@@ -235,8 +238,11 @@ class _SamplingFields(BaseModel):
     def _check(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
-        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP:
-            raise ParamError(f"stop: at most {MAX_STOP} strings, got {len(self.stop)}", "stop")
+        if isinstance(self.stop, list) and len(self.stop) > MAX_STOP_STRINGS:
+            raise ParamError(f"stop: at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}",
+                             "stop")
+        if self.stop == "" or isinstance(self.stop, list) and "" in self.stop:   # vLLM's words
+            raise ParamError("stop cannot contain an empty string.", "stop")
         self._check_prompt_logprobs()
         if self.bad_words is not None and any(not w for w in self.bad_words):
             raise ParamError(f"bad_words cannot contain an empty string. Got bad_words="
@@ -255,9 +261,6 @@ class _SamplingFields(BaseModel):
             for key, value in self.logit_bias.items():
                 if not (key.isascii() and key.isdigit()):
                     raise ParamError(f"logit_bias keys must be token ids, got {key!r}",
-                                     "logit_bias")
-                if not -100 <= value <= 100:
-                    raise ParamError(f"logit_bias values must be in [-100, 100], got {value}",
                                      "logit_bias")
         return self
 
@@ -424,17 +427,30 @@ class CompletionRequest(_SamplingFields):
     NULL_MEANS_DEFAULT = _SamplingFields.NULL_MEANS_DEFAULT | {"echo"}
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)       # 0 only with echo: the prompt scored
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     add_special_tokens: bool = True                  # when tokenizing a text prompt
+    suffix: str | None = None                        # refused, as vLLM refuses it here
 
     @model_validator(mode="after")
     def _check_beam_stream(self):
         if self.use_beam_search and self.stream:         # vLLM's completions refuse it too
             raise ParamError("Streaming is not currently supported with beam search",
                              "use_beam_search")
+        if self.max_tokens == 0 and not self.echo:       # vLLM's words
+            raise ParamError("max_tokens must be at least 1, got 0.", "max_tokens")
+        if self.suffix is not None:
+            raise ParamError("suffix is only supported for models with FIM completion "
+                             "rendering", "suffix")
         return self
+
+    @property
+    def echo_only(self) -> bool:
+        """`echo` with `max_tokens` 0: the answer is the prompt (with its logprobs), nothing
+        generated — how lm-evaluation-harness scores a text (vLLM runs one token and drops
+        it, counting it in usage; so does Continuum)."""
+        return self.echo and self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list of strings or token-id lists (one per completion group)."""
@@ -454,8 +470,8 @@ class CompletionRequest(_SamplingFields):
         prompt_logprobs = self.prompt_logprobs
         if prompt_logprobs is None and self.echo:         # vLLM: an echo's logprobs cover it
             prompt_logprobs = self.logprobs
-        return self.sampling_params(self.max_tokens or default_max_tokens, self.logprobs,
-                                    structured, prompt_logprobs)
+        max_tokens = 1 if self.echo_only else self.max_tokens or default_max_tokens
+        return self.sampling_params(max_tokens, self.logprobs, structured, prompt_logprobs)
 
 
 def split_unknown(model: type[BaseModel], data: dict) -> tuple[dict, list[str]]:

@@ -360,8 +360,8 @@ class EngineCore:
                     arrival_time: float | None = None, priority: int = 0) -> None:
         """Queue a request.
 
-        Raises: ParamError naming the field (a prompt, logit_bias or allowed_token_ids token id
-        outside the vocabulary), ValueError (empty prompt, duplicate id), RequestTooLongError (→ HTTP 400),
+        Raises: ParamError naming the field (a prompt, logit_bias, allowed_token_ids or
+        stop_token_ids token id outside the vocabulary), ValueError (empty prompt, duplicate id), RequestTooLongError (→ HTTP 400),
         QueueFullError (→ HTTP 503).
         """
         vocab = self.model_config.vocab_size
@@ -376,6 +376,10 @@ class EngineCore:
         if any(not 0 <= t < vocab for t in params.allowed_token_ids or ()):
             raise ParamError("allowed_token_ids contains out-of-vocab token id!",
                              "allowed_token_ids")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad:                                                      # vLLM's words
+            raise ParamError(f"token_id(s) {bad} in stop_token_ids contain out-of-vocab token "
+                             f"ids. Vocabulary size: {vocab}", "stop_token_ids")
         so = params.structured_outputs
         if so is not None and not self.grammars.cached(so):
             grammar_text(so)             # a malformed spec fails here; compiling comes later

@@ -230,6 +230,13 @@ COMPLETION_CASES = {
     "beam_search_length_penalty": {"prompt": "Hi", "max_tokens": 5, "n": 2,
                                    "use_beam_search": True, "length_penalty": 0.5,
                                    "logprobs": 1},
+    # lm-evaluation-harness's loglikelihood: the prompt scored, nothing generated
+    "echo_only_logprobs": {"prompt": "The capital of France", "max_tokens": 0, "echo": True,
+                           "logprobs": 1},
+    "echo_only_two_prompts": {"prompt": ["The capital", "Once upon"], "max_tokens": 0,
+                              "echo": True, "logprobs": 0},
+    "seed_and_big_bias": {"prompt": "Hi", "max_tokens": 3, "seed": -2 ** 63,
+                          "logit_bias": {"28": 500}},
 }
 CHAT_CASES = {
     "plain": {"messages": CHAT, "max_tokens": 8},
@@ -288,6 +295,8 @@ JSON_CASES = {
     "response_format_json_schema": {"response_format": {"type": "json_schema", "json_schema": {
         "name": "person", "schema": PERSON}}},
     "structured_outputs_json": {"structured_outputs": {"json": PERSON}},
+    "schema_name_any_string": {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "a person", "schema": PERSON}}},          # vLLM does not check the name
 }
 BAD_CASES = [
     ("/v1/completions", {"prompt": "Hi", "allowed_token_ids": []}),
@@ -313,6 +322,15 @@ BAD_CASES = [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]}),
     ("/v1/chat/completions", {"messages": [{"content": "Hi"}]}),
     ("/v1/chat/completions", {"messages": CHAT, "tools": []}),
+    ("/v1/completions", {"prompt": "Hi", "max_tokens": 0}),
+    ("/v1/completions", {"prompt": "Hi", "stop": ""}),
+    ("/v1/completions", {"prompt": "Hi", "stop": ["a", ""]}),
+    ("/v1/completions", {"prompt": "Hi", "stop": ["a", "b", "c", "d", "e"]}),
+    ("/v1/completions", {"prompt": "Hi", "seed": 2 ** 63}),
+    ("/v1/completions", {"prompt": "Hi", "suffix": "x"}),
+    ("/v1/completions", {"prompt": "Hi", "stop_token_ids": [-1]}),
+    ("/v1/completions", {"prompt": "Hi", "stop_token_ids": [10 ** 6]}),
+    ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 0}),
     ("/v1/chat/completions", {"messages": CHAT, "tools": [], "tool_choice": "none"}),
 ]
 

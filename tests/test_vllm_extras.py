@@ -265,3 +265,20 @@ def test_explicit_nulls_mean_not_given_where_vllm_takes_them(server, client):
                    headers=headers, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1).choices
+
+
+def test_echo_with_no_tokens_scores_the_prompt(client):
+    """lm-evaluation-harness's loglikelihood request: `echo` with `max_tokens` 0 answers the
+    prompt itself with its tokens' logprobs (the first has none), as vLLM does; without
+    `echo`, `max_tokens` 0 is vLLM's 400."""
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True,
+                                  logprobs=1)
+    c = r.choices[0]
+    assert c.text == PROMPT and c.finish_reason == "length"
+    assert "".join(c.logprobs.tokens) == PROMPT
+    assert c.logprobs.token_logprobs[0] is None
+    assert all(v <= 0 for v in c.logprobs.token_logprobs[1:])
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0)
+    assert e.value.body["param"] == "max_tokens"
+    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1).choices

@@ -36,6 +36,10 @@ logger = logging.getLogger("continuum.api")
 
 ABORT_GRACE_S = 5.0       # after the abort, how long the last responses get to go out (s)
 NOT_COUNTED = ("/v2/health/",)     # probes: answered during a drain, never waited for
+# The routes whose requests vLLM's `--enable-server-load-tracking` counts (its `/load`): those
+# that run the model. Prefixes: `/v1/messages` covers `/v1/messages/count_tokens`, as there.
+LOAD_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+               "/v1/embeddings", "/invocations")
 
 
 class Lifecycle:
@@ -49,6 +53,8 @@ class Lifecycle:
         self.shutdown_timeout = shutdown_timeout
         self.draining = False
         self.in_flight = 0
+        self.track_load = False                  # --enable-server-load-tracking
+        self.load = 0                            # LOAD_ROUTES requests in flight (if tracked)
         self._count_lock = threading.Lock()     # gRPC worker threads count too
         self.exit_code = 0
         self.server: uvicorn.Server | None = None
@@ -124,7 +130,8 @@ def _refusal(path: str) -> JSONResponse:
 
 class InFlightGate:
     """Pure ASGI middleware: counts `/v1` and `/v2` requests in flight (until their response,
-    stream or not, has been sent); refuses new ones with 503 while the server drains."""
+    stream or not, has been sent); refuses new ones with 503 while the server drains. With
+    `lifecycle.track_load` it also counts the LOAD_ROUTES requests for `/load`."""
 
     def __init__(self, app, lifecycle: Lifecycle) -> None:
         self.app, self.lifecycle = app, lifecycle
@@ -133,6 +140,16 @@ class InFlightGate:
         path = scope.get("path", "")
         if scope["type"] == "http" and verbose():
             log_http_request(scope["method"], path)
+        if self.lifecycle.track_load and scope["type"] == "http" and path.startswith(LOAD_ROUTES):
+            self.lifecycle.load += 1               # (the event loop's thread only)
+            try:
+                await self._counted(scope, receive, send, path)
+            finally:
+                self.lifecycle.load -= 1
+            return
+        await self._counted(scope, receive, send, path)
+
+    async def _counted(self, scope, receive, send, path: str) -> None:
         if (scope["type"] != "http" or not path.startswith(("/v1", "/v2"))
                 or path.startswith(NOT_COUNTED) or path == "/v2"):
             await self.app(scope, receive, send)

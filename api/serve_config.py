@@ -50,6 +50,7 @@ class ServeConfig:
     strict_openai: bool = False               # unknown request fields: 400, not ignored
     trust_request_chat_template: bool = False  # a request's chat_template may be used
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
+    enable_server_load_tracking: bool = False   # GET /load counts requests in flight
     network: NetworkConfig = field(default_factory=NetworkConfig)   # TLS, CORS, request logs
     log: LogSettings = field(default_factory=LogSettings)          # --log-* (Triton's)
     trace: dict = field(default_factory=dict)   # --trace-config, TraceManager's arguments
@@ -93,6 +94,7 @@ def serve_config(args: argparse.Namespace, model_checks: bool = True) -> ServeCo
         http_max_input_size=args.http_max_input_size, strict_openai=args.strict_openai,
         trust_request_chat_template=args.trust_request_chat_template,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        enable_server_load_tracking=args.enable_server_load_tracking,
         network=network_config(args),
         uvicorn_log_level=args.uvicorn_log_level,
         chat_template=_chat_template(args.chat_template),

@@ -155,6 +155,9 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='let the model decide when to call tools (tool_choice "auto"); needs '
                         "--tool-call-parser")
+    p.add_argument("--enable-server-load-tracking", action="store_true",
+                   help="count the model-running requests in flight for GET /load "
+                        "({\"server_load\": N}; 0 without this flag), as vLLM's flag")
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="usage.prompt_tokens_details.cached_tokens in chat and completions "
                         "answers (prompt tokens read from the prefix cache; /v1/messages: "

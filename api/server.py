@@ -316,6 +316,7 @@ def build_app(state: ServerState, load_in_background: bool = True):
             state.tracer.shutdown()
 
     app = FastAPI(title="Continuum", version=VERSION, lifespan=lifespan)
+    state.lifecycle.track_load = state.config.enable_server_load_tracking
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError):
@@ -348,6 +349,12 @@ def build_app(state: ServerState, load_in_background: bool = True):
     @app.get("/version")
     async def version():
         return {"version": VERSION}
+
+    @app.get("/load")
+    async def load():
+        """vLLM's `/load`: the model-running requests in flight (api/lifecycle.py LOAD_ROUTES),
+        counted under --enable-server-load-tracking, else 0."""
+        return {"server_load": state.lifecycle.load}
 
     @app.get("/metrics")
     async def metrics():

@@ -5,6 +5,8 @@ prefix cache; a body without `model`; SageMaker's `/ping` and `/invocations`."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai
 import pytest
@@ -282,3 +284,30 @@ def test_echo_with_no_tokens_scores_the_prompt(client):
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0)
     assert e.value.body["param"] == "max_tokens"
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1).choices
+
+
+@pytest.mark.extended          # a second server: the non-default load tracking
+def test_load_counts_requests_in_flight(tmp_path, server):
+    """`GET /load` (vLLM's): 0 without `--enable-server-load-tracking`; with it, the
+    model-running requests in flight — here two streams held open — and 0 again after."""
+    assert httpx.get(f"{server}/load").json() == {"server_load": 0}
+    proc, base = start_server(["--enable-server-load-tracking", "--max-model-len", "512",
+                               "--kv-cache-memory", "0.25"], "/health/ready",
+                              tmp_path / "server.log")
+    try:
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True,
+                "stream": True}
+        with httpx.Client(base_url=base, timeout=60) as c, \
+                c.stream("POST", "/v1/completions", json=body) as a, \
+                c.stream("POST", "/v1/completions", json=body) as b:
+            lines = a.iter_lines(), b.iter_lines()       # kept: a dropped one closes its stream
+            for it in lines:
+                next(it)                                 # both streaming
+            load = c.get("/load").json()
+            assert load == {"server_load": 2}, load
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{base}/load").json()["server_load"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert httpx.get(f"{base}/load").json() == {"server_load": 0}
+    finally:
+        stop_server(proc)

@@ -27,8 +27,10 @@ server's `respond` (api/respond.py) with `ResponsesContext`, which builds:
   sends `response.incomplete`), or an `error` event if the engine fails mid-stream.
 
 Not served (a 400 naming the field, never silently dropped): tools other than functions (web
-search, file search, ...), `background`, input items other than messages and function calls
-with their outputs (images, files, reasoning). Like vLLM without
+search, file search, ...: vLLM ignores them without a tool server, a deliberate difference),
+`background`, a stored `prompt` template (vLLM's 400), input items other than messages,
+reasoning and function calls with their outputs (images, files), encrypted reasoning. Like vLLM
+without
 `VLLM_ENABLE_RESPONSES_API_STORE`, nothing is stored: `store` is accepted, and
 `previous_response_id` or `GET /v1/responses/{id}` is vLLM's 404.
 """
@@ -113,8 +115,25 @@ class FunctionCallOutputItem(BaseModel):
     output: str
 
 
+class ReasoningItem(BaseModel):
+    """An input item replaying the model's reasoning (`reasoning`: its `content` text, else
+    its summary's), which goes to the assistant turn as vLLM hands it to the template."""
+    model_config = ConfigDict(extra="allow")
+    type: Literal["reasoning"]
+    content: list[InputPart] | None = None
+    summary: list[dict] = []
+    encrypted_content: str | None = None
+
+    def text(self) -> str:
+        if self.encrypted_content:
+            raise bad_request("Encrypted content is not supported.", "input")
+        if self.content:
+            return self.content[0].text
+        return self.summary[0].get("text", "") if self.summary else ""
+
+
 ITEMS = {"message": InputMessage, "function_call": FunctionCallItem,
-         "function_call_output": FunctionCallOutputItem}
+         "function_call_output": FunctionCallOutputItem, "reasoning": ReasoningItem}
 
 
 class ResponsesRequest(BaseModel):
@@ -138,6 +157,7 @@ class ResponsesRequest(BaseModel):
     tool_choice: Any = None
     parallel_tool_calls: bool = True
     background: bool = False
+    prompt: Any = None                       # a stored prompt template: refused (vLLM)
     request_id: str | None = Field(None, max_length=256)
     priority: int = 0
 
@@ -146,6 +166,8 @@ def to_chat(body: ResponsesRequest, served_model: str) -> ChatCompletionRequest:
     """The chat request that computes `body`. Raises APIError 400 / 404 (see the module)."""
     if body.background:
         raise bad_request("background responses are not served", "background")
+    if body.prompt is not None:                      # vLLM's words
+        raise bad_request("prompt template is not supported", "prompt")
     if body.previous_response_id is not None:        # nothing is stored (vLLM's default)
         raise APIError(404, f"Response with id '{body.previous_response_id}' not found.",
                        "invalid_request_error", "response_id")
@@ -208,18 +230,30 @@ def _tools(tools: list[dict]) -> list[FunctionTool]:
 def conversation(items: list[dict]) -> list[dict]:
     """Input items as chat messages: a message as itself (its text parts joined), a
     `function_call` as an assistant message's tool call (consecutive calls in one message), a
-    `function_call_output` as a `tool` message. Raises APIError 400 naming `input` for another
+    `function_call_output` as a `tool` message, a `reasoning` item as the `reasoning` of the
+    assistant turn (an output message after it fills that turn's content, as vLLM merges them). Raises APIError 400 naming `input` for another
     kind of item or a malformed one."""
     messages: list[dict] = []
     for i, item in enumerate(items):
         kind = item.get("type", "message")
         if kind not in ITEMS:
-            raise bad_request(f"input[{i}]: {kind!r} items are not served, only messages and "
-                              "function calls with their outputs", "input")
+            raise bad_request(f"input[{i}]: {kind!r} items are not served, only messages, "
+                              "reasoning and function calls with their outputs", "input")
         x = _validated(ITEMS[kind], f"input[{i}]", item, "input")
-        if kind == "message":
-            messages.append({"role": x.role, "content": x.content if isinstance(x.content, str)
-                             else "\n".join(p.text for p in x.content)})   # vLLM's join
+        last = messages[-1] if messages and messages[-1]["role"] == "assistant" else None
+        if kind == "reasoning":           # onto the assistant turn before, or one of its own
+            if last is not None and last.get("reasoning") is None:
+                last["reasoning"] = x.text()
+            else:
+                messages.append({"role": "assistant", "content": None, "reasoning": x.text()})
+        elif kind == "message":
+            text = x.content if isinstance(x.content, str) else \
+                "\n".join(p.text for p in x.content)                    # vLLM's join
+            if item.get("type") == "message" and x.role == "assistant" and last is not None \
+                    and last["content"] is None:     # an output message joins its turn (vLLM)
+                last["content"] = text
+            else:
+                messages.append({"role": x.role, "content": text})
         elif kind == "function_call":
             call = {"id": x.call_id, "type": "function",
                     "function": {"name": x.name, "arguments": x.arguments}}

@@ -54,6 +54,12 @@ RESPONSES_CASES = {
          "content": [{"type": "output_text", "text": "Hello! How can I help?",
                       "annotations": [], "logprobs": []}]},
         {"role": "user", "content": [{"type": "input_text", "text": "Name a color."}]}]},
+    "reasoning_items": {"max_output_tokens": 12, "input": [
+        {"role": "user", "content": "Hi"},
+        {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "Greet."}]},
+        {"id": "msg_1", "type": "message", "role": "assistant", "status": "completed",
+         "content": [{"type": "output_text", "text": "Hello!", "annotations": []}]},
+        {"role": "user", "content": "Name a color."}]},
     "metadata_and_user": {"input": "Hi", "metadata": {"k": "v"}, "user": "u1",
                           "max_output_tokens": 4},
     "no_model": {"input": "Hi", "max_output_tokens": 4, "model": None},
@@ -79,6 +85,8 @@ FORCED_TOOL_CASES = {"required": "required",
                      "named": {"type": "function", "name": "get_weather"}}
 BAD_RESPONSES_CASES = [
     {"input": "Hi", "previous_response_id": "resp_unknown"}, {"input": "Hi", "model": "nope"},
+    {"input": "Hi", "prompt": {"id": "pmpt_1"}},
+    {"input": [{"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "x"}]},
     {"input": "Hi", "max_output_tokens": 0}, {"input": "Hi", "temperature": -1}, {},
     {"input": 5}, {"input": "Hi", "max_output_tokens": 10 ** 6},
     {"input": "Hi", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "other"}},

@@ -44,7 +44,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -145,6 +145,7 @@ class CountTokensRequest(BaseModel):
 
 class MessagesRequest(CountTokensRequest):
     """`POST /v1/messages` body (the fields served; see the module docstring)."""
+    NULL_MEANS_DEFAULT: ClassVar[frozenset[str]] = frozenset({"stream"})     # as vLLM
     max_tokens: int
     stop_sequences: list[str] | None = None
     stream: bool = False
@@ -200,6 +201,8 @@ def conversation(body: CountTokensRequest) -> list[dict]:
     """The chat messages of `system` and `messages` (see the module docstring).
     Raises APIError 400 for image or document blocks."""
     out = []
+    if isinstance(body.system, list):      # vLLM reads a system prompt's text blocks only
+        body = body.model_copy(update={"system": [b for b in body.system if b.type == "text"]})
     if body.system and (system := _text(body.system, "system", "")):
         out.append({"role": "system", "content": system})
     for i, m in enumerate(body.messages):
@@ -243,7 +246,7 @@ def to_chat(body: CountTokensRequest) -> ChatCompletionRequest:
         fields["tools"] = [{"type": "function", "function": {
             "name": t.name, "description": t.description, "parameters": t.input_schema}}
             for t in _tools(body.tools)]
-    if (choice := body.tool_choice) is not None:
+    if (choice := body.tool_choice) is not None and body.tools:    # without tools: ignored (vLLM)
         fields["parallel_tool_calls"] = not choice.disable_parallel_tool_use
         fields["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(
             choice.type) or {"type": "function", "function": {"name": choice.name}}

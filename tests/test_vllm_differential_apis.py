@@ -180,6 +180,11 @@ MESSAGES_CASES = {
                                                 "input": {"city": "Paris"}}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
                                       "content": "Sunny, 21 C"}]}]},
+    "as_vllm_takes_them": {"max_tokens": 6, "stream": None, "tool_choice": {"type": "any"},
+                           "system": [{"type": "image", "source": {
+                               "type": "base64", "media_type": "image/png", "data": "AA=="}},
+                               {"type": "text", "text": "Be brief."}],
+                           "messages": [{"role": "user", "content": "Hi"}]},
     "metadata_and_top_k": {"max_tokens": 6, "metadata": {"user_id": "u1"}, "top_k": 5,
                            "messages": [{"role": "user", "content": "Hi"}]},
 }

@@ -7,19 +7,19 @@ chat request the rest of the server already serves (`to_chat`), the `message` ob
 of typed events, and errors in Anthropic's shape.
 
 Data flow: JSON body → `MessagesRequest` (pydantic; unknown fields ignored with vLLM's warning,
-so `cache_control` on blocks and `metadata` pass) → `to_chat`: `system` (a string or text
-blocks) as the first system message; each message's text blocks joined, an assistant's
-`tool_use` blocks as its tool calls, a user's `tool_result` blocks as `tool` messages (their
-text); `max_tokens`, `stop_sequences` → `stop`, `temperature`, `top_p`, `top_k`; `tools`
-(`name`, `description`, `input_schema`) and `tool_choice` (`auto`, `any` → `required`,
-`tool` → a named function, `none`; `disable_parallel_tool_use` → `parallel_tool_calls`);
-`output_config.format` (a JSON schema) → `response_format` → `ChatCompletionRequest` → the
-chat route's prompt, constraint, tool mode and engine parameters (api/chat.py) → the server's
-`respond` (api/respond.py) with `MessagesContext`, which builds:
+so `cache_control` on blocks and `metadata` pass) → `to_chat`: `system` (a string, or its text
+blocks; others skipped, as vLLM skips them) as the first system message; each message's text
+blocks joined, an assistant's `tool_use` blocks as its tool calls, a user's `tool_result` blocks
+as `tool` messages (their text); `max_tokens`, `stop_sequences` → `stop`, `temperature`,
+`top_p`, `top_k`; `tools` (`name`, `description`, `input_schema`) and `tool_choice` (`auto`,
+`any` → `required`, `tool` → a named function, `none`; `disable_parallel_tool_use` →
+`parallel_tool_calls`); `output_config.format` (a JSON schema) → `response_format` →
+`ChatCompletionRequest` → the chat route's prompt, constraint, tool mode and engine parameters
+(api/chat.py) → the server's `respond` (api/respond.py) with `MessagesContext`, which builds:
 - not streamed: the `message` (`content`: a `text` block, then a `tool_use` block per hermes
   call parsed out of the text when tools are on — `input` the arguments object; one empty text
-  block when there is nothing; `stop_reason` `end_turn`, `max_tokens`, `stop_sequence` (with
-  the matched `stop_sequence`) or `tool_use`; `usage` in input / output tokens);
+  block when there is nothing; `stop_reason` `end_turn`, `max_tokens`, `stop_sequence` (with the
+  matched `stop_sequence`) or `tool_use`; `usage` in input / output tokens);
 - streamed: `event: <type>` + `data: <JSON>` events: `message_start` (the message without
   content, usage so far), per content block `content_block_start`, `content_block_delta`s
   (`text_delta`, or a call's arguments as `input_json_delta`), `content_block_stop`; then
@@ -30,13 +30,13 @@ chat route's prompt, constraint, tool mode and engine parameters (api/chat.py) �
 
 Errors: `{"type": "error", "error": {"type", "message"}}` with Anthropic's type for the status
 (`invalid_request_error` 400, `not_found_error` 404, `request_too_large` 413, `api_error` 500,
-`overloaded_error` 503). Deliberate deviations from vLLM 0.32 (tests/test_messages.py marks
-them): its body-validation errors come in OpenAI's shape, here all in Anthropic's; its
-non-streamed message leaves out a null `stop_sequence`, here it is kept (Anthropic's shape);
-ids are `msg_` / `toolu_` (vLLM: `chatcmpl-` / `chatcmpl-tool-`). Not served (a 400 naming the
-field): images and documents (this server's models read text), server tools (web search,
-bash, ...). `thinking` is checked as vLLM checks it and has no effect: no reasoning parser
-runs here.
+`overloaded_error` 503). Deliberate deviations from vLLM 0.32
+(tests/test_vllm_differential_apis.py marks them): its body-validation errors come in OpenAI's
+shape, here all in Anthropic's; its non-streamed message leaves out a null `stop_sequence`, here
+it is kept (Anthropic's shape); ids are `msg_` / `toolu_` (vLLM: `chatcmpl-` /
+`chatcmpl-tool-`). Not served (a 400 naming the field): images and documents (this server's
+models read text), server tools (web search, bash, ...). `thinking` is checked as vLLM checks it and has no
+effect: no reasoning parser runs here.
 """
 
 from __future__ import annotations

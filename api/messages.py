@@ -173,16 +173,13 @@ class MessagesRequest(CountTokensRequest):
         return self
 
 
-def _text(blocks: str | list[Block], where: str, sep: str = "\n") -> str:
-    """The text blocks of `blocks` joined with `sep` (vLLM: "" for `system`, a message's
-    text parts "\n"). Raises APIError 400 for media."""
-    if isinstance(blocks, str):
-        return blocks
-    for b in blocks:
-        if b.type in ("image", "document"):
-            raise bad_request(f"{where}: {b.type} blocks are not served: this server's models "
-                              "read text only", where)
-    return sep.join(b.text for b in blocks if b.type == "text" and b.text)
+def _refuse_media(kinds, where: str) -> None:
+    """Raises APIError 400 naming `where` when an image or document is among the block
+    types `kinds`: the served models read text."""
+    kind = next((k for k in kinds if k in ("image", "document")), None)
+    if kind is not None:
+        raise bad_request(f"{where}: {kind} blocks are not served: this server's models read "
+                          "text only", where)
 
 
 def _result_text(block: Block, where: str) -> str:
@@ -190,10 +187,7 @@ def _result_text(block: Block, where: str) -> str:
     Raises APIError 400 for media in it."""
     if not isinstance(block.content, list):
         return block.content or ""
-    for p in block.content:
-        if p.get("type") in ("image", "document"):
-            raise bad_request(f"{where}: {p['type']} blocks are not served: this server's "
-                              "models read text only", where)
+    _refuse_media((p.get("type") for p in block.content), where)
     return "\n".join(p.get("text", "") for p in block.content if p.get("type") == "text")
 
 
@@ -201,16 +195,16 @@ def conversation(body: CountTokensRequest) -> list[dict]:
     """The chat messages of `system` and `messages` (see the module docstring).
     Raises APIError 400 for image or document blocks."""
     out = []
-    if isinstance(body.system, list):      # vLLM reads a system prompt's text blocks only
-        body = body.model_copy(update={"system": [b for b in body.system if b.type == "text"]})
-    if body.system and (system := _text(body.system, "system", "")):
+    system = body.system if not isinstance(body.system, list) else "".join(
+        b.text for b in body.system if b.type == "text" and b.text)    # vLLM: text blocks only
+    if system:
         out.append({"role": "system", "content": system})
     for i, m in enumerate(body.messages):
         where = f"messages[{i}]"
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
             continue
-        _text(m.content, where)                       # media refused
+        _refuse_media((b.type for b in m.content), where)
         parts = []                                    # the text parts, in block order
         for b in m.content:
             if b.type == "text" and b.text:

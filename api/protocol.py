@@ -61,8 +61,8 @@ TEXT_PARTS = ("text", "refusal")
 
 class TextPart(BaseModel):
     """A text content part of a chat message: the part types vLLM's chat route reads as text
-    (`refusal`'s text in its `refusal` field). Other types (images, audio) are refused by name: the served
-    models read text."""
+    (`refusal`'s text in its `refusal` field). Other types (images, audio) are refused by name
+    (`ChatMessage`): the served models read text."""
     model_config = ConfigDict(extra="allow")
     type: str               # one of TEXT_PARTS (ChatMessage checks)
     text: str | None = None

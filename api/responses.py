@@ -125,6 +125,7 @@ class ReasoningItem(BaseModel):
     encrypted_content: str | None = None
 
     def text(self) -> str:
+        """The reasoning's text. Raises APIError 400 for encrypted reasoning (vLLM's words)."""
         if self.encrypted_content:
             raise bad_request("Encrypted content is not supported.", "input")
         if self.content:
